@@ -1,0 +1,31 @@
+# `make test` builds .venv from pyproject.toml (pinned by constraints.txt) and runs everything.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint typecheck bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check ckptstore tests benchmarks
+	$(VENV)/bin/mypy ckptstore
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ckptstore tests benchmarks
+	$(VENV)/bin/ruff format --check ckptstore tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy ckptstore
+
+bench: $(STAMP)
+	$(PY) benchmarks/storage.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
