@@ -1,0 +1,239 @@
+"""The `Backend` protocol: async byte operations on keys, plus the TensorStore view.
+
+Every storage consumer in ckptstore (per-process writers, the merge, partial
+saves, promotion) talks to this class only. Subclasses implement the
+underscore methods; the public methods here validate keys before any I/O,
+bound concurrency and retry transient failures, so those rules are the same on
+every backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import tensorstore as ts
+
+from ckptstore.backends.keys import validate_key, validate_prefix
+from ckptstore.backends.retry import NO_RETRY, RetryPolicy, retry_async
+from ckptstore.errors import AlreadyExistsError, NotFoundError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key (relative to the backend root) and size in bytes."""
+
+    key: str
+    size: int
+    mtime: float | None = None  # seconds since the epoch, when the backend knows it
+
+
+# Aliases: inside `Backend`, the name ``list`` is the method.
+Infos = list[ObjectInfo]
+Names = list[str]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do natively, so callers pick a protocol instead of guessing.
+
+    - ``atomic_rename``: a rename is atomic and O(1) (POSIX), not a copy.
+    - ``conditional_create``: the server itself enforces create-if-absent; when
+      False, `Backend.create` checks first and two racing creators may both win.
+    - ``server_side_copy``: objects can be copied without passing through the client.
+    - ``durable_writes``: a finished `write` survives a crash of this machine.
+    """
+
+    atomic_rename: bool
+    conditional_create: bool
+    server_side_copy: bool
+    durable_writes: bool
+
+
+class Backend(ABC):
+    """An async key/value byte store rooted at one location.
+
+    Keys are ``/``-separated and relative to the root (see `ckptstore.backends.keys`).
+    A backend is used from one event loop at a time.
+    """
+
+    #: Short backend type name ("local", "memory", "s3", "gcs", ...).
+    kind: str = "abstract"
+    capabilities: Capabilities
+
+    def __init__(self, *, retry: RetryPolicy = NO_RETRY, concurrency: int = 32):
+        self.retry = retry
+        self.concurrency = concurrency
+        self._semaphore: asyncio.Semaphore | None = None
+        self._semaphore_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- identity ----
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """A URL naming the root; never contains a credential."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+    # ---- the operations ----
+
+    async def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Read the object, or bytes ``[start, end)`` of it (clamped to its size)."""
+        validate_key(key)
+        if (start is not None and start < 0) or (end is not None and end < 0):
+            raise ValueError(f"byte range must be non-negative, got [{start}, {end})")
+        return await self._run(lambda _: self._read(key, start, end))
+
+    async def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Write a whole object; readers see either the old or the new bytes, never a mix."""
+        validate_key(key)
+        await self._run(lambda _: self._write(key, data))
+
+    async def create(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Write ``key`` only if it does not exist yet: the commit primitive.
+
+        Raises `AlreadyExistsError` if it exists. If an earlier attempt failed
+        transiently but in fact landed, the retry finds the key holding exactly
+        ``data`` and counts that as success; give commit markers unique content.
+        """
+        validate_key(key)
+
+        async def attempt(n: int) -> None:
+            try:
+                await self._create(key, data)
+            except AlreadyExistsError:
+                if n > 1 and await self._read(key, None, None) == bytes(data):
+                    return
+                raise
+
+        await self._run(attempt)
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every object below ``prefix`` (a directory-like prefix), sorted by key."""
+        norm = validate_prefix(prefix)
+        for info in await self._run(lambda _: self._list(norm)):
+            yield info
+
+    async def list_dir(self, prefix: str = "") -> Names:
+        """Names of the immediate children of ``prefix`` (objects and sub-prefixes), sorted."""
+        norm = validate_prefix(prefix)
+        return await self._run(lambda _: self._list_dir(norm))
+
+    async def stat(self, key: str) -> ObjectInfo:
+        """Size (and mtime where known) of one object; `NotFoundError` if absent."""
+        validate_key(key)
+        return await self._run(lambda _: self._stat(key))
+
+    async def exists(self, key: str) -> bool:
+        """Whether the object exists."""
+        try:
+            await self.stat(key)
+        except NotFoundError:
+            return False
+        return True
+
+    async def delete(self, key: str) -> None:
+        """Delete one object; deleting a missing key is not an error."""
+        validate_key(key)
+        await self._run(lambda _: self._delete(key))
+
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every object below ``prefix``; returns how many were deleted.
+
+        An empty prefix (the whole root) is refused: pass the root explicitly by
+        deleting the backend's location with its own tools.
+        """
+        norm = validate_prefix(prefix)
+        if norm == "":
+            raise ValueError("delete_prefix('') would delete the whole root; refused")
+        return await self._run(lambda _: self._delete_prefix(norm))
+
+    @abstractmethod
+    def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
+        """The TensorStore kvstore spec reaching the same bytes as ``prefix`` here.
+
+        Open it with `ts_context` so that backends whose state lives in the
+        context (memory, shared HTTP pools) see the same data.
+        """
+
+    @property
+    def ts_context(self) -> ts.Context:
+        """The `tensorstore.Context` to open `kvstore_spec` specs with."""
+        ctx: ts.Context | None = getattr(self, "_ts_context", None)
+        if ctx is None:
+            ctx = ts.Context()
+            self._ts_context = ctx
+        return ctx
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and other resources."""
+
+    async def __aenter__(self: T) -> T:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ---- what subclasses implement ----
+
+    @abstractmethod
+    async def _read(self, key: str, start: int | None, end: int | None) -> bytes: ...
+
+    @abstractmethod
+    async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    @abstractmethod
+    async def _create(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    @abstractmethod
+    async def _list(self, prefix: str) -> Infos: ...
+
+    @abstractmethod
+    async def _list_dir(self, prefix: str) -> Names: ...
+
+    @abstractmethod
+    async def _stat(self, key: str) -> ObjectInfo: ...
+
+    @abstractmethod
+    async def _delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    async def _delete_prefix(self, prefix: str) -> int: ...
+
+    # ---- shared machinery ----
+
+    def _sem(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._semaphore is None or self._semaphore_loop is not loop:
+            self._semaphore = asyncio.Semaphore(self.concurrency)
+            self._semaphore_loop = loop
+        return self._semaphore
+
+    async def _run(self, op: Callable[[int], Awaitable[T]]) -> T:
+        """Run ``op(attempt)`` under the concurrency bound, retrying transient failures."""
+
+        async def bounded(attempt: int) -> T:
+            async with self._sem():
+                return await op(attempt)
+
+        return await retry_async(bounded, self.retry)
+
+
+def slice_range(data: bytes, start: int | None, end: int | None) -> bytes:
+    """Apply a read's ``[start, end)`` to whole-object bytes (for backends that read whole)."""
+    if start is None and end is None:
+        return data
+    return data[start or 0 : end]

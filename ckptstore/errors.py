@@ -1,0 +1,60 @@
+"""One exception hierarchy for everything ckptstore raises.
+
+Messages name the backend and the key they concern, never a credential.
+"""
+
+from __future__ import annotations
+
+
+class CkptStoreError(Exception):
+    """Base class of every error ckptstore raises on purpose."""
+
+
+class StorageError(CkptStoreError):
+    """A storage operation failed.
+
+    ``backend`` is a credential-free description of the backend (its URL) and
+    ``key`` the key concerned, when there is one.
+    """
+
+    def __init__(self, message: str, *, backend: str | None = None, key: str | None = None):
+        self.backend = backend
+        self.key = key
+        where = []
+        if backend is not None:
+            where.append(f"backend {backend}")
+        if key is not None:
+            where.append(f"key {key!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """The key (or prefix) does not exist."""
+
+
+class AlreadyExistsError(StorageError, FileExistsError):
+    """``create`` found the key already present: someone else won."""
+
+
+class PermissionDeniedError(StorageError, PermissionError):
+    """The backend refused the operation (credentials, ACLs, read-only media)."""
+
+
+class TransientStorageError(StorageError):
+    """A failure that may succeed if retried: throttling, 5xx, timeouts, resets."""
+
+
+class RetriesExhaustedError(TransientStorageError):
+    """A transient failure persisted through every allowed retry."""
+
+
+class InvalidKeyError(CkptStoreError, ValueError):
+    """A key is malformed or would escape the backend's root; raised before any I/O."""
+
+
+class InvalidURLError(CkptStoreError, ValueError):
+    """A backend URL or profile cannot be understood."""
+
+
+class ConfigError(CkptStoreError, ValueError):
+    """Backend options or a profile file are invalid."""

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from ckptstore.backends.local import LocalBackend
+from ckptstore.errors import InvalidKeyError, NotFoundError, PermissionDeniedError
+from tests.conformance import BackendConformance, keys_of
+
+
+class TestLocalBackend(BackendConformance):
+    @pytest.fixture
+    async def backend(self, tmp_path: Path) -> AsyncIterator[LocalBackend]:
+        async with LocalBackend(tmp_path / "root") as b:
+            yield b
+
+
+async def test_symlink_escape_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(outside, root / "link")
+    backend = LocalBackend(root)
+    for op in (
+        backend.write("link/x", b"1"),
+        backend.create("link/y", b"1"),
+        backend.read("link/z"),
+    ):
+        with pytest.raises(InvalidKeyError):
+            await op
+    assert list(outside.iterdir()) == []
+
+
+async def test_symlink_inside_root_allowed(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "real").mkdir(parents=True)
+    os.symlink(root / "real", root / "alias")
+    backend = LocalBackend(root)
+    await backend.write("alias/x", b"1")
+    assert (root / "real" / "x").read_bytes() == b"1"
+
+
+async def test_no_temporary_files_left_or_listed(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    await backend.write("a/b", os.urandom(5 << 20))
+    await backend.create("a/c", b"x")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["b", "c"]
+    assert await keys_of(backend) == ["a/b", "a/c"]
+
+
+@pytest.mark.parametrize("size", [4 << 20, (4 << 20) + 1, (16 << 20) + 4095, 40 << 20])
+async def test_direct_io_sizes(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    backend = LocalBackend(tmp_path)
+    await backend.write("blob", data)
+    assert (tmp_path / "blob").read_bytes() == data
+
+
+async def test_unsynced_mode_roundtrips(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path, fsync=False)
+    data = os.urandom(5 << 20)
+    await backend.write("blob", data)
+    assert await backend.read("blob") == data
+
+
+async def test_directory_in_the_way(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    await backend.write("d/f", b"1")
+    with pytest.raises(NotFoundError):
+        await backend.read("d")
+
+
+def test_os_errors_map_to_typed_errors(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    denied = backend._error(PermissionError(errno.EACCES, "Permission denied"), "ro/x")
+    assert isinstance(denied, PermissionDeniedError)
+    assert "ro/x" in str(denied) and str(tmp_path) in str(denied)
+    assert isinstance(backend._error(OSError(errno.EROFS, "Read-only"), "k"), PermissionDeniedError)
+    assert isinstance(backend._error(FileNotFoundError(errno.ENOENT, "x"), "k"), NotFoundError)
+
+
+def test_kvstore_spec_points_at_root(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    assert backend.kvstore_spec("a/b") == {"driver": "file", "path": f"{tmp_path}/a/b/"}
+    assert backend.kvstore_spec() == {"driver": "file", "path": f"{tmp_path}/"}
