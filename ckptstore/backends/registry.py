@@ -1,0 +1,212 @@
+"""Opening backends from URLs and per-environment TOML profiles.
+
+URLs: ``/abs/path``, ``relative/path``, ``file:///abs/path``, ``memory://NAME``,
+``s3://bucket/prefix``, ``gs://bucket/prefix`` (also ``gcs://``).
+
+A profile is a small TOML file naming a backend and its options::
+
+    url = "s3://my-bucket/checkpoints"
+
+    [options]
+    region = "us-west-2"
+    credentials = "default"      # where credentials come from; never the secret itself
+    concurrency = 64
+
+    [options.retry]
+    max_attempts = 8
+
+String values may use ``${VAR}`` or ``${VAR:-default}`` to read the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ckptstore.backends.base import Backend
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.errors import ConfigError, InvalidURLError
+
+PROFILE_ENV = "CKPTSTORE_PROFILE"
+
+_COMMON = {"concurrency", "retry"}
+_OPTIONS: dict[str, set[str]] = {
+    "local": _COMMON | {"fsync"},
+    "memory": _COMMON,
+    "s3": _COMMON
+    | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
+    "gcs": _COMMON | {"endpoint", "project", "credentials"},
+}
+_SCHEMES = {"file": "local", "memory": "memory", "s3": "s3", "gs": "gcs", "gcs": "gcs"}
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def open_backend(
+    url: str | os.PathLike[str] | None = None,
+    *,
+    profile: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> Backend:
+    """Open the backend a URL or a profile names; explicit ``options`` override the profile's.
+
+    With neither ``url`` nor ``profile``, the profile named by ``$CKPTSTORE_PROFILE`` is used.
+    """
+    if url is None and profile is None:
+        profile = os.environ.get(PROFILE_ENV) or None
+        if profile is None:
+            raise InvalidURLError(f"give a backend URL, a profile, or set ${PROFILE_ENV}")
+    if profile is not None:
+        loaded = load_profile(profile)
+        if url is None:
+            url = loaded["url"]
+        options = {**loaded.get("options", {}), **options}
+    assert url is not None
+    kind, location = parse_url(os.fspath(url))
+    return _build(kind, location, options, source=redact(os.fspath(url)))
+
+
+def parse_url(url: str) -> tuple[str, tuple[str, str]]:
+    """Split a backend URL into its kind and ``(bucket-or-root, prefix)``."""
+    if not url:
+        raise InvalidURLError("empty backend URL")
+    if "://" not in url:
+        return "local", (os.path.abspath(url), "")
+    parts = urlsplit(url)
+    shown = redact(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        known = ", ".join(f"{s}://" for s in _SCHEMES)
+        raise InvalidURLError(f"unknown scheme {scheme!r} in {shown!r}; use a path or {known}")
+    if parts.query or parts.fragment:
+        raise InvalidURLError(f"{shown!r}: query strings and fragments are not supported")
+    kind = _SCHEMES[scheme]
+    if kind == "local":
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidURLError(f"{shown!r}: file URLs must be file:///absolute/path")
+        return kind, (parts.path or "/", "")
+    if "@" in parts.netloc or ":" in parts.netloc:
+        raise InvalidURLError(f"{scheme}:// URLs take no credentials or ports; use options")
+    if kind == "memory":
+        return kind, (parts.netloc + parts.path.rstrip("/"), "")
+    bucket = parts.netloc
+    if not bucket:
+        raise InvalidURLError(f"{shown!r} names no bucket")
+    return kind, (bucket, parts.path.strip("/"))
+
+
+def redact(url: str) -> str:
+    """``url`` without any ``user:password@`` part, for messages."""
+    return re.sub(r"://[^/@]*@", "://***@", url)
+
+
+def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a profile: ``{"url": str, "options": {...}}`` with env refs expanded."""
+    file = Path(path)
+    try:
+        raw = tomllib.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"profile {file} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"profile {file} is not valid TOML: {exc}") from None
+    unknown = set(raw) - {"url", "options", "description"}
+    if unknown:
+        raise ConfigError(f"profile {file}: unknown top-level keys {sorted(unknown)}")
+    if not isinstance(raw.get("url"), str):
+        raise ConfigError(f"profile {file}: 'url' (a string) is required")
+    options = raw.get("options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(f"profile {file}: [options] must be a table")
+    profile = {"url": _expand(raw["url"], file), "options": _expand(options, file)}
+    kind, _ = parse_url(profile["url"])
+    _check_options(kind, profile["options"], source=str(file))
+    return profile
+
+
+def _expand(value: Any, file: Path) -> Any:
+    if isinstance(value, str):
+
+        def sub(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            raise ConfigError(f"profile {file}: environment variable ${{{name}}} is not set")
+
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _expand(v, file) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, file) for v in value]
+    return value
+
+
+def _check_options(kind: str, options: Mapping[str, Any], *, source: str) -> None:
+    unknown = set(options) - _OPTIONS[kind]
+    if unknown:
+        allowed = ", ".join(sorted(_OPTIONS[kind]))
+        raise ConfigError(
+            f"{source}: unknown option(s) {sorted(unknown)} for a {kind} backend "
+            f"(allowed: {allowed})"
+        )
+
+
+def _retry(value: Any, source: str) -> RetryPolicy:
+    if isinstance(value, RetryPolicy):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return RetryPolicy(max_attempts=value)
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"max_attempts", "base_delay", "max_delay"}
+        if unknown:
+            raise ConfigError(f"{source}: unknown retry setting(s) {sorted(unknown)}")
+        return RetryPolicy(**value)
+    raise ConfigError(f"{source}: retry must be a RetryPolicy, an int or a table")
+
+
+def _build(kind: str, location: tuple[str, str], options: dict[str, Any], source: str) -> Backend:
+    _check_options(kind, options, source=source)
+    opts = dict(options)
+    if "retry" in opts:
+        opts["retry"] = _retry(opts["retry"], source)
+    if "endpoint" in opts:
+        opts["endpoint_url"] = opts.pop("endpoint")
+    root, prefix = location
+    return _BUILDERS[kind](root, prefix, opts)
+
+
+def _local(root: str, _prefix: str, opts: dict[str, Any]) -> Backend:
+    from ckptstore.backends.local import LocalBackend
+
+    return LocalBackend(root, **opts)
+
+
+def _memory(name: str, _prefix: str, opts: dict[str, Any]) -> Backend:
+    from ckptstore.backends.memory import MemoryBackend
+
+    return MemoryBackend(name or None, **opts)
+
+
+def _s3(bucket: str, prefix: str, opts: dict[str, Any]) -> Backend:
+    from ckptstore.backends.s3 import S3Backend
+
+    return S3Backend(bucket, prefix, **opts)
+
+
+def _gcs(bucket: str, prefix: str, opts: dict[str, Any]) -> Backend:
+    from ckptstore.backends.gcs import GcsBackend
+
+    return GcsBackend(bucket, prefix, **opts)
+
+
+_BUILDERS: dict[str, Callable[[str, str, dict[str, Any]], Backend]] = {
+    "local": _local,
+    "memory": _memory,
+    "s3": _s3,
+    "gcs": _gcs,
+}

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.memory import MemoryBackend
+from ckptstore.backends.registry import load_profile, parse_url
+from ckptstore.errors import ConfigError, InvalidURLError
+
+PROFILES = Path(__file__).resolve().parents[1] / "backends"
+
+
+@pytest.mark.parametrize(
+    ("url", "kind", "location"),
+    [
+        ("/abs/path", "local", ("/abs/path", "")),
+        ("file:///abs/path", "local", ("/abs/path", "")),
+        ("memory://scratch", "memory", ("scratch", "")),
+        ("s3://bucket/some/prefix/", "s3", ("bucket", "some/prefix")),
+        ("s3://bucket", "s3", ("bucket", "")),
+        ("gs://bucket/p", "gcs", ("bucket", "p")),
+        ("gcs://bucket/p", "gcs", ("bucket", "p")),
+    ],
+)
+def test_parse_url(url: str, kind: str, location: tuple[str, str]) -> None:
+    assert parse_url(url) == (kind, location)
+
+
+def test_relative_path_becomes_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    backend = ckptstore.open_backend("ckpts")
+    assert isinstance(backend, LocalBackend)
+    assert backend.root == tmp_path / "ckpts"
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://host/x", "s3://", "file://host/x", "s3://b/p?x=1", "", "s3://user:pw@b/p"]
+)
+def test_bad_urls(url: str) -> None:
+    with pytest.raises(InvalidURLError) as info:
+        ckptstore.open_backend(url)
+    assert "pw" not in str(info.value)
+
+
+def test_secret_in_url_never_echoed() -> None:
+    with pytest.raises(InvalidURLError) as info:
+        ckptstore.open_backend("https://AKIAXXX:sup3rsecret@host/x")
+    assert "sup3rsecret" not in str(info.value)
+
+
+def test_unknown_option_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="region"):
+        ckptstore.open_backend(str(tmp_path), region="us-east-1")
+
+
+def test_retry_option_forms(tmp_path: Path) -> None:
+    b = ckptstore.open_backend(str(tmp_path), retry=3)
+    assert b.retry.max_attempts == 3
+    b = ckptstore.open_backend(str(tmp_path), retry={"max_attempts": 2, "base_delay": 0.5})
+    assert (b.retry.max_attempts, b.retry.base_delay) == (2, 0.5)
+    with pytest.raises(ConfigError):
+        ckptstore.open_backend(str(tmp_path), retry={"attempts": 2})
+    with pytest.raises(ConfigError):
+        ckptstore.open_backend(str(tmp_path), retry=0)
+
+
+def test_memory_url() -> None:
+    backend = ckptstore.open_backend("memory://registry-test", concurrency=4)
+    assert isinstance(backend, MemoryBackend)
+    assert backend.url == "memory://registry-test"
+    assert backend.concurrency == 4
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES.glob("*.toml")), ids=lambda p: p.name)
+def test_example_profiles_load_and_open(profile: Path) -> None:
+    loaded = load_profile(profile)
+    backend = ckptstore.open_backend(profile=profile)
+    kind = parse_url(loaded["url"])[0]
+    assert backend.kind == kind
+    if "concurrency" in loaded["options"]:
+        assert backend.concurrency == loaded["options"]["concurrency"]
+
+
+def test_example_profiles_cover_each_environment() -> None:
+    names = {p.stem for p in PROFILES.glob("*.toml")}
+    assert {"local", "nvme-scratch", "s3", "gcs", "moto"} <= names
+
+
+def test_profile_env_expansion_and_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profile = tmp_path / "p.toml"
+    profile.write_text('url = "${ROOT_FOR_TEST}/ck"\n[options]\nconcurrency = 3\nfsync = false\n')
+    monkeypatch.setenv("ROOT_FOR_TEST", str(tmp_path))
+    backend = ckptstore.open_backend(profile=profile, concurrency=7)
+    assert isinstance(backend, LocalBackend)
+    assert backend.root == tmp_path / "ck"
+    assert backend.concurrency == 7 and backend.fsync is False
+    monkeypatch.setenv("CKPTSTORE_PROFILE", str(profile))
+    assert ckptstore.open_backend().concurrency == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('url = "s3://b/p"\n[options]\nsecret_key = "x"\n', "secret_key"),
+        ("url = [1]\n", "url"),
+        ('url = "${SURELY_UNSET_VAR_123}"\n', "SURELY_UNSET_VAR_123"),
+        ("url = \n", "TOML"),
+        ('url = "/x"\nbackend = "s3"\n', "backend"),
+    ],
+)
+def test_bad_profiles(tmp_path: Path, text: str, match: str) -> None:
+    profile = tmp_path / "bad.toml"
+    profile.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        ckptstore.open_backend(profile=profile)
+
+
+def test_missing_profile(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        ckptstore.open_backend(profile=tmp_path / "nope.toml")
+
+
+def test_nothing_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CKPTSTORE_PROFILE", raising=False)
+    with pytest.raises(InvalidURLError, match="CKPTSTORE_PROFILE"):
+        ckptstore.open_backend()
