@@ -2,6 +2,8 @@
 
 The public API on one screen:
 
+- `save`, `restore`, `list_steps` (async) and `save_sync`, `restore_sync`,
+  `list_steps_sync`: checkpoints of JAX pytrees, committed atomically.
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
@@ -10,10 +12,17 @@ The public API on one screen:
 from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
 from ckptstore.backends.registry import load_profile, open_backend
 from ckptstore.backends.retry import RetryPolicy
+from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync
+from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
+from ckptstore.checkpoint.save import SaveResult, save
 from ckptstore.errors import (
     AlreadyExistsError,
+    CheckpointNotFoundError,
     CkptStoreError,
     ConfigError,
+    CoordinationError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
     InvalidKeyError,
     InvalidURLError,
     NotFoundError,
@@ -21,14 +30,19 @@ from ckptstore.errors import (
     RetriesExhaustedError,
     StorageError,
     TransientStorageError,
+    TreeMismatchError,
 )
 
 __all__ = [
     "AlreadyExistsError",
     "Backend",
     "Capabilities",
+    "CheckpointNotFoundError",
     "CkptStoreError",
     "ConfigError",
+    "CoordinationError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
     "InvalidKeyError",
     "InvalidURLError",
     "NotFoundError",
@@ -36,8 +50,17 @@ __all__ = [
     "PermissionDeniedError",
     "RetriesExhaustedError",
     "RetryPolicy",
+    "SaveResult",
     "StorageError",
     "TransientStorageError",
+    "TreeMismatchError",
+    "list_steps",
+    "list_steps_sync",
     "load_profile",
     "open_backend",
+    "read_manifest",
+    "restore",
+    "restore_sync",
+    "save",
+    "save_sync",
 ]

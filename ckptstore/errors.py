@@ -58,3 +58,42 @@ class InvalidURLError(CkptStoreError, ValueError):
 
 class ConfigError(CkptStoreError, ValueError):
     """Backend options or a profile file are invalid."""
+
+
+class CheckpointNotFoundError(NotFoundError):
+    """No committed checkpoint matches the request (step, item or leaf)."""
+
+
+class CorruptCheckpointError(CkptStoreError):
+    """Stored bytes fail verification: a checksum mismatch, a truncated or missing file."""
+
+    def __init__(self, message: str, *, leaf: str | None = None):
+        self.leaf = leaf
+        super().__init__(f"{message} (leaf {leaf!r})" if leaf else message)
+
+
+class IncompleteCheckpointError(CkptStoreError):
+    """Validation before commit found leaves without metadata or chunks; nothing committed."""
+
+    def __init__(self, message: str, *, leaves: dict[str, str]):
+        self.leaves = leaves
+        listed = "; ".join(f"{name}: {why}" for name, why in sorted(leaves.items()))
+        super().__init__(f"{message}: {listed}")
+
+
+class TreeMismatchError(CkptStoreError, ValueError):
+    """The checkpoint and the requested tree disagree (missing or extra leaves, shapes, dtypes).
+
+    ``problems`` lists every disagreement, one line each.
+    """
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(
+            f"checkpoint does not match the requested tree ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems)
+        )
+
+
+class CoordinationError(CkptStoreError):
+    """Processes failed to agree in time (a barrier or key-value wait timed out)."""

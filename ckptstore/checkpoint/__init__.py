@@ -1,0 +1,1 @@
+"""Checkpoints: per-process writers, the reference-only merge, commit, restore."""

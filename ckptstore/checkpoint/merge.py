@@ -1,0 +1,119 @@
+"""The merge: many OCDBT stores become one, atomically, by copying references.
+
+Every per-process (or pending) store is copied into the parent store with
+``experimental_copy_range_to`` inside one atomic `tensorstore.Transaction`.
+OCDBT copies B-tree references, not data, so the parent references the data
+files in the child directories (which must therefore never be deleted). Before
+the single commit, the uncommitted view is validated: every leaf needs its
+``zarr.json`` and every chunk its shape implies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import tensorstore as ts
+
+from ckptstore.arrays import LeafInfo, ocdbt_spec
+from ckptstore.backends.base import Backend
+from ckptstore.errors import IncompleteCheckpointError
+
+
+@dataclass(frozen=True)
+class MergeStats:
+    stores: int
+    keys: int
+    seconds: float
+
+
+async def merge(
+    backend: Backend,
+    parent: str,
+    children: Sequence[str],
+    leaves: Sequence[LeafInfo],
+) -> MergeStats:
+    """Merge the OCDBT stores at ``children`` into the one at ``parent``, then validate.
+
+    Raises `IncompleteCheckpointError` naming every incomplete leaf; then nothing
+    is committed. Children are copied in order, so a later child's keys win.
+    """
+    start = time.perf_counter()
+    ctx = backend.ts_context
+    parent_kv = await ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(parent)), context=ctx)
+    txn = ts.Transaction(atomic=True)
+    view = parent_kv.with_transaction(txn)
+    try:
+        for child in children:
+            child_kv = await ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(child)), context=ctx)
+            await child_kv.experimental_copy_range_to(view)
+        keys = [k.decode() for k in await view.list()]
+        problems = await validate(view, keys, leaves)
+        if problems:
+            raise IncompleteCheckpointError(
+                f"merge of {len(children)} store(s) into {parent!r} is incomplete", leaves=problems
+            )
+        await txn.commit_async()
+    except BaseException:
+        if not txn.commit_started:
+            txn.abort()
+        raise
+    return MergeStats(stores=len(children), keys=len(keys), seconds=time.perf_counter() - start)
+
+
+def expected_chunks(info: LeafInfo) -> Iterable[str]:
+    """Chunk keys (zarr3 default encoding) the leaf's shape and chunk shape imply."""
+    if not info.shape:
+        yield "c"
+        return
+    counts = [math.ceil(d / c) for d, c in zip(info.shape, info.chunk_shape, strict=True)]
+    for index in itertools.product(*(range(n) for n in counts)):
+        yield "c/" + "/".join(map(str, index))
+
+
+def owner(key: str, names: set[str]) -> tuple[str | None, str]:
+    """The leaf a stored key belongs to, and the key below that leaf.
+
+    No leaf name is a directory prefix of another (leaves have no children), so
+    the shortest matching prefix is the owner.
+    """
+    cut = key.find("/")
+    while cut != -1:
+        if key[:cut] in names:
+            return key[:cut], key[cut + 1 :]
+        cut = key.find("/", cut + 1)
+    return None, key
+
+
+async def validate(
+    view: ts.KvStore, keys: Sequence[str], leaves: Sequence[LeafInfo]
+) -> dict[str, str]:
+    """Problems per leaf name in the (uncommitted) merged view; empty when complete."""
+    present: dict[str, set[str]] = defaultdict(set)
+    names = {info.name for info in leaves}
+    for key in keys:
+        leaf, rest = owner(key, names)
+        if leaf is not None:
+            present[leaf].add(rest)
+
+    problems: dict[str, str] = {}
+    for info in leaves:
+        have = present.get(info.name, set())
+        if "zarr.json" not in have:
+            problems[info.name] = "zarr.json missing"
+            continue
+        meta = json.loads((await view.read(f"{info.name}/zarr.json")).value)
+        stored = (tuple(meta.get("shape", ())), meta.get("data_type"))
+        if stored != (info.shape, info.dtype):
+            problems[info.name] = f"zarr.json says {stored[1]}{list(stored[0])}"
+            continue
+        missing = [c for c in expected_chunks(info) if c not in have]
+        if missing:
+            total = sum(1 for _ in expected_chunks(info))
+            problems[info.name] = f"{len(missing)} of {total} chunks missing (first: {missing[0]})"
+    return problems

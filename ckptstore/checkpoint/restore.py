@@ -1,0 +1,181 @@
+"""Finding committed steps and restoring trees from them, onto any mesh.
+
+Restore is strict by default: every leaf the caller asks for must exist with
+the same shape and dtype, and (unless ``partial=True``) every stored leaf must
+be asked for. All disagreements are reported together in one
+`TreeMismatchError`. Casting to another dtype is opt-in (``cast=True``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import jax
+import numpy as np
+
+from ckptstore.arrays import LeafInfo, ocdbt_spec, open_leaf, read_slice
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.tree import path_name, rebuild
+from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
+
+
+async def list_steps(target: Target) -> list[int]:
+    """Committed steps, ascending. Steps without a commit marker are ignored."""
+    async with opened(target) as backend:
+        return await committed_steps(backend)
+
+
+async def committed_steps(backend: Backend) -> list[int]:
+    candidates = sorted(
+        s for s in (layout.parse_step(n) for n in await backend.list_dir()) if s is not None
+    )
+    flags = await asyncio.gather(*(backend.exists(layout.commit_key(s)) for s in candidates))
+    return [s for s, ok in zip(candidates, flags, strict=True) if ok]
+
+
+async def read_manifest(backend: Backend, step: int | None = None) -> Manifest:
+    """The manifest of a committed step (the latest when ``step`` is None)."""
+    if step is None:
+        steps = await committed_steps(backend)
+        if not steps:
+            raise CheckpointNotFoundError("no committed checkpoint", backend=backend.url)
+        step = steps[-1]
+    elif not await backend.exists(layout.commit_key(step)):
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
+        )
+    data = await backend.read(layout.manifest_key(step))
+    return Manifest.from_bytes(data, where=f"{backend.url}/{layout.manifest_key(step)}")
+
+
+async def restore(
+    target: Target,
+    step: int | None = None,
+    like: Any = None,
+    *,
+    item: str = layout.DEFAULT_ITEM,
+    partial: bool = False,
+    cast: bool = False,
+) -> Any:
+    """Restore a committed step (the latest by default).
+
+    ``like`` describes what to build: ``None`` gives the saved tree with numpy
+    arrays; a tree of `jax.ShapeDtypeStruct` (or arrays) with shardings gives
+    jax arrays laid out that way, each process reading only its slices.
+    """
+    async with opened(target) as backend:
+        manifest = await read_manifest(backend, step)
+        if item not in manifest.items:
+            raise CheckpointNotFoundError(
+                f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
+                backend=backend.url,
+            )
+        saved = manifest.items[item]
+        store = ocdbt_spec(backend.kvstore_spec(layout.item_dir(manifest.step, item)))
+        ctx = backend.ts_context
+
+        async def load(info: LeafInfo, want: Any) -> Any:
+            arr = await open_leaf(store, ctx, info)
+            return await _materialize(arr, info, want, cast)
+
+        if like is None:
+            names = list(saved.leaves)
+            values = await asyncio.gather(*(load(saved.leaves[n], None) for n in names))
+            loaded = dict(zip(names, values, strict=True))
+            return rebuild(saved.structure, loaded.__getitem__)
+
+        paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+        wanted = [(path_name(path), leaf) for path, leaf in paths]
+        _check(wanted, saved.leaves, partial=partial, cast=cast)
+        values = await asyncio.gather(*(load(saved.leaves[n], w) for n, w in wanted))
+        return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _check(
+    wanted: list[tuple[str, Any]], stored: dict[str, LeafInfo], *, partial: bool, cast: bool
+) -> None:
+    problems = []
+    names = {n for n, _ in wanted}
+    for name, want in wanted:
+        info = stored.get(name)
+        if info is None:
+            problems.append(f"{name}: not in the checkpoint")
+            continue
+        shape = _shape_of(want)
+        if shape is not None and tuple(shape) != info.shape:
+            problems.append(f"{name}: shape {list(shape)} requested, {list(info.shape)} stored")
+        dtype = _dtype_of(want)
+        if dtype is not None and dtype.name != info.dtype and not cast:
+            problems.append(
+                f"{name}: dtype {dtype.name} requested, {info.dtype} stored (pass cast=True)"
+            )
+    if not partial:
+        problems += [
+            f"{name}: stored but not requested (pass partial=True)"
+            for name in sorted(set(stored) - names)
+        ]
+    if problems:
+        raise TreeMismatchError(problems)
+
+
+def _shape_of(want: Any) -> tuple[int, ...] | None:
+    shape = getattr(want, "shape", None)
+    return tuple(shape) if shape is not None else (() if _is_number(want) else None)
+
+
+def _dtype_of(want: Any) -> np.dtype[Any] | None:
+    dtype = getattr(want, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (bool, int, float, complex))
+
+
+async def _materialize(arr: Any, info: LeafInfo, want: Any, cast: bool) -> Any:
+    dtype = _dtype_of(want)
+    sharding = getattr(want, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return await _read_sharded(arr, info, sharding, dtype if cast else None)
+    whole = await read_slice(arr, (), info.name)
+    if cast and dtype is not None:
+        whole = whole.astype(dtype)
+    if _is_number(want) or (want is None and info.python_type):
+        kind = type(want).__name__ if want is not None else str(info.python_type)
+        return _PYTHON_TYPES[kind](whole[()])
+    if want is None and info.kind == "scalar":
+        return whole[()]
+    return whole
+
+
+_PYTHON_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "complex": complex}
+
+
+async def _read_sharded(
+    arr: Any, info: LeafInfo, sharding: jax.sharding.Sharding, dtype: np.dtype[Any] | None
+) -> jax.Array:
+    """Read only the slices this process's devices hold, once per distinct slice."""
+    index_map = sharding.addressable_devices_indices_map(info.shape)
+    distinct: dict[tuple[tuple[int, int], ...], tuple[slice, ...]] = {}
+    for index in index_map.values():
+        distinct.setdefault(_key(index, info.shape), tuple(index or ()))
+    keys = list(distinct)
+    datas = await asyncio.gather(*(read_slice(arr, distinct[k], info.name) for k in keys))
+    by_key = dict(zip(keys, datas, strict=True))
+    shards = []
+    for device, index in index_map.items():
+        data = by_key[_key(index, info.shape)]
+        if dtype is not None:
+            data = data.astype(dtype)
+        shards.append(jax.device_put(data, device))
+    return jax.make_array_from_single_device_arrays(info.shape, sharding, shards)
+
+
+def _key(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (s.indices(d)[0], s.indices(d)[1]) for s, d in zip(tuple(index), shape, strict=True)
+    )

@@ -1,0 +1,142 @@
+"""Pytrees <-> named leaves and a JSON description of the tree's structure.
+
+Leaves are named by their path in the tree (``params/dense/kernel``), with each
+path segment percent-encoded so any dict key maps to a safe, unique storage
+name. The structure is stored as plain JSON (never pickle) so a checkpoint can
+be rebuilt without the code that saved it: dicts, lists, tuples, named tuples
+and ``None`` come back as they were; other registered pytree nodes come back as
+dicts of their children unless the caller passes ``like``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote, unquote
+
+import jax
+import numpy as np
+
+from ckptstore.errors import CkptStoreError
+
+SAFE = "-_.~"  # besides ASCII letters and digits, kept as is in storage names
+
+
+class TreeError(CkptStoreError, ValueError):
+    """A tree cannot be saved or rebuilt as asked."""
+
+
+def is_leaf_value(x: Any) -> bool:
+    """Values saved as arrays: jax/numpy arrays, numpy scalars and Python numbers."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def segment(key: Any) -> str:
+    """One path element of a jax key path as a storage-safe string."""
+    if isinstance(key, jax.tree_util.DictKey):
+        raw = key.key
+        if not isinstance(raw, (str, int)) or isinstance(raw, bool):
+            raise TreeError(f"dict keys must be str or int to be saved, got {raw!r}")
+        text = str(raw)
+    elif isinstance(key, jax.tree_util.SequenceKey):
+        text = str(key.idx)
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+        text = key.name
+    elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+        text = str(key.key)
+    else:
+        text = str(key)
+    encoded = quote(text, safe=SAFE)
+    if encoded in ("", ".", ".."):
+        encoded = "%" + "".join(f"{ord(c):02X}" for c in text) if text else "%00"
+    return encoded
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """The storage name of a leaf: its encoded path segments joined by ``/``."""
+    return "/".join(segment(k) for k in path) if path else "%root"
+
+
+def flatten(tree: Any) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` for every leaf in tree order; ``None`` leaves are skipped."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    named = [(path_name(path), leaf) for path, leaf in leaves]
+    seen: dict[str, int] = collections.Counter(name for name, _ in named)
+    clashes = sorted(name for name, n in seen.items() if n > 1)
+    if clashes:
+        raise TreeError(f"distinct tree paths map to the same leaf name: {clashes}")
+    for name, leaf in named:
+        if not is_leaf_value(leaf):
+            raise TreeError(
+                f"leaf {name!r} is a {type(leaf).__name__}; "
+                "only arrays and numbers can be saved"
+            )
+    return named
+
+
+def describe(tree: Any, name: str = "") -> dict[str, Any]:
+    """A JSON description of the tree's containers, enough to rebuild it."""
+
+    def child(key: Any) -> str:
+        part = segment(key)
+        return f"{name}/{part}" if name else part
+
+    if tree is None:
+        return {"t": "none"}
+    if is_leaf_value(tree):
+        return {"t": "leaf", "name": name or "%root"}
+    if isinstance(tree, dict):
+        keys = list(tree.keys())
+        return {
+            "t": "dict",
+            "keys": [[type(k).__name__, k] for k in keys],
+            "items": [describe(tree[k], child(jax.tree_util.DictKey(k))) for k in keys],
+        }
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return {
+            "t": "namedtuple",
+            "type": type(tree).__name__,
+            "fields": list(tree._fields),
+            "items": [
+                describe(v, child(jax.tree_util.GetAttrKey(f)))
+                for f, v in zip(tree._fields, tree, strict=True)
+            ],
+        }
+    if isinstance(tree, (list, tuple)):
+        return {
+            "t": type(tree).__name__,
+            "items": [describe(v, child(jax.tree_util.SequenceKey(i))) for i, v in enumerate(tree)],
+        }
+    children, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if len(children) == 1 and children[0][1] is tree:
+        raise TreeError(f"{name or 'the tree'} is a {type(tree).__name__}, not a pytree or leaf")
+    return {
+        "t": "custom",
+        "type": f"{type(tree).__module__}.{type(tree).__qualname__}",
+        "keys": [segment(path[0]) for path, _ in children],
+        "items": [describe(v, child(path[0])) for path, v in children],
+    }
+
+
+def rebuild(desc: dict[str, Any], leaf: Callable[[str], Any]) -> Any:
+    """Rebuild a tree from `describe` output, calling ``leaf(name)`` for each leaf."""
+    kind = desc["t"]
+    if kind == "none":
+        return None
+    if kind == "leaf":
+        return leaf(desc["name"])
+    items = [rebuild(d, leaf) for d in desc.get("items", [])]
+    if kind == "dict":
+        keys = [int(v) if t == "int" else str(v) for t, v in desc["keys"]]
+        return dict(zip(keys, items, strict=True))
+    if kind == "list":
+        return items
+    if kind == "tuple":
+        return tuple(items)
+    if kind == "namedtuple":
+        cls = collections.namedtuple(desc["type"], desc["fields"])  # type: ignore[misc]
+        return cls(*items)
+    if kind == "custom":
+        return {unquote(k): v for k, v in zip(desc["keys"], items, strict=True)}
+    raise TreeError(f"unknown node type {kind!r} in the stored tree structure")
