@@ -11,8 +11,8 @@ import pytest
 # Several tests need more than one CPU device; set before jax initializes.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from ckptstore.backends.base import Backend  # noqa: E402
-from ckptstore.backends.retry import RetryPolicy  # noqa: E402
+from ckptstore.backends.base import Backend
+from ckptstore.backends.retry import RetryPolicy
 
 BACKENDS = ["local", "memory", "s3", "gcs"]
 FAST_RETRY = RetryPolicy(max_attempts=4, base_delay=0.01, max_delay=0.1)

@@ -1,0 +1,133 @@
+"""Corruption is caught on restore; a killed writer never leaves a committed step."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends.base import Backend
+from ckptstore.backends.local import LocalBackend
+
+
+async def largest_data_file(backend: Backend, step: int) -> str:
+    files = [info async for info in backend.list(f"{step}/state/ocdbt.process_0/d")]
+    return max(files, key=lambda info: info.size).key
+
+
+async def test_flipped_byte_is_caught(any_backend: Backend) -> None:
+    big = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    await ckptstore.save(any_backend, {"big": big, "small": np.arange(3)}, step=1)
+    key = await largest_data_file(any_backend, 1)
+    data = bytearray(await any_backend.read(key))
+    data[len(data) // 2] ^= 0x40
+    await any_backend.write(key, bytes(data))
+    with pytest.raises(ckptstore.CorruptCheckpointError) as info:
+        await ckptstore.restore(any_backend)
+    assert info.value.leaf == "big"
+
+
+async def test_truncated_file_is_caught(any_backend: Backend) -> None:
+    big = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    await ckptstore.save(any_backend, {"big": big}, step=1)
+    key = await largest_data_file(any_backend, 1)
+    data = await any_backend.read(key)
+    await any_backend.write(key, data[: len(data) // 3])
+    with pytest.raises(ckptstore.CorruptCheckpointError) as info:
+        await ckptstore.restore(any_backend)
+    assert info.value.leaf == "big"
+
+
+async def test_corrupt_manifest_is_reported(any_backend: Backend) -> None:
+    await ckptstore.save(any_backend, {"x": np.arange(3)}, step=1)
+    await any_backend.write("1/manifest.json", b"{not json")
+    with pytest.raises(ckptstore.CorruptCheckpointError, match="manifest"):
+        await ckptstore.restore(any_backend)
+
+
+KILL_BEFORE_MARKER = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    import numpy as np
+    import ckptstore
+    from ckptstore.backends.local import LocalBackend
+
+    class DiesBeforeCommit(LocalBackend):
+        async def _create(self, key, data):
+            if key.endswith("COMMITTED"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await super()._create(key, data)
+
+    tree = {"x": np.arange(1000) + 2, "y": np.ones((64, 64))}
+    asyncio.run(ckptstore.save(DiesBeforeCommit(sys.argv[1]), tree, step=2))
+    """
+)
+
+SLOW_SAVE = textwrap.dedent(
+    """
+    import asyncio, sys
+    import numpy as np
+    import ckptstore
+
+    tree = {f"leaf{i}": np.full((512, 1024), i, np.float32) for i in range(64)}
+    print("ready", flush=True)
+    asyncio.run(ckptstore.save(sys.argv[1], tree, step=2))
+    """
+)
+
+
+async def check_only_step_one(root: Path) -> None:
+    backend = LocalBackend(root)
+    assert await ckptstore.list_steps(backend) == [1]
+    restored = await ckptstore.restore(backend)
+    np.testing.assert_array_equal(restored["x"], np.arange(1000) + 1)
+    # The step can be saved again afterwards, leftovers replaced.
+    await ckptstore.save(backend, {"x": np.arange(4)}, step=2)
+    assert await ckptstore.list_steps(backend) == [1, 2]
+
+
+async def test_writer_killed_before_marker(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    await ckptstore.save(str(root), {"x": np.arange(1000) + 1}, step=1)
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", KILL_BEFORE_MARKER, str(root)], timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert (root / "2" / "manifest.json").exists()  # it got as far as the manifest
+    assert not (root / "2" / "COMMITTED").exists()
+    await check_only_step_one(root)
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.4])
+async def test_writer_killed_mid_save(tmp_path: Path, delay: float) -> None:
+    root = tmp_path / "ckpt"
+    await ckptstore.save(str(root), {"x": np.arange(1000) + 1}, step=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SAVE, str(root)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    await asyncio.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    await check_only_step_one(root)
+
+
+def test_blocking_twins(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    ckptstore.save_sync(root, {"a": np.arange(3)}, step=4)
+    assert ckptstore.list_steps_sync(root) == [4]
+    np.testing.assert_array_equal(ckptstore.restore_sync(root)["a"], np.arange(3))
+
+
+async def test_blocking_twins_inside_a_running_loop(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    ckptstore.save_sync(root, {"a": np.arange(3)}, step=1)
+    assert ckptstore.list_steps_sync(root) == [1]
