@@ -40,7 +40,7 @@ _OPTIONS: dict[str, set[str]] = {
     "memory": _COMMON,
     "s3": _COMMON
     | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
-    "gcs": _COMMON | {"endpoint", "project", "credentials"},
+    "gcs": _COMMON | {"endpoint", "project", "credentials", "resumable_threshold", "chunk_size"},
 }
 _SCHEMES = {"file": "local", "memory": "memory", "s3": "s3", "gs": "gcs", "gcs": "gcs"}
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

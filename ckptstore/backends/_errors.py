@@ -1,0 +1,133 @@
+"""Mapping cloud-client failures onto ckptstore's typed errors (shared by S3 and GCS).
+
+Both object stores answer with an HTTP status plus, sometimes, a service error
+code; both clients raise transport exceptions (resets, timeouts) of their own.
+One table decides what is "not found", "permission", "transient" or plain
+failure, so the two backends cannot drift apart. `gather_first_error` is the
+shared "fail fast" for their concurrent part uploads and deletes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+
+from ckptstore.errors import (
+    AlreadyExistsError,
+    NotFoundError,
+    PermissionDeniedError,
+    StorageError,
+    TransientStorageError,
+)
+
+T = TypeVar("T")
+
+#: Service error codes (S3's; GCS answers with statuses only) by meaning.
+NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"})
+PERMISSION_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "Forbidden",
+        "403",
+    }
+)
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "ServiceUnavailableException",
+        # A concurrent conditional write is in flight on the key: AWS says "try again".
+        # A retry then either wins or sees the winner's PreconditionFailed.
+        "ConditionalRequestConflict",
+    }
+)
+TRANSIENT_STATUSES = frozenset({408, 429})
+
+#: Exceptions of the HTTP stack that mean "the request may not have happened": retry.
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    ConnectionError,
+    TimeoutError,
+)
+
+
+def error_for(
+    *,
+    op: str,
+    backend: str,
+    key: str | None,
+    status: int | None,
+    code: str | None = None,
+    detail: str = "",
+) -> StorageError:
+    """The typed error for a failed request, from its HTTP status and service code.
+
+    ``detail`` is the server's message (never a request header, so never a
+    credential). 412 is only a "someone else won" when the caller asked for a
+    precondition, so callers of ``create`` map it themselves before calling this.
+    """
+    what = code or (str(status) if status is not None else "error")
+    message = f"{op} failed: {what}" + (f": {detail}" if detail and detail != what else "")
+    kind: type[StorageError]
+    if code in NOT_FOUND_CODES or status == 404:
+        kind = NotFoundError
+    elif code in PERMISSION_CODES or status in (401, 403):
+        kind = PermissionDeniedError
+    elif code in TRANSIENT_CODES or status in TRANSIENT_STATUSES or (status or 0) >= 500:
+        kind = TransientStorageError
+    else:
+        kind = StorageError
+    return kind(message, backend=backend, key=key)
+
+
+def transport_error(exc: BaseException, *, op: str, backend: str, key: str | None) -> StorageError:
+    """A transient error for a connection reset, timeout or similar transport failure."""
+    message = f"{op} failed: {type(exc).__name__}: {exc}"
+    return TransientStorageError(message, backend=backend, key=key)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without any ``user:password@`` part, fit for messages and reprs."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def already_exists(*, backend: str, key: str) -> AlreadyExistsError:
+    """The error `create` raises when the key is already there."""
+    return AlreadyExistsError("create refused: the key already exists", backend=backend, key=key)
+
+
+async def gather_first_error(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Run awaitables concurrently; on the first failure cancel the rest and raise that failure.
+
+    (`asyncio.gather` alone would let the others run on, e.g. keep uploading
+    parts of an upload that is being aborted.)
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,453 @@
+"""S3 (and S3-compatible) backend on s3fs / aiobotocore.
+
+s3fs supplies the session and client set-up (credentials, endpoint, anonymous
+signing); the operations call the aiobotocore client directly so that errors
+arrive as botocore's `ClientError` with their service code, and so that no
+hidden retry loop (s3fs's or botocore's) runs under ours: `RetryPolicy` alone
+decides. Large objects go up as multipart uploads with bounded concurrency.
+
+``create`` is ``PutObject`` with ``If-None-Match: *`` (or the same header on
+``CompleteMultipartUpload`` for large objects): the server, not the client,
+decides who wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+from typing import Any
+
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from ckptstore.backends._errors import (
+    TRANSPORT_ERRORS,
+    already_exists,
+    error_for,
+    gather_first_error,
+    redact_url,
+    transport_error,
+)
+from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
+from ckptstore.backends.keys import join, validate_prefix
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
+
+MiB = 1 << 20
+MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
+MAX_PARTS = 10_000
+DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
+
+CREDENTIAL_SOURCES = ("default", "env", "anonymous", "profile")
+
+_TS_CREDENTIALS = {
+    "default": {"type": "default"},
+    "env": {"type": "environment"},
+    "anonymous": {"type": "anonymous"},
+}
+_TRANSIENT_BOTO = (BotoConnectionError, HTTPClientError, IncompleteReadError)
+
+
+def as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """A flat byte view of any buffer (numpy arrays, typed memoryviews, ...)."""
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def as_body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
+    """A request body botocore accepts (bytes or bytearray; a memoryview is copied)."""
+    if isinstance(data, bytes | bytearray):
+        return data
+    return bytes(as_bytes_view(data))
+
+
+class S3Backend(Backend):
+    """Objects under ``s3://bucket/prefix``.
+
+    ``credentials`` names where credentials come from, never the secret:
+    ``"default"`` (the AWS default chain), ``"env"`` (only ``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``), ``"anonymous"`` (unsigned)
+    or ``"profile"`` (the shared-config profile ``profile``). Objects of at least
+    ``multipart_threshold`` bytes are uploaded in ``part_size`` parts, at most
+    ``concurrency`` parts in flight across the backend.
+    """
+
+    kind = "s3"
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        credentials: str = "default",
+        profile: str | None = None,
+        concurrency: int = 32,
+        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, immutable
+        multipart_threshold: int = 64 * MiB,
+        part_size: int = 32 * MiB,
+    ):
+        super().__init__(retry=retry, concurrency=concurrency)
+        if not bucket or "/" in bucket:
+            raise ConfigError(f"invalid S3 bucket name {bucket!r}")
+        if credentials not in CREDENTIAL_SOURCES:
+            raise ConfigError(
+                f"S3 credentials must be one of {', '.join(CREDENTIAL_SOURCES)}; "
+                f"got {credentials!r} (pass the source, never the secret)"
+            )
+        if (credentials == "profile") != (profile is not None):
+            raise ConfigError("S3 profile= is given exactly when credentials='profile'")
+        if part_size < MIN_PART_SIZE:
+            raise ConfigError(f"S3 part_size must be >= {MIN_PART_SIZE} (5 MiB), got {part_size}")
+        if multipart_threshold < MIN_PART_SIZE:
+            raise ConfigError(f"S3 multipart_threshold must be >= {MIN_PART_SIZE} (5 MiB)")
+        if concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
+        self.bucket = bucket
+        self.root = validate_prefix(prefix)
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.credentials = credentials
+        self.profile = profile
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.capabilities = Capabilities(
+            atomic_rename=False, conditional_create=True, server_side_copy=True, durable_writes=True
+        )
+        self._fs: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._parts: asyncio.Semaphore | None = None
+
+    # ---- identity ----------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.root}" if self.root else f"s3://{self.bucket}"
+
+    def __repr__(self) -> str:
+        where = f" endpoint={redact_url(self.endpoint_url)}" if self.endpoint_url else ""
+        return f"<S3Backend {self.url}{where} credentials={self.credentials}>"
+
+    def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
+        norm = validate_prefix(prefix)
+        path = join(self.root, norm) if norm else self.root
+        spec: dict[str, Any] = {
+            "driver": "s3",
+            "bucket": self.bucket,
+            "path": f"{path}/" if path else "",
+        }
+        if self.endpoint_url:
+            spec["endpoint"] = self.endpoint_url
+        region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region is None and self.endpoint_url:
+            region = "us-east-1"  # S3-compatible servers ignore it; TensorStore must not probe
+        if region:
+            spec["aws_region"] = region
+        if self.credentials == "profile":
+            spec["aws_credentials"] = {"type": "profile", "profile": self.profile}
+        else:
+            spec["aws_credentials"] = dict(_TS_CREDENTIALS[self.credentials])
+        return spec
+
+    # ---- the client --------------------------------------------------------------------
+
+    def _filesystem(self) -> Any:
+        """The s3fs filesystem of the running loop (a new one if the loop changed)."""
+        loop = asyncio.get_running_loop()
+        if self._fs is None or self._loop is not loop:
+            import s3fs
+
+            kwargs: dict[str, Any] = {}
+            if self.credentials == "anonymous":
+                kwargs["anon"] = True
+            else:
+                kwargs["session"] = self._session()
+            fs = s3fs.S3FileSystem(
+                asynchronous=True,
+                skip_instance_cache=True,
+                endpoint_url=self.endpoint_url,
+                client_kwargs={"region_name": self.region} if self.region else {},
+                config_kwargs={
+                    # One attempt per call: our RetryPolicy is the only retry loop.
+                    "retries": {"total_max_attempts": 1, "mode": "standard"},
+                    "max_pool_connections": 2 * self.concurrency,
+                },
+                **kwargs,
+            )
+            fs.retries = 1
+            self._fs, self._loop, self._parts = fs, loop, asyncio.Semaphore(self.concurrency)
+        return self._fs
+
+    def _session(self) -> Any:
+        """An aiobotocore session resolving credentials from the configured source only."""
+        from aiobotocore.credentials import AioCredentialResolver, AioEnvProvider
+        from aiobotocore.session import AioSession
+
+        try:
+            if self.credentials == "profile":
+                return AioSession(profile=self.profile)
+            session = AioSession()
+        except ProfileNotFound:
+            raise ConfigError(f"AWS profile {self.profile!r} not found ({self.url})") from None
+        if self.credentials == "env":
+            session.register_component(
+                "credential_provider", AioCredentialResolver([AioEnvProvider()])
+            )
+        return session
+
+    async def _call(self, op: str, key: str | None, method: str, **kwargs: Any) -> Any:
+        """Call one S3 API method on this bucket, mapping every failure to a typed error."""
+        try:
+            client = await self._filesystem().set_session()
+            return await getattr(client, method)(Bucket=self.bucket, **kwargs)
+        except ClientError as exc:
+            raise self._client_error(exc, op, key) from exc
+        except Exception as exc:
+            raise self._other_error(exc, op, key) from exc
+
+    def _client_error(self, exc: ClientError, op: str, key: str | None) -> StorageError:
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error_for(
+            op=op,
+            backend=self.url,
+            key=key,
+            status=status,
+            code=error.get("Code"),
+            detail=error.get("Message", ""),
+        )
+
+    def _other_error(self, exc: Exception, op: str, key: str | None) -> StorageError:
+        if isinstance(exc, StorageError):
+            return exc
+        if isinstance(exc, _TRANSIENT_BOTO + TRANSPORT_ERRORS):
+            return transport_error(exc, op=op, backend=self.url, key=key)
+        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+            hint = {
+                "env": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+                "profile": f"check profile {self.profile!r}",
+            }.get(self.credentials, "configure the AWS default credential chain")
+            return PermissionDeniedError(
+                f"{op} failed: no usable AWS credentials from source {self.credentials!r} ({hint})",
+                backend=self.url,
+                key=key,
+            )
+        if isinstance(exc, ProfileNotFound):
+            raise ConfigError(f"AWS profile {self.profile!r} not found ({self.url})") from None
+        if isinstance(exc, BotoCoreError):
+            return StorageError(f"{op} failed: {type(exc).__name__}", backend=self.url, key=key)
+        raise exc
+
+    def _full(self, key: str) -> str:
+        return join(self.root, key)
+
+    def _dir(self, prefix: str) -> str:
+        """The S3 key prefix of a directory-like ``prefix`` ("" for the bucket root)."""
+        full = join(self.root, prefix) if prefix else self.root
+        return f"{full}/" if full else ""
+
+    # ---- operations --------------------------------------------------------------------
+
+    async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
+        extra: dict[str, Any] = {}
+        if start is not None or end is not None:
+            first = start or 0
+            if end is not None and end <= first:
+                await self._stat(key)  # still NotFoundError for a missing key
+                return b""
+            extra["Range"] = f"bytes={first}-" + ("" if end is None else str(end - 1))
+        try:
+            resp = await self._call("read", key, "get_object", Key=self._full(key), **extra)
+            async with resp["Body"] as body:
+                data: bytes = await body.read()
+        except StorageError as exc:
+            cause = exc.__cause__
+            if "Range" in extra and isinstance(cause, ClientError):
+                if cause.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return b""  # the range starts at or past the end: clamp to empty
+            raise
+        except Exception as exc:
+            raise self._other_error(exc, "read", key) from exc
+        return data
+
+    async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        view = as_bytes_view(data)
+        if view.nbytes >= self.multipart_threshold:
+            await self._multipart("write", key, view, create=False)
+        else:
+            await self._call("write", key, "put_object", Key=self._full(key), Body=as_body(data))
+
+    async def _create(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        view = as_bytes_view(data)
+        try:
+            if view.nbytes >= self.multipart_threshold:
+                if await self._exists(key):  # cheap early exit before a big upload
+                    raise already_exists(backend=self.url, key=key)
+                await self._multipart("create", key, view, create=True)
+            else:
+                await self._call(
+                    "create",
+                    key,
+                    "put_object",
+                    Key=self._full(key),
+                    Body=as_body(data),
+                    IfNoneMatch="*",
+                )
+        except StorageError as exc:
+            if _precondition_failed(exc):
+                raise already_exists(backend=self.url, key=key) from exc
+            raise
+
+    async def _multipart(self, op: str, key: str, view: memoryview, *, create: bool) -> None:
+        """Upload ``view`` in parts, at most ``concurrency`` in flight; abort on any failure."""
+        full = self._full(key)
+        size = view.nbytes
+        part_size = max(self.part_size, math.ceil(size / MAX_PARTS))
+        count = math.ceil(size / part_size)
+        upload = await self._call(op, key, "create_multipart_upload", Key=full)
+        upload_id = upload["UploadId"]
+        parts_sem = self._parts  # set with the filesystem of this loop
+        assert parts_sem is not None
+
+        async def put_part(index: int) -> dict[str, Any]:
+            async with parts_sem:
+                body = bytes(view[index * part_size : (index + 1) * part_size])
+                resp = await self._call(
+                    op,
+                    key,
+                    "upload_part",
+                    Key=full,
+                    UploadId=upload_id,
+                    PartNumber=index + 1,
+                    Body=body,
+                )
+                return {"PartNumber": index + 1, "ETag": resp["ETag"]}
+
+        try:
+            parts = await gather_first_error([put_part(i) for i in range(count)])
+            await self._call(
+                op,
+                key,
+                "complete_multipart_upload",
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                **({"IfNoneMatch": "*"} if create else {}),
+            )
+        except BaseException:
+            # Best effort: the original failure matters, not the cleanup's.
+            with contextlib.suppress(Exception):
+                await self._call(op, key, "abort_multipart_upload", Key=full, UploadId=upload_id)
+            raise
+
+    async def _list(self, prefix: str) -> list[ObjectInfo]:
+        start = len(self._dir(""))  # strip the backend root from every S3 key
+        infos: list[ObjectInfo] = []
+        async for page in self._pages("list", self._dir(prefix)):
+            for obj in page.get("Contents", ()):
+                name = obj["Key"][start:]
+                if name and not name.endswith("/"):  # skip "directory marker" objects
+                    mtime = obj.get("LastModified")
+                    infos.append(ObjectInfo(name, obj["Size"], mtime and mtime.timestamp()))
+        infos.sort(key=lambda info: info.key)
+        return infos
+
+    async def _list_dir(self, prefix: str) -> list[str]:
+        listed = self._dir(prefix)
+        names: set[str] = set()
+        async for page in self._pages("list_dir", listed, Delimiter="/"):
+            for common in page.get("CommonPrefixes", ()):
+                names.add(common["Prefix"][len(listed) :].rstrip("/"))
+            for obj in page.get("Contents", ()):
+                names.add(obj["Key"][len(listed) :])
+        names.discard("")
+        return sorted(names)
+
+    async def _pages(self, op: str, s3_prefix: str, **extra: Any) -> Any:
+        """Every ``ListObjectsV2`` page below ``s3_prefix`` (S3 returns at most 1000 keys each)."""
+        token: str | None = None
+        while True:
+            kwargs = dict(extra, Prefix=s3_prefix)
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = await self._call(op, s3_prefix or None, "list_objects_v2", **kwargs)
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    async def _stat(self, key: str) -> ObjectInfo:
+        head = await self._call("stat", key, "head_object", Key=self._full(key))
+        mtime = head.get("LastModified")
+        return ObjectInfo(key, head["ContentLength"], mtime and mtime.timestamp())
+
+    async def _exists(self, key: str) -> bool:
+        try:
+            await self._stat(key)
+        except NotFoundError:
+            return False
+        return True
+
+    async def _delete(self, key: str) -> None:
+        await self._call("delete", key, "delete_object", Key=self._full(key))
+
+    async def _delete_prefix(self, prefix: str) -> int:
+        keys = [self._full(info.key) for info in await self._list(prefix)]
+        deleted = 0
+        for i in range(0, len(keys), DELETE_BATCH):
+            batch = keys[i : i + DELETE_BATCH]
+            resp = await self._call(
+                "delete_prefix",
+                prefix,
+                "delete_objects",
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = resp.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise error_for(
+                    op="delete_prefix",
+                    backend=self.url,
+                    key=first.get("Key", prefix),
+                    status=None,
+                    code=first.get("Code"),
+                    detail=f"{len(errors)} of {len(batch)} deletes failed: {first.get('Message')}",
+                )
+            deleted += len(batch)
+        return deleted
+
+    async def close(self) -> None:
+        """Close the aiobotocore client (if it was opened on the running loop)."""
+        fs, self._fs = self._fs, None
+        if fs is None or fs._s3 is None:
+            return
+        try:
+            same_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            same_loop = False
+        if same_loop:
+            await fs._s3creator.__aexit__(None, None, None)
+        fs._s3 = None
+
+
+def _precondition_failed(exc: StorageError) -> bool:
+    """Whether ``exc`` is S3's answer to a failed ``If-None-Match`` (412 PreconditionFailed)."""
+    cause = exc.__cause__
+    if not isinstance(cause, ClientError):
+        return False
+    code = cause.response.get("Error", {}).get("Code")
+    status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return bool(code == "PreconditionFailed" or status == 412)
