@@ -256,13 +256,12 @@ async def write_leaves(
         pieces = owned_slices(value, process)
         if not pieces and not write_metadata:
             return
-        arr = await ts.open(
-            zarr_spec(store, info),
-            create=True,
-            open=write_metadata,  # several processes share nothing, but be tolerant
-            assume_metadata=not write_metadata,
-            context=context,
-        )
+        if write_metadata:
+            arr = await ts.open(zarr_spec(store, info), create=True, context=context)
+        else:  # the metadata comes from process 0; only chunks are written here
+            arr = await ts.open(
+                zarr_spec(store, info), open=True, assume_metadata=True, context=context
+            )
         if pieces:
             stats.leaves.append(info.name)
         await asyncio.gather(*(write_piece(arr, index, data) for index, data in pieces))

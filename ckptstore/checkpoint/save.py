@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,30 +79,44 @@ async def _save(
 
     if await backend.exists(layout.commit_key(step)):
         raise AlreadyExistsError(
-            "checkpoint step is already committed", backend=backend.url, key=layout.commit_key(step)
+            "checkpoint step is already committed",
+            backend=backend.url,
+            key=layout.commit_key(step),
         )
-    if me == 0 and await backend.list_dir(layout.step_dir(step)):
-        await backend.delete_prefix(layout.step_dir(step))  # an earlier attempt's leftovers
-    await distributed.barrier(f"{tag}/start", timeout)
 
-    stats = await write_leaves(
-        ocdbt_spec(backend.kvstore_spec(layout.process_store(step, item, me))),
-        backend.ts_context,
-        list(zip(leaves, (value for _, value in named), strict=True)),
-        process=me,
-        write_metadata=me == 0,
-    )
-    await distributed.kv_set(f"{tag}/stats/{me}", json.dumps(stats.to_json()))
-    await distributed.barrier(f"{tag}/written", timeout)
+    # Every hand-off goes through the coordination service's key-value store, so
+    # a process that fails publishes its error and the others stop at once
+    # instead of waiting for a barrier to time out.
+    if me == 0:
+        await _publish(f"{tag}/start", _leftovers_removed(backend, step))
+    await _outcome(f"{tag}/start", timeout, step)
+
+    try:
+        stats = await write_leaves(
+            ocdbt_spec(backend.kvstore_spec(layout.process_store(step, item, me))),
+            backend.ts_context,
+            list(zip(leaves, (value for _, value in named), strict=True)),
+            process=me,
+            write_metadata=me == 0,
+        )
+    except Exception as exc:
+        await distributed.kv_set(f"{tag}/written/{me}", _failure(exc))
+        if me == 0:
+            await distributed.kv_set(f"{tag}/outcome", _failure(exc))
+        raise
+    await distributed.kv_set(f"{tag}/written/{me}", json.dumps({"ok": True, **stats.to_json()}))
 
     merge_seconds = 0.0
     if me == 0:
-        outcome: dict[str, Any]
-        try:
-            processes = [
-                json.loads(await distributed.kv_get(f"{tag}/stats/{i}", timeout))
-                for i in range(count)
-            ]
+
+        async def finish() -> None:
+            nonlocal merge_seconds
+            processes = []
+            for i in range(count):
+                report = json.loads(await distributed.kv_get(f"{tag}/written/{i}", timeout))
+                if not report.pop("ok"):
+                    raise CkptStoreError(f"process {i} failed to write: {report['error']}")
+                processes.append(report)
             stores = [layout.process_store(step, item, i) for i in range(count)]
             merged = await merge(backend, layout.item_dir(step, item), stores, leaves)
             merge_seconds = merged.seconds
@@ -118,16 +133,9 @@ async def _save(
                 metadata=metadata or {},
             )
             await commit(backend, step, manifest)
-            outcome = {"ok": True}
-        except Exception as exc:
-            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            await distributed.kv_set(f"{tag}/outcome", json.dumps(outcome))
-            raise
-        await distributed.kv_set(f"{tag}/outcome", json.dumps(outcome))
-    else:
-        outcome = json.loads(await distributed.kv_get(f"{tag}/outcome", timeout))
-        if not outcome["ok"]:
-            raise CkptStoreError(f"process 0 failed to commit step {step}: {outcome['error']}")
+
+        await _publish(f"{tag}/outcome", finish())
+    await _outcome(f"{tag}/outcome", timeout, step)
 
     return SaveResult(
         step=step,
@@ -136,6 +144,35 @@ async def _save(
         seconds=time.perf_counter() - start,
         merge_seconds=merge_seconds,
     )
+
+
+async def _leftovers_removed(backend: Backend, step: int) -> None:
+    """Remove what an earlier, uncommitted attempt at ``step`` left behind."""
+    if await backend.list_dir(layout.step_dir(step)):
+        await backend.delete_prefix(layout.step_dir(step))
+
+
+def _failure(exc: BaseException) -> str:
+    return json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+
+async def _publish(key: str, work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` and publish its outcome under ``key``; re-raise its error here."""
+    try:
+        await work
+    except Exception as exc:
+        await distributed.kv_set(key, _failure(exc))
+        raise
+    await distributed.kv_set(key, json.dumps({"ok": True}))
+
+
+async def _outcome(key: str, timeout: float, step: int) -> None:
+    """Wait for the outcome process 0 published under ``key``; raise if it failed."""
+    if distributed.process_index() == 0:
+        return  # process 0 raised its own error already
+    outcome = json.loads(await distributed.kv_get(key, timeout))
+    if not outcome["ok"]:
+        raise CkptStoreError(f"saving step {step} failed on process 0: {outcome['error']}")
 
 
 async def commit(backend: Backend, step: int, manifest: Manifest) -> None:

@@ -1,0 +1,79 @@
+"""One process of a multi-process test job (run by tests/test_multiprocess.py).
+
+Usage: mp_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT MODE
+MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "fail" does the same but
+process 1 fails while writing; "restore" restores it on a transposed (4, 2) mesh and checks
+every addressable shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ckptstore
+
+SHAPES = {"w": (16, 24), "v": (8, 8, 3), "replicated": (10,)}
+
+
+def expected(name: str) -> np.ndarray:
+    shape = SHAPES[name]
+    return np.arange(np.prod(shape), dtype=np.float32).reshape(shape) * (1 + len(name))
+
+
+def main() -> None:
+    coordinator, num, pid, root, mode = sys.argv[1:6]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before jax starts
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=int(num), process_id=int(pid)
+    )
+    devices = np.array(jax.devices())
+    assert devices.size == 4 * int(num), devices
+    if mode != "restore":
+        mesh = Mesh(devices.reshape(2, -1), ("x", "y"))
+        specs = {"w": P("x", "y"), "v": P("y"), "replicated": P()}
+    else:
+        mesh = Mesh(devices.reshape(2, -1).T, ("x", "y"))  # transposed device order
+        specs = {"w": P("y", "x"), "v": P(None, "x"), "replicated": P()}
+    shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+
+    if mode == "fail" and int(pid) == 1:
+        import ckptstore.checkpoint.save as save_module
+
+        async def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("disk on fire")
+
+        save_module.write_leaves = broken  # type: ignore[assignment]
+    if mode in ("save", "fail"):
+        tree = {
+            k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
+            for k in SHAPES
+        }
+        try:
+            result = asyncio.run(ckptstore.save(root, tree, step=1, timeout=60))
+        except (ckptstore.CkptStoreError, RuntimeError) as exc:
+            print(f"failed: {exc}", flush=True)
+        else:
+            print(f"saved {result.bytes_written} of {result.bytes}", flush=True)
+    else:
+        like = {
+            k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=shardings[k]) for k in SHAPES
+        }
+        out = asyncio.run(ckptstore.restore(root, like=like))
+        for k, arr in out.items():
+            assert arr.sharding == shardings[k]
+            for shard in arr.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), expected(k)[shard.index])
+        print("restored ok", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
