@@ -84,5 +84,5 @@ def test_a_failing_process_fails_the_save_everywhere_quickly(tmp_path: Path) -> 
     outputs = run_job(root, "fail")
     assert time.monotonic() - start < 50  # far below the 60 s coordination timeout
     assert outputs[1].startswith("failed: disk on fire")
-    assert outputs[0].startswith("failed: process 1 failed to write: RuntimeError: disk on fire")
+    assert outputs[0].startswith("failed: process 1 failed: RuntimeError: disk on fire")
     assert ckptstore.list_steps_sync(str(root)) == []

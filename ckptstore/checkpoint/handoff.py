@@ -1,0 +1,90 @@
+"""SPMD hand-offs between processes for one save, through the coordination key-value store.
+
+A save alternates two kinds of rounds:
+
+- `Handoff.everyone`: every process does its own work and publishes a JSON report;
+- `Handoff.primary`: process 0 does work (reading the reports with `Handoff.reports`)
+  and publishes the outcome, which every other process waits for.
+
+A failure is published instead of a report or an outcome, so the other processes
+stop at once with the error rather than waiting for a barrier to time out.
+With one process, all of this is in-process bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from ckptstore import distributed
+from ckptstore.errors import CkptStoreError
+
+T = TypeVar("T")
+
+
+def _failure(exc: BaseException) -> str:
+    return json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+
+class Handoff:
+    """The hand-offs of one collective operation (a save, a partial-save step)."""
+
+    def __init__(self, label: str, timeout: float = distributed.DEFAULT_TIMEOUT):
+        self.label = label
+        self.tag = distributed.unique_name(label)
+        self.timeout = timeout
+        self.me = distributed.process_index()
+        self.count = distributed.process_count()
+        self._round = 0
+
+    def _outcome_key(self) -> str:
+        return f"{self.tag}/outcome/{self._round}"
+
+    def _report_key(self, process: int) -> str:
+        return f"{self.tag}/report/{self._round}/{process}"
+
+    async def everyone(self, work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Run this process's share and publish its report (or its failure)."""
+        try:
+            report = await work()
+        except Exception as exc:
+            await distributed.kv_set(self._report_key(self.me), _failure(exc))
+            if self.me == 0:  # the others wait for process 0's next outcome: fail it now
+                await distributed.kv_set(self._outcome_key(), _failure(exc))
+            raise
+        await distributed.kv_set(self._report_key(self.me), json.dumps({"ok": True, **report}))
+        return report
+
+    async def reports(self) -> list[dict[str, Any]]:
+        """On process 0: every process's report of the last `everyone` round, in order."""
+        out = []
+        for i in range(self.count):
+            report = json.loads(await distributed.kv_get(self._report_key(i), self.timeout))
+            if not report.pop("ok"):
+                raise CkptStoreError(f"process {i} failed: {report['error']}")
+            out.append(report)
+        return out
+
+    async def primary(self, work: Callable[[], Awaitable[T]]) -> T | None:
+        """Process 0 runs ``work`` and publishes the outcome; the others wait for it.
+
+        Returns ``work``'s result on process 0 and None elsewhere; raises
+        everywhere if it failed.
+        """
+        key = self._outcome_key()
+        try:
+            if self.me == 0:
+                try:
+                    result = await work()
+                except Exception as exc:
+                    await distributed.kv_set(key, _failure(exc))
+                    raise
+                await distributed.kv_set(key, json.dumps({"ok": True}))
+                return result
+            outcome = json.loads(await distributed.kv_get(key, self.timeout))
+            if not outcome["ok"]:
+                raise CkptStoreError(f"{self.label} failed on process 0: {outcome['error']}")
+            return None
+        finally:
+            self._round += 1
