@@ -70,14 +70,33 @@ KILL_BEFORE_MARKER = textwrap.dedent(
     """
 )
 
-SLOW_SAVE = textwrap.dedent(
+KILL_AT_POINT = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, sys, time
     import numpy as np
     import ckptstore
+    import ckptstore.checkpoint.save as save_module
 
+    point = sys.argv[2]
+    real_write, real_merge = save_module.write_leaves, save_module.merge
+
+    async def write_leaves(*args, **kwargs):
+        task = asyncio.ensure_future(real_write(*args, **kwargs))
+        await asyncio.sleep(0.01)
+        if point == "writing":
+            print("at point", flush=True)
+            time.sleep(60)  # blocks the loop: killed here, mid-write
+        return await task
+
+    async def merge(*args, **kwargs):
+        result = await real_merge(*args, **kwargs)
+        if point == "merged":
+            print("at point", flush=True)
+            time.sleep(60)  # killed after the merge committed, before the manifest
+        return result
+
+    save_module.write_leaves, save_module.merge = write_leaves, merge
     tree = {f"leaf{i}": np.full((512, 1024), i, np.float32) for i in range(64)}
-    print("ready", flush=True)
     asyncio.run(ckptstore.save(sys.argv[1], tree, step=2))
     """
 )
@@ -105,18 +124,18 @@ async def test_writer_killed_before_marker(tmp_path: Path) -> None:
     await check_only_step_one(root)
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.4])
-async def test_writer_killed_mid_save(tmp_path: Path, delay: float) -> None:
+@pytest.mark.parametrize("point", ["writing", "merged"])
+async def test_writer_killed_mid_save(tmp_path: Path, point: str) -> None:
     root = tmp_path / "ckpt"
     await ckptstore.save(str(root), {"x": np.arange(1000) + 1}, step=1)
     proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_SAVE, str(root)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", KILL_AT_POINT, str(root), point], stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    await asyncio.sleep(delay)
+    assert proc.stdout.readline().strip() == "at point"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+    assert (root / "2" / "state" / "ocdbt.process_0").is_dir()  # it was killed mid-save
     await check_only_step_one(root)
 
 
