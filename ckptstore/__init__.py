@@ -4,6 +4,7 @@ The public API on one screen:
 
 - `save`, `restore`, `list_steps` (async) and `save_sync`, `restore_sync`,
   `list_steps_sync`: checkpoints of JAX pytrees, committed atomically.
+- `partial_save(target, step)`: a `PartialSave` session (`add` parts, then `finalize`).
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
@@ -13,6 +14,7 @@ from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
 from ckptstore.backends.registry import load_profile, open_backend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync
+from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
 from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
 from ckptstore.checkpoint.save import SaveResult, save
 from ckptstore.errors import (
@@ -42,11 +44,14 @@ __all__ = [
     "ConfigError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "DuplicateLeafError",
     "IncompleteCheckpointError",
     "InvalidKeyError",
     "InvalidURLError",
     "NotFoundError",
     "ObjectInfo",
+    "Part",
+    "PartialSave",
     "PermissionDeniedError",
     "RetriesExhaustedError",
     "RetryPolicy",
@@ -58,6 +63,7 @@ __all__ = [
     "list_steps_sync",
     "load_profile",
     "open_backend",
+    "partial_save",
     "read_manifest",
     "restore",
     "restore_sync",

@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import tensorstore as ts
@@ -37,11 +37,16 @@ async def merge(
     parent: str,
     children: Sequence[str],
     leaves: Sequence[LeafInfo],
+    clear_before: Mapping[str, Sequence[str]] | None = None,
 ) -> MergeStats:
     """Merge the OCDBT stores at ``children`` into the one at ``parent``, then validate.
 
-    Raises `IncompleteCheckpointError` naming every incomplete leaf; then nothing
-    is committed. Children are copied in order, so a later child's keys win.
+    Children must lie below ``parent`` (OCDBT references their data files by
+    relative path). They are copied in order, so a later child's keys win;
+    ``clear_before[child]`` names leaves whose keys are dropped just before that
+    child is copied (a replaced leaf may have a different chunk grid). Raises
+    `IncompleteCheckpointError` naming every incomplete leaf; then nothing is
+    committed.
     """
     start = time.perf_counter()
     ctx = backend.ts_context
@@ -50,6 +55,8 @@ async def merge(
     view = parent_kv.with_transaction(txn)
     try:
         for child in children:
+            for name in (clear_before or {}).get(child, ()):
+                await view.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0"))
             child_kv = await ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(child)), context=ctx)
             await child_kv.experimental_copy_range_to(view)
         keys = [k.decode() for k in await view.list()]
