@@ -25,7 +25,9 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy ckptstore
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	$(PY) benchmarks/storage.py
+	$(PY) benchmarks/save_restore.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
