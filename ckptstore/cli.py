@@ -3,6 +3,8 @@
     ckptstore ls TARGET                  committed steps with sizes and times
     ckptstore info TARGET [--step N]     the tree: leaves, shapes, dtypes, bytes, shardings
     ckptstore verify TARGET [--step N]   read every chunk, checking its checksum
+    ckptstore import-safetensors SRC DST [--step N] [--map RULES]
+                                         stream a safetensors model into a checkpoint
 
 TARGET is a path, a URL (s3://, gs://, file://) or a ``.toml`` profile.
 """
@@ -23,6 +25,7 @@ from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.restore import committed_steps, read_manifest
 from ckptstore.checkpoint.target import opened
 from ckptstore.errors import CkptStoreError
+from ckptstore.importers.safetensors import import_safetensors
 
 
 def human(nbytes: float) -> str:
@@ -123,6 +126,22 @@ async def cmd_verify(target: str, step: int | None) -> int:
     return 1 if bad else 0
 
 
+async def cmd_import(args: argparse.Namespace) -> int:
+    result = await import_safetensors(
+        args.src,
+        args.dst,
+        step=args.step,
+        rules=args.map,
+        batch_bytes=args.batch_mib << 20,
+        progress=not args.no_progress,
+    )
+    print(
+        f"imported {result.tensors} tensors ({human(result.bytes)}) in {result.parts} parts "
+        f"as step {result.save.step}; skipped {result.skipped}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptstore", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="read every chunk and check its checksum")
     verify.add_argument("target")
     verify.add_argument("--step", type=int)
+    imp = sub.add_parser("import-safetensors", help="stream a safetensors model into a checkpoint")
+    imp.add_argument("src", help="a .safetensors file, a model folder, or its index.json")
+    imp.add_argument("dst", help="checkpoint target (path, URL or .toml profile)")
+    imp.add_argument("--step", type=int, default=0)
+    imp.add_argument("--map", help="TOML rule file: renames, transposes, dtype casts")
+    imp.add_argument("--batch-mib", type=int, default=256, help="tensor bytes per part")
+    imp.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -146,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(cmd_ls(args.target, args.json))
         if args.command == "info":
             return asyncio.run(cmd_info(args.target, args.step, args.json))
+        if args.command == "import-safetensors":
+            return asyncio.run(cmd_import(args))
         return asyncio.run(cmd_verify(args.target, args.step))
     except CkptStoreError as exc:
         print(f"ckptstore: error: {exc}", file=sys.stderr)

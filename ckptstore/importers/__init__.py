@@ -1,0 +1,1 @@
+"""Importers: bring models saved in other formats into ckptstore checkpoints."""

@@ -1,0 +1,201 @@
+"""Streaming safetensors import on every backend, compared tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import ckptstore
+from ckptstore.backends.base import Backend
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.cli import main
+from ckptstore.importers.safetensors import SafetensorsError, find_tensors, import_safetensors
+from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
+
+
+def make_tensors(seed: int = 0, layers: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {
+        "model.embed.weight": rng.standard_normal((64, 16)).astype(ml_dtypes.bfloat16),
+        "lm_head.weight": rng.standard_normal((16, 64)).astype(np.float16),
+        "model.norm.scale": rng.standard_normal(16).astype(np.float32),
+        "model.step": np.array(1234, np.int64),
+        "model.mask": rng.random(8) > 0.5,
+        "model.fp8": rng.standard_normal(12).astype(ml_dtypes.float8_e4m3fn),
+    }
+    for i in range(layers):
+        tensors[f"model.layers.{i}.mlp.up.weight"] = rng.standard_normal((32, 16)).astype(
+            ml_dtypes.bfloat16
+        )
+        tensors[f"model.layers.{i}.mlp.down.weight"] = rng.standard_normal((16, 32)).astype(
+            np.float32
+        )
+    return tensors
+
+
+def write_sharded(folder: Path, tensors: dict[str, np.ndarray], shards: int = 3) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        mine = names[s::shards]
+        save_file({n: tensors[n] for n in mine}, str(folder / file))
+        weight_map.update({n: file for n in mine})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
+    )
+    return folder
+
+
+def lookup(tree: dict[str, Any], dotted: str, sep: str = ".") -> Any:
+    node: Any = tree
+    for key in dotted.split(sep):
+        node = node[key]
+    return node
+
+
+def assert_bit_exact(a: np.ndarray, b: np.ndarray) -> None:
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+async def test_sharded_model_roundtrips_bit_exact(any_backend: Backend, tmp_path: Path) -> None:
+    tensors = make_tensors()
+    folder = write_sharded(tmp_path / "model", tensors)
+    result = await import_safetensors(folder, any_backend, step=1, batch_bytes=4096)
+    assert result.tensors == len(tensors) and result.skipped == 0
+    assert result.parts > 3  # small batches: many parts
+    restored = await ckptstore.restore(any_backend, step=1)
+    for name, value in tensors.items():
+        assert_bit_exact(lookup(restored, name), value)
+
+
+async def test_rules_rename_transpose_cast_skip(any_backend: Backend, tmp_path: Path) -> None:
+    tensors = make_tensors(layers=2)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    rules = tmp_path / "rules.toml"
+    rules.write_text(
+        textwrap.dedent(
+            r"""
+            [[rule]]
+            match = 'model\.layers\.(\d+)\.mlp\.(\w+)\.weight'
+            path = 'layers/\1/\2/kernel'
+            transpose = true
+            [[rule]]
+            match = 'model\.norm\.scale'
+            path = 'final_norm/scale'
+            dtype = "bfloat16"
+            [[rule]]
+            match = 'lm_head\..*'
+            skip = true
+            """
+        )
+    )
+    result = await import_safetensors(tmp_path / "model.safetensors", any_backend, rules=rules)
+    assert result.skipped == 1
+    out = await ckptstore.restore(any_backend)
+    for i in range(2):
+        for kind in ("up", "down"):
+            want = tensors[f"model.layers.{i}.mlp.{kind}.weight"].T
+            assert_bit_exact(out["layers"][str(i)][kind]["kernel"], np.ascontiguousarray(want))
+    assert_bit_exact(
+        out["final_norm"]["scale"], tensors["model.norm.scale"].astype(ml_dtypes.bfloat16)
+    )
+    assert "lm_head" not in out
+    assert_bit_exact(out["model"]["embed"]["weight"], tensors["model.embed.weight"])
+
+
+async def test_interrupted_import_resumes(any_backend: Backend, tmp_path: Path) -> None:
+    tensors = make_tensors(layers=6)
+    folder = write_sharded(tmp_path / "model", tensors)
+    faulty = FaultyBackend(
+        any_backend, fail_on={4}, ops={"create"}, error="permanent", retry=RetryPolicy(1)
+    )
+    with pytest.raises(InjectedPermanentFault):
+        await import_safetensors(folder, faulty, step=2, batch_bytes=2048)
+    assert await ckptstore.list_steps(any_backend) == []
+
+    result = await import_safetensors(folder, any_backend, step=2, batch_bytes=2048)
+    assert result.skipped > 0  # the completed parts were kept
+    assert result.tensors + result.skipped == len(tensors)
+    restored = await ckptstore.restore(any_backend, step=2)
+    for name, value in tensors.items():
+        assert_bit_exact(lookup(restored, name), value)
+
+
+def test_sources_and_bad_input(tmp_path: Path) -> None:
+    tensors = make_tensors(layers=1)
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    save_file(dict(list(tensors.items())[:3]), str(folder / "a.safetensors"))
+    save_file(dict(list(tensors.items())[3:]), str(folder / "b.safetensors"))
+    assert sorted(r.name for r in find_tensors(folder)) == sorted(tensors)
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(SafetensorsError, match="impossible"):
+        find_tensors(tmp_path / "junk.safetensors")
+    with pytest.raises(SafetensorsError, match="no such file"):
+        find_tensors(tmp_path / "missing.safetensors")
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes((folder / "a.safetensors").read_bytes()[:-10])
+    with pytest.raises(SafetensorsError, match="inconsistent"):
+        find_tensors(truncated)
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tensors = make_tensors(layers=1)
+    folder = write_sharded(tmp_path / "model", tensors, shards=2)
+    dst = str(tmp_path / "ckpt")
+    assert main(["import-safetensors", str(folder), dst, "--step", "5", "--no-progress"]) == 0
+    assert f"imported {len(tensors)} tensors" in capsys.readouterr().out
+    restored = ckptstore.restore_sync(dst, step=5)
+    assert_bit_exact(restored["model"]["embed"]["weight"], tensors["model.embed.weight"])
+
+
+MEMORY_PROBE = textwrap.dedent(
+    """
+    import asyncio, resource, sys
+    from ckptstore.importers.safetensors import import_safetensors
+
+    def peak_mib():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    async def main():
+        base = peak_mib()
+        await import_safetensors(sys.argv[1], sys.argv[2], batch_bytes=16 << 20)
+        print(peak_mib() - base)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_peak_memory_is_bounded_by_batch_not_model(tmp_path: Path) -> None:
+    folder = tmp_path / "big"
+    folder.mkdir()
+    rng = np.random.default_rng(3)
+    for s in range(8):  # 8 shards x 4 tensors x 8 MiB = 256 MiB
+        save_file(
+            {f"layer{s}.t{i}": rng.standard_normal(2 << 20, dtype=np.float32) for i in range(4)},
+            str(folder / f"shard{s}.safetensors"),
+        )
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(folder), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    added = float(proc.stdout.split()[-1])
+    # largest tensor (8 MiB) + batch (16 MiB) + TensorStore's working buffers; the model is 256.
+    assert added < 96, f"import added {added:.0f} MiB of peak RSS for a 256 MiB model"
