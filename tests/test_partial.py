@@ -16,6 +16,7 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.retry import RetryPolicy
+from ckptstore.checkpoint.target import opened
 from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
 
 
@@ -180,10 +181,32 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
 )
 
 
-async def test_killed_importer_resumes_to_the_same_checkpoint(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
+def shared_target(kind: str, request: pytest.FixtureRequest, tmp_path: Path, name: str) -> str:
+    """A target another process can open too: a path, or a profile naming an emulator."""
+    if kind == "local":
+        return str(tmp_path / name)
+    if kind == "s3":
+        server, bucket = (
+            request.getfixturevalue("moto_server"),
+            request.getfixturevalue("s3_bucket"),
+        )
+        url, options = f"s3://{bucket}/{name}", 'credentials = "env"'
+    else:
+        server = request.getfixturevalue("fake_gcs_server")
+        bucket = request.getfixturevalue("gcs_bucket")
+        url, options = f"gs://{bucket}/{name}", 'credentials = "anonymous"'
+    profile = tmp_path / f"{name}.toml"
+    profile.write_text(f'url = "{url}"\n[options]\nendpoint = "{server.endpoint}"\n{options}\n')
+    return str(profile)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+async def test_killed_importer_resumes_to_the_same_checkpoint(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    target = shared_target(kind, request, tmp_path, "ckpt")
     proc = subprocess.Popen(
-        [sys.executable, "-c", IMPORTER_KILLED_MID_PART, str(root)],
+        [sys.executable, "-c", IMPORTER_KILLED_MID_PART, target],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parents[1],
@@ -194,21 +217,25 @@ async def test_killed_importer_resumes_to_the_same_checkpoint(tmp_path: Path) ->
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
 
-    session = await ckptstore.partial_save(str(root), step=7)
+    assert await ckptstore.list_steps(target) == []
+    session = await ckptstore.partial_save(target, step=7)
     assert [p.index for p in session.parts] == [0, 1, 2]
     assert session.discarded == [3]
     for k in range(3, 6):
         await session.add(part_tree(k))
     await session.finalize()
-    assert_trees_equal(await ckptstore.restore(str(root)), combined(6))
+    assert_trees_equal(await ckptstore.restore(target), combined(6))
 
     # The same as a run that was never interrupted.
-    clean = tmp_path / "clean"
-    async with await ckptstore.partial_save(str(clean), step=7) as uninterrupted:
+    clean = shared_target(kind, request, tmp_path, "clean")
+    async with await ckptstore.partial_save(clean, step=7) as uninterrupted:
         for k in range(6):
             await uninterrupted.add(part_tree(k))
         await uninterrupted.finalize()
-    m1 = await ckptstore.read_manifest(ckptstore.open_backend(str(root)), 7)
-    m2 = await ckptstore.read_manifest(ckptstore.open_backend(str(clean)), 7)
-    assert m1.items["state"].leaves == m2.items["state"].leaves
-    assert m1.items["state"].structure == m2.items["state"].structure
+    manifests = []
+    for t in (target, clean):
+        async with opened(t) as backend:
+            manifests.append(await ckptstore.read_manifest(backend, 7))
+    first, second = (m.items["state"] for m in manifests)
+    assert first.leaves == second.leaves
+    assert first.structure == second.structure
