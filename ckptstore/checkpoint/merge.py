@@ -10,6 +10,7 @@ the single commit, the uncommitted view is validated: every leaf needs its
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -54,10 +55,12 @@ async def merge(
     txn = ts.Transaction(atomic=True)
     view = parent_kv.with_transaction(txn)
     try:
-        for child in children:
+        child_kvs = await asyncio.gather(  # opening reads each manifest: do it concurrently
+            *(ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(c)), context=ctx) for c in children)
+        )
+        for child, child_kv in zip(children, child_kvs, strict=True):  # in order: later wins
             for name in (clear_before or {}).get(child, ()):
                 await view.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0"))
-            child_kv = await ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(child)), context=ctx)
             await child_kv.experimental_copy_range_to(view)
         keys = [k.decode() for k in await view.list()]
         problems = await validate(view, keys, leaves)
@@ -109,16 +112,18 @@ async def validate(
             present[leaf].add(rest)
 
     problems: dict[str, str] = {}
+    complete = [info for info in leaves if "zarr.json" in present.get(info.name, set())]
     for info in leaves:
-        have = present.get(info.name, set())
-        if "zarr.json" not in have:
+        if "zarr.json" not in present.get(info.name, set()):
             problems[info.name] = "zarr.json missing"
-            continue
-        meta = json.loads((await view.read(f"{info.name}/zarr.json")).value)
+    metas = await asyncio.gather(*(view.read(f"{info.name}/zarr.json") for info in complete))
+    for info, meta_read in zip(complete, metas, strict=True):
+        meta = json.loads(meta_read.value)
         stored = (tuple(meta.get("shape", ())), meta.get("data_type"))
         if stored != (info.shape, info.dtype):
             problems[info.name] = f"zarr.json says {stored[1]}{list(stored[0])}"
             continue
+        have = present[info.name]
         missing = [c for c in expected_chunks(info) if c not in have]
         if missing:
             total = sum(1 for _ in expected_chunks(info))
