@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	$(PY) benchmarks/storage.py
 	$(PY) benchmarks/save_restore.py
+	$(PY) benchmarks/partial.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmarks for ckptstore (run as scripts: ``python benchmarks/storage.py``)."""

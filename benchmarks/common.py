@@ -1,0 +1,444 @@
+"""Helpers shared by the benchmarks: timing, interleaved repetitions, statistics,
+scratch directories that are always removed, machine info and result files.
+
+Figures on a shared 2-core VM vary ~2x from run to run, so every benchmark here
+measures a contender and its baseline in the same run, alternating them, and
+reports the ratio of medians rather than absolute speeds alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+MiB = 1 << 20
+GiB = 1 << 30
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+T = TypeVar("T")
+
+
+# ---- timing and statistics ------------------------------------------------------------
+
+
+class Timer:
+    """``with Timer() as t: ...`` then ``t.seconds`` (wall clock, `time.perf_counter`)."""
+
+    seconds: float = 0.0
+
+    def __enter__(self) -> Timer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start
+
+
+@dataclass
+class Stats:
+    """Repeated timings of one measurement (seconds), summarised by median, min and max."""
+
+    runs: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def min(self) -> float:
+        return min(self.runs)
+
+    @property
+    def max(self) -> float:
+        return max(self.runs)
+
+    def to_json(self, nbytes: int | None = None) -> dict[str, Any]:
+        """Raw runs plus summary; with ``nbytes`` also throughputs in GB/s (10^9 B/s)."""
+        out: dict[str, Any] = {
+            "runs_s": [round(r, 6) for r in self.runs],
+            "median_s": round(self.median, 6),
+            "min_s": round(self.min, 6),
+            "max_s": round(self.max, 6),
+        }
+        if nbytes is not None:
+            out["median_gbps"] = round(gbps(nbytes, self.median), 4)
+            out["best_gbps"] = round(gbps(nbytes, self.min), 4)
+            out["worst_gbps"] = round(gbps(nbytes, self.max), 4)
+        return out
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Throughput in GB/s (decimal gigabytes, as dd reports)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+Runner = Callable[[], Awaitable[float]]
+
+
+async def interleave(
+    reps: int, runners: Sequence[Runner], *, min_seconds: float = 0.0, max_reps: int = 0
+) -> list[Stats]:
+    """Run each runner at least ``reps`` times, rotating which goes first every repetition.
+
+    A runner does its own untimed set-up and returns the seconds of its timed
+    part, so slow drift (write-back, other tenants) hits every contender alike.
+    The number of repetitions is a multiple of ``len(runners)``, so each runner
+    holds each position equally often. With ``min_seconds``, short operations
+    get more repetitions (up to about ``max_reps``) until every runner has been
+    timed for that long in total.
+    """
+    stats = [Stats() for _ in runners]
+    n = len(runners)
+    rep = 0
+    while (
+        rep < reps or rep % n or (rep < max_reps and min(sum(s.runs) for s in stats) < min_seconds)
+    ):
+        for k in range(n):
+            i = (rep + k) % n
+            stats[i].runs.append(await runners[i]())
+        rep += 1
+    return stats
+
+
+async def nothing() -> None:
+    """The default ``before`` of `timed`: no set-up."""
+
+
+def timed(
+    op: Callable[[], Awaitable[Any]],
+    *,
+    before: Callable[[], Awaitable[Any]] = nothing,
+    after: Callable[[Any], None] | None = None,
+) -> Runner:
+    """A runner for `interleave`: ``op()`` timed; ``before()`` and ``after(result)`` untimed."""
+
+    async def run() -> float:
+        await before()
+        with Timer() as t:
+            result = await op()
+        if after is not None:
+            after(result)
+        del result
+        return t.seconds
+
+    return run
+
+
+# ---- contender vs baselines -------------------------------------------------------------
+
+
+@dataclass
+class Baseline:
+    """One raw baseline of a measurement, with the floor ckptstore must reach (if any)."""
+
+    name: str
+    stats: Stats
+    floor: float | None = None
+
+
+@dataclass
+class Measurement:
+    """ckptstore's timings of one operation on ``nbytes`` and the baselines it faces."""
+
+    backend: str
+    op: str
+    nbytes: int
+    contender: str
+    stats: Stats
+    baselines: list[Baseline] = field(default_factory=list)
+
+
+def ratio(m: Measurement, b: Baseline) -> float:
+    """ckptstore throughput / baseline throughput, from median times (>1: ckptstore faster)."""
+    return b.stats.median / m.stats.median
+
+
+def verdict(m: Measurement, b: Baseline) -> str:
+    """PASS or FAIL against the baseline's floor; "info" if it has none."""
+    if b.floor is None:
+        return "info"
+    return "PASS" if ratio(m, b) >= b.floor else "FAIL"
+
+
+def failed_floors(results: Sequence[Measurement]) -> list[str]:
+    return [
+        f"{m.backend} {m.op} vs {b.name}"
+        for m in results
+        for b in m.baselines
+        if verdict(m, b) == "FAIL"
+    ]
+
+
+def _gbps_range(nbytes: int, stats: Stats) -> str:
+    median, lo, hi = (gbps(nbytes, s) for s in (stats.median, stats.max, stats.min))
+    return f"{median:.2f} ({lo:.2f}-{hi:.2f})"
+
+
+def comparison_table(results: Sequence[Measurement]) -> str:
+    """One row per (measurement, baseline): median GB/s (worst-best), ratio, floor, verdict."""
+    headers = "backend op size reps ckptstore_GB/s baseline baseline_GB/s ratio floor verdict"
+    rows = [
+        [
+            m.backend,
+            m.op,
+            f"{m.nbytes // MiB} MiB",
+            str(len(m.stats.runs)),
+            _gbps_range(m.nbytes, m.stats),
+            b.name,
+            _gbps_range(m.nbytes, b.stats),
+            f"{ratio(m, b):.2f}x",
+            "-" if b.floor is None else f">= {b.floor:.1f}x",
+            verdict(m, b),
+        ]
+        for m in results
+        for b in m.baselines
+    ]
+    return markdown_table([h.replace("_", " ") for h in headers.split()], rows)
+
+
+def measurements_json(results: Sequence[Measurement]) -> list[dict[str, Any]]:
+    """Every raw timing, the medians, min/max, throughputs, ratios and verdicts."""
+    return [
+        {
+            "backend": m.backend,
+            "op": m.op,
+            "bytes": m.nbytes,
+            "contender": m.contender,
+            "ckptstore": m.stats.to_json(m.nbytes),
+            "baselines": [
+                {
+                    "name": b.name,
+                    **b.stats.to_json(m.nbytes),
+                    "ratio": round(ratio(m, b), 4),
+                    "floor": b.floor,
+                    "verdict": verdict(m, b),
+                }
+                for b in m.baselines
+            ],
+        }
+        for m in results
+    ]
+
+
+# ---- scratch space and clean-up ---------------------------------------------------------
+
+
+def _same_device(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_dev == b.stat().st_dev
+    except OSError:
+        return False
+
+
+def pick_scratch_base(near: Path = REPO) -> Path:
+    """``/var/tmp`` or ``/tmp`` if on the same filesystem as ``near``, else ``near``'s parent."""
+    for base in (Path("/var/tmp"), Path("/tmp")):
+        if base.is_dir() and os.access(base, os.W_OK) and _same_device(base, near):
+            return base
+    return near.parent
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, base: Path | None = None) -> Iterator[Path]:
+    """A fresh directory under ``base`` (default: `pick_scratch_base`), removed on any exit."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base or pick_scratch_base()))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into `KeyboardInterrupt` so ``finally`` clean-up runs on ``kill`` too."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run`, where SIGTERM cancels the main task as Ctrl-C does.
+
+    Cancellation lets every ``finally`` / ``async with`` clean-up (buckets,
+    servers, temporary files) run on the loop; either signal then surfaces as
+    `KeyboardInterrupt`.
+    """
+
+    async def guarded() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        previous = signal.getsignal(signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await main
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, previous)
+
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt("SIGTERM") from None
+
+
+# ---- reporting ------------------------------------------------------------------------
+
+
+def utc_timestamp() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _read_first(path: str, prefix: str) -> str | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(prefix):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _filesystem(path: Path) -> dict[str, str]:
+    try:
+        out = subprocess.run(
+            ["df", "--output=source,fstype,size", "-B1", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()[-1]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return {}
+    source, fstype, size = out.split()
+    return {"path": str(path), "device": source, "fstype": fstype, "size_bytes": size}
+
+
+def machine_info(packages: Iterable[str], scratch: Path | None = None) -> dict[str, Any]:
+    """Cores, memory, CPU, OS, Python, package versions and the scratch filesystem."""
+    versions: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    mem = _read_first("/proc/meminfo", "MemTotal")
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _read_first("/proc/cpuinfo", "model name"),
+        "mem_total_kib": int(mem.split()[0]) if mem else None,
+        "load_avg_at_start": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "packages": versions,
+    }
+    if scratch is not None:
+        info["scratch_fs"] = _filesystem(scratch)
+    return info
+
+
+def write_results(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON, atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A pipe table, column-aligned so it reads well in a terminal and in Markdown."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=False)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+# ---- emulators --------------------------------------------------------------------------
+
+_MOTO_CHILD = """
+import sys
+from ckptstore.testing.servers import MotoS3Server
+with MotoS3Server() as server:
+    print(server.endpoint, flush=True)
+    sys.stdin.read()  # until the parent closes stdin (or dies)
+"""
+
+
+class MotoProcess:
+    """`ckptstore.testing.servers.MotoS3Server` run in a child process.
+
+    In-process, moto's threaded server would share this interpreter's GIL with
+    the client being measured; a child process behaves like a real server. The
+    child's temporary files (moto spools objects over 5 MiB to disk) go to
+    ``tmpdir``; it exits when its stdin closes, so it cannot outlive us.
+    """
+
+    def __init__(self, tmpdir: Path) -> None:
+        self.tmpdir = tmpdir
+        self.endpoint = ""
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> MotoProcess:
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, TMPDIR=str(self.tmpdir), JAX_PLATFORMS="cpu")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _MOTO_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the child ourselves
+        )
+        try:
+            assert self._proc.stdout is not None
+            line = self._proc.stdout.readline().strip()
+            if not line.startswith("http://"):
+                raise RuntimeError(f"moto child did not start (exit code {self._proc.poll()})")
+            self.endpoint = line
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -1,0 +1,28 @@
+"""`benchmarks/save_restore.py --quick` runs end to end (64 MiB, no result file)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_save_restore_benchmark_quick_run() -> None:
+    script = REPO / "benchmarks" / "save_restore.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--no-write-results"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for row in ("vs dd direct+fsync", "vs Orbax + fsync", "restore (cold)", "peak memory", "merge"):
+        assert row in out, out
+    assert "floors:" in out
+    scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
+    assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
