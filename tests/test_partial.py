@@ -89,9 +89,13 @@ async def test_duplicate_leaves_and_replacement(any_backend: Backend) -> None:
     # Replacement with another shape (another chunk grid) and dtype: the later part wins.
     await session.add({"a": {"x": np.arange(100, dtype=np.int8).reshape(4, 25)}}, replace=True)
     await session.add({"b": np.zeros(2)})
+    await session.add({"a": {"x": np.full((3, 3), 7, np.float32)}}, replace=True)
+    await session.add({"c": np.ones(1)})
+    await session.add({"a": {"x": np.arange(100, dtype=np.int8).reshape(4, 25)}}, replace=True)
     await session.finalize()
     out = await ckptstore.restore(any_backend)
     np.testing.assert_array_equal(out["a"]["x"], np.arange(100, dtype=np.int8).reshape(4, 25))
+    np.testing.assert_array_equal(out["c"], np.ones(1))
     np.testing.assert_array_equal(out["a"]["y"], np.ones(3))
     np.testing.assert_array_equal(out["b"], np.zeros(2))
 

@@ -43,9 +43,10 @@ async def merge(
     """Merge the OCDBT stores at ``children`` into the one at ``parent``, then validate.
 
     Children must lie below ``parent`` (OCDBT references their data files by
-    relative path). They are copied in order, so a later child's keys win;
-    ``clear_before[child]`` names leaves whose keys are dropped just before that
-    child is copied (a replaced leaf may have a different chunk grid). Raises
+    relative path). They are copied concurrently, so their keys must not
+    overlap, except that ``clear_before[child]`` names leaves whose keys are
+    dropped once every earlier child is copied and before ``child`` is (a later
+    part replacing a leaf, maybe with another chunk grid). Raises
     `IncompleteCheckpointError` naming every incomplete leaf; then nothing is
     committed.
     """
@@ -58,10 +59,16 @@ async def merge(
         child_kvs = await asyncio.gather(  # opening reads each manifest: do it concurrently
             *(ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(c)), context=ctx) for c in children)
         )
-        for child, child_kv in zip(children, child_kvs, strict=True):  # in order: later wins
-            for name in (clear_before or {}).get(child, ()):
-                await view.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0"))
-            await child_kv.experimental_copy_range_to(view)
+        segment: list[ts.KvStore] = []
+        for child, child_kv in zip(children, child_kvs, strict=True):
+            cleared = (clear_before or {}).get(child, ())
+            if cleared:  # everything before this child lands first, then the leaves go
+                await _copy_all(segment, view)
+                segment = []
+                for name in cleared:
+                    await view.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0"))
+            segment.append(child_kv)
+        await _copy_all(segment, view)
         keys = [k.decode() for k in await view.list()]
         problems = await validate(view, keys, leaves)
         if problems:
@@ -74,6 +81,10 @@ async def merge(
             txn.abort()
         raise
     return MergeStats(stores=len(children), keys=len(keys), seconds=time.perf_counter() - start)
+
+
+async def _copy_all(children: Sequence[ts.KvStore], view: ts.KvStore) -> None:
+    await asyncio.gather(*(child.experimental_copy_range_to(view) for child in children))
 
 
 def expected_chunks(info: LeafInfo) -> Iterable[str]:
@@ -116,7 +127,10 @@ async def validate(
     for info in leaves:
         if "zarr.json" not in present.get(info.name, set()):
             problems[info.name] = "zarr.json missing"
-    metas = await asyncio.gather(*(view.read(f"{info.name}/zarr.json") for info in complete))
+    batch = ts.Batch()  # one batch lets OCDBT share B-tree node reads between the lookups
+    reads = [view.read(f"{info.name}/zarr.json", batch=batch) for info in complete]
+    batch.submit()
+    metas = await asyncio.gather(*reads)
     for info, meta_read in zip(complete, metas, strict=True):
         meta = json.loads(meta_read.value)
         stored = (tuple(meta.get("shape", ())), meta.get("data_type"))
