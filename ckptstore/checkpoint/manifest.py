@@ -59,7 +59,7 @@ class Manifest:
                 for name, item in self.items.items()
             },
         }
-        return json.dumps(doc, indent=1, sort_keys=False).encode()
+        return json.dumps(doc, separators=(",", ":")).encode()  # C encoder: no indent
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
