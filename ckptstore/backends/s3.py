@@ -47,6 +47,8 @@ MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
+#: botocore needs each part as bytes (a copy): this bounds the copies alive at once.
+PART_BYTES_IN_FLIGHT = 256 * MiB
 
 CREDENTIAL_SOURCES = ("default", "env", "anonymous", "profile")
 
@@ -188,7 +190,8 @@ class S3Backend(Backend):
                 **kwargs,
             )
             fs.retries = 1
-            self._fs, self._loop, self._parts = fs, loop, asyncio.Semaphore(self.concurrency)
+            parts_in_flight = min(self.concurrency, max(1, PART_BYTES_IN_FLIGHT // self.part_size))
+            self._fs, self._loop, self._parts = fs, loop, asyncio.Semaphore(parts_in_flight)
         return self._fs
 
     def _session(self) -> Any:
@@ -312,7 +315,10 @@ class S3Backend(Backend):
             raise
 
     async def _multipart(self, op: str, key: str, view: memoryview, *, create: bool) -> None:
-        """Upload ``view`` in parts, at most ``concurrency`` in flight; abort on any failure."""
+        """Upload ``view`` in parts, at most ``concurrency`` (and 256 MiB) in flight.
+
+        A failure aborts the upload.
+        """
         full = self._full(key)
         size = view.nbytes
         part_size = max(self.part_size, math.ceil(size / MAX_PARTS))
