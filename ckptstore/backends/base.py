@@ -237,3 +237,15 @@ def slice_range(data: bytes, start: int | None, end: int | None) -> bytes:
     if start is None and end is None:
         return data
     return data[start or 0 : end]
+
+
+def is_empty_range(start: int | None, end: int | None) -> bool:
+    """Whether ``[start, end)`` selects no bytes whatever the object's size."""
+    return end is not None and end <= (start or 0)
+
+
+def http_range(start: int | None, end: int | None) -> str | None:
+    """The HTTP ``Range`` value for ``[start, end)``; None for the whole object."""
+    if start is None and end is None:
+        return None
+    return f"bytes={start or 0}-" + ("" if end is None else str(end - 1))

@@ -36,8 +36,14 @@ from ckptstore.backends._errors import (
     redact_url,
     transport_error,
 )
-from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
-from ckptstore.backends.keys import join, validate_prefix
+from ckptstore.backends.base import (
+    Backend,
+    Capabilities,
+    ObjectInfo,
+    http_range,
+    is_empty_range,
+)
+from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError
 
@@ -243,19 +249,17 @@ class GcsBackend(Backend):
         return f"{self._location}/storage/v1/b/{quote(self.bucket, safe='')}/o/{name}"
 
     def _dir(self, prefix: str) -> str:
-        full = join(self.root, prefix) if prefix else self.root
-        return f"{full}/" if full else ""
+        return dir_prefix(self.root, prefix)
 
     # ---- operations --------------------------------------------------------------------
 
     async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
+        if is_empty_range(start, end):
+            await self._stat(key)  # still NotFoundError for a missing key
+            return b""
         headers: dict[str, str] = {}
-        if start is not None or end is not None:
-            first = start or 0
-            if end is not None and end <= first:
-                await self._stat(key)  # still NotFoundError for a missing key
-                return b""
-            headers["Range"] = f"bytes={first}-" + ("" if end is None else str(end - 1))
+        if (value := http_range(start, end)) is not None:
+            headers["Range"] = value
         status, _, body = await self._request(
             "read",
             key,

@@ -40,6 +40,12 @@ def join(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
+def dir_prefix(root: str, prefix: str) -> str:
+    """The object-name prefix (ending in ``/``) of a directory-like ``prefix`` below ``root``."""
+    full = join(root, prefix) if prefix else root
+    return f"{full}/" if full else ""
+
+
 def _check_segments(path: str, *, what: str, original: str | None = None) -> None:
     shown = original if original is not None else path
     if "\x00" in path:

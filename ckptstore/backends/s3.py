@@ -38,8 +38,14 @@ from ckptstore.backends._errors import (
     redact_url,
     transport_error,
 )
-from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
-from ckptstore.backends.keys import join, validate_prefix
+from ckptstore.backends.base import (
+    Backend,
+    Capabilities,
+    ObjectInfo,
+    http_range,
+    is_empty_range,
+)
+from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
 
@@ -259,19 +265,17 @@ class S3Backend(Backend):
 
     def _dir(self, prefix: str) -> str:
         """The S3 key prefix of a directory-like ``prefix`` ("" for the bucket root)."""
-        full = join(self.root, prefix) if prefix else self.root
-        return f"{full}/" if full else ""
+        return dir_prefix(self.root, prefix)
 
     # ---- operations --------------------------------------------------------------------
 
     async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
+        if is_empty_range(start, end):
+            await self._stat(key)  # still NotFoundError for a missing key
+            return b""
         extra: dict[str, Any] = {}
-        if start is not None or end is not None:
-            first = start or 0
-            if end is not None and end <= first:
-                await self._stat(key)  # still NotFoundError for a missing key
-                return b""
-            extra["Range"] = f"bytes={first}-" + ("" if end is None else str(end - 1))
+        if (value := http_range(start, end)) is not None:
+            extra["Range"] = value
         try:
             resp = await self._call("read", key, "get_object", Key=self._full(key), **extra)
             async with resp["Body"] as body:
