@@ -1,7 +1,8 @@
 """One process of a multi-process test job (run by tests/test_multiprocess.py).
 
 Usage: mp_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT MODE
-MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "fail" does the same but
+MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "partial" builds the same
+tree as step 2 through a partial save, one part per leaf; "fail" saves like "save" but
 process 1 fails while writing; "restore" restores it on a transposed (4, 2) mesh and checks
 every addressable shard.
 """
@@ -51,7 +52,21 @@ def main() -> None:
             raise RuntimeError("disk on fire")
 
         save_module.write_leaves = broken  # type: ignore[assignment]
-    if mode in ("save", "fail"):
+    if mode == "partial":
+        tree = {
+            k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
+            for k in SHAPES
+        }
+
+        async def build() -> None:
+            session = await ckptstore.partial_save(root, step=2, timeout=60)
+            for k, value in tree.items():  # one part per leaf, each written by both processes
+                await session.add({k: value})
+            await session.finalize()
+
+        asyncio.run(build())
+        print("partial ok", flush=True)
+    elif mode in ("save", "fail"):
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
             for k in SHAPES

@@ -86,3 +86,17 @@ def test_a_failing_process_fails_the_save_everywhere_quickly(tmp_path: Path) -> 
     assert outputs[1].startswith("failed: disk on fire")
     assert outputs[0].startswith("failed: process 1 failed: RuntimeError: disk on fire")
     assert ckptstore.list_steps_sync(str(root)) == []
+
+
+def test_two_processes_build_a_step_from_partial_saves(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    assert run_job(root, "partial") == ["partial ok\n", "partial ok\n"]
+    stores = [p.name for p in (root / "2" / "state").glob("pending_*/ocdbt.process_*")]
+    # Process 0 writes every part; process 1 only "w": of "v" and "replicated" it holds no
+    # replica-0 shard (the mesh's first row, replica 0, is process 0's devices).
+    assert sorted(stores) == ["ocdbt.process_0"] * len(SHAPES) + ["ocdbt.process_1"]
+    manifest = json.loads((root / "2" / "manifest.json").read_text())
+    assert len(manifest["processes"]) == 2 * len(SHAPES)
+    out = ckptstore.restore_sync(str(root), step=2)
+    for k in SHAPES:
+        np.testing.assert_array_equal(out[k], expected(k))
