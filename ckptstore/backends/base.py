@@ -10,6 +10,7 @@ every backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -172,6 +173,13 @@ class Backend(ABC):
             ctx = ts.Context()
             self._ts_context = ctx
         return ctx
+
+    def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
+        """A context to hold while writing below ``prefix`` through TensorStore.
+
+        Backends with a local page cache drop written data from it; others do nothing.
+        """
+        return contextlib.nullcontext()
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""

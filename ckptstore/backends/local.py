@@ -10,6 +10,7 @@ resolve inside the root, symlinks included.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -26,6 +27,7 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
 from ckptstore.backends.keys import TEMP_MARKER, join, validate_prefix
+from ckptstore.backends.pagecache import PageCacheEvictor
 from ckptstore.errors import (
     AlreadyExistsError,
     InvalidKeyError,
@@ -51,10 +53,18 @@ class LocalBackend(Backend):
         atomic_rename=True, conditional_create=True, server_side_copy=True, durable_writes=True
     )
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True, **options: Any):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        drop_cache: bool = True,
+        **options: Any,
+    ):
         super().__init__(**options)
         self.root = Path(os.path.abspath(root))
         self.fsync = fsync
+        self.drop_cache = drop_cache
         self._real_root: str | None = None
 
     @property
@@ -79,6 +89,16 @@ class LocalBackend(Backend):
             )
             self._ts_context = ctx
         return ctx
+
+    def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
+        """Drop written files below ``prefix`` from the page cache (see `pagecache`).
+
+        Only with ``fsync`` (written data goes to disk anyway) and ``drop_cache``.
+        """
+        if not (self.fsync and self.drop_cache):
+            return contextlib.nullcontext()
+        norm = validate_prefix(prefix)
+        return PageCacheEvictor(self.root / norm if norm else self.root)
 
     # ---- paths ----
 

@@ -36,7 +36,7 @@ PROFILE_ENV = "CKPTSTORE_PROFILE"
 
 _COMMON = {"concurrency", "retry"}
 _OPTIONS: dict[str, set[str]] = {
-    "local": _COMMON | {"fsync"},
+    "local": _COMMON | {"fsync", "drop_cache"},
     "memory": _COMMON,
     "s3": _COMMON
     | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},

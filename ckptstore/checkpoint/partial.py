@@ -212,13 +212,14 @@ class PartialSave:
 
         async def write_mine() -> dict[str, Any]:
             store = layout.pending_store(self.step, self.item, index, handoff.me)
-            stats = await write_leaves(
-                ocdbt_spec(self.backend.kvstore_spec(store)),
-                self.backend.ts_context,
-                list(zip(infos, (value for _, value in named), strict=True)),
-                process=handoff.me,
-                write_metadata=handoff.me == 0,
-            )
+            with self.backend.write_behind(store):
+                stats = await write_leaves(
+                    ocdbt_spec(self.backend.kvstore_spec(store)),
+                    self.backend.ts_context,
+                    list(zip(infos, (value for _, value in named), strict=True)),
+                    process=handoff.me,
+                    write_metadata=handoff.me == 0,
+                )
             return stats.to_json()
 
         await handoff.everyone(write_mine)

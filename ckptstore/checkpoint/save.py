@@ -81,13 +81,15 @@ async def _save(
     await handoff.primary(lambda: remove_leftovers(backend, layout.step_dir(step)))
 
     async def write_mine() -> dict[str, Any]:
-        stats = await write_leaves(
-            ocdbt_spec(backend.kvstore_spec(layout.process_store(step, item, handoff.me))),
-            backend.ts_context,
-            list(zip(leaves, (value for _, value in named), strict=True)),
-            process=handoff.me,
-            write_metadata=handoff.me == 0,
-        )
+        store = layout.process_store(step, item, handoff.me)
+        with backend.write_behind(store):
+            stats = await write_leaves(
+                ocdbt_spec(backend.kvstore_spec(store)),
+                backend.ts_context,
+                list(zip(leaves, (value for _, value in named), strict=True)),
+                process=handoff.me,
+                write_metadata=handoff.me == 0,
+            )
         return stats.to_json()
 
     mine = await handoff.everyone(write_mine)

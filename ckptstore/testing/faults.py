@@ -9,6 +9,7 @@ real backend uses is what handles the injected faults.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar
@@ -84,6 +85,9 @@ class FaultyBackend(Backend):
     @property
     def ts_context(self) -> ts.Context:
         return self.inner.ts_context
+
+    def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
+        return self.inner.write_behind(prefix)
 
     async def close(self) -> None:
         await self.inner.close()
