@@ -80,10 +80,20 @@ KILL_AT_POINT = textwrap.dedent(
     point = sys.argv[2]
     real_write, real_merge = save_module.write_leaves, save_module.merge
 
+    async def first_bytes(store, context, *rest):
+        # wait until the store being written has its first object on storage
+        import tensorstore as ts
+        base = await ts.KvStore.open(store["base"], context=context)
+        for _ in range(2000):
+            if await base.list():
+                return
+            await asyncio.sleep(0.005)
+        raise SystemExit("the write never started")
+
     async def write_leaves(*args, **kwargs):
         task = asyncio.ensure_future(real_write(*args, **kwargs))
-        await asyncio.sleep(0.01)
         if point == "writing":
+            await first_bytes(*args)
             print("at point", flush=True)
             time.sleep(60)  # blocks the loop: killed here, mid-write
         return await task

@@ -162,12 +162,22 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
     real_write = partial_module.write_leaves
     calls = 0
 
+    async def first_bytes(store, context, *rest):
+        # wait until the store being written has its first object on storage
+        import tensorstore as ts
+        base = await ts.KvStore.open(store["base"], context=context)
+        for _ in range(2000):
+            if await base.list():
+                return
+            await asyncio.sleep(0.005)
+        raise SystemExit("the write never started")
+
     async def write_leaves(*args, **kwargs):
         global calls
         calls += 1
         task = asyncio.ensure_future(real_write(*args, **kwargs))
         if calls == 4:
-            await asyncio.sleep(0.01)
+            await first_bytes(*args)
             print("mid part", flush=True)
             time.sleep(60)  # killed here, while part 3 is being written
         return await task
