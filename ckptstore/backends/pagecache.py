@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -58,8 +59,12 @@ class PageCacheEvictor:
                     self._seen[path] = size
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        pause = self.interval
+        while not self._stop.wait(pause):
+            start = time.monotonic()
             self.sweep()
+            # Many files make a sweep slow: then sweep less often, at most ~10% of a core.
+            pause = max(self.interval, 10 * (time.monotonic() - start))
 
     def __enter__(self) -> PageCacheEvictor:
         self._thread.start()
