@@ -13,6 +13,7 @@ completed, discards any that did not, and continues.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -232,7 +233,7 @@ class PartialSave:
         )
 
         async def record() -> Part:
-            recorded = Part(**{**part.__dict__, "processes": await handoff.reports()})
+            recorded = dataclasses.replace(part, processes=await handoff.reports())
             key = f"{layout.pending_dir(self.step, self.item, index)}/{PART_RECORD}"
             await self.backend.create(key, recorded.to_bytes())
             return recorded
