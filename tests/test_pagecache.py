@@ -5,14 +5,19 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import ckptstore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.pagecache import PageCacheEvictor
 
+REPO = Path(__file__).resolve().parents[1]
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -33,11 +38,22 @@ def resident_pages(path: Path) -> int:
             del first
         return sum(v & 1 for v in vec)
 
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A directory on the project's disk: /tmp may be tmpfs, whose pages cannot be dropped."""
+    scratch = Path(tempfile.mkdtemp(prefix=".pagecache-test-", dir=REPO))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch)
+
+
 def data_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and "/d/" in str(p)]
 
 
-def test_save_leaves_no_data_in_the_page_cache(tmp_path: Path) -> None:
+def test_save_leaves_no_data_in_the_page_cache(disk_dir: Path) -> None:
+    tmp_path = disk_dir
     tree = {"w": np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)}
     ckptstore.save_sync(LocalBackend(tmp_path / "dropped"), tree, step=1)
     ckptstore.save_sync(LocalBackend(tmp_path / "kept", drop_cache=False), tree, step=1)
@@ -49,7 +65,8 @@ def test_save_leaves_no_data_in_the_page_cache(tmp_path: Path) -> None:
     np.testing.assert_array_equal(restored["w"], tree["w"])
 
 
-def test_evictor_sweeps_new_and_grown_files(tmp_path: Path) -> None:
+def test_evictor_sweeps_new_and_grown_files(disk_dir: Path) -> None:
+    tmp_path = disk_dir
     (tmp_path / "a").write_bytes(os.urandom(1 << 20))
     os.sync()  # dirty pages are written back, not dropped: make them clean first
     evictor = PageCacheEvictor(tmp_path, interval=3600)  # sweeps only when asked
