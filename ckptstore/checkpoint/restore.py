@@ -9,7 +9,8 @@ be asked for. All disagreements are reported together in one
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -21,6 +22,8 @@ from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
+
+T = TypeVar("T")
 
 
 async def list_steps(target: Target) -> list[int]:
@@ -84,15 +87,25 @@ async def restore(
 
         if like is None:
             names = list(saved.leaves)
-            values = await asyncio.gather(*(load(saved.leaves[n], None) for n in names))
+            values = await settle(load(saved.leaves[n], None) for n in names)
             loaded = dict(zip(names, values, strict=True))
             return rebuild(saved.structure, loaded.__getitem__)
 
         paths, treedef = jax.tree_util.tree_flatten_with_path(like)
         wanted = [(path_name(path), leaf) for path, leaf in paths]
         _check(wanted, saved.leaves, partial=partial, cast=cast)
-        values = await asyncio.gather(*(load(saved.leaves[n], w) for n, w in wanted))
+        values = await settle(load(saved.leaves[n], w) for n, w in wanted)
         return jax.tree_util.tree_unflatten(treedef, values)
+
+
+async def settle(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Like `asyncio.gather`, but every read finishes before the first error is raised,
+    so no TensorStore future completes after the caller (or its event loop) is gone."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
 
 
 def _check(
@@ -164,7 +177,7 @@ async def _read_sharded(
     for index in index_map.values():
         distinct.setdefault(_key(index, info.shape), tuple(index or ()))
     keys = list(distinct)
-    datas = await asyncio.gather(*(read_slice(arr, distinct[k], info.name) for k in keys))
+    datas = await settle(read_slice(arr, distinct[k], info.name) for k in keys)
     by_key = dict(zip(keys, datas, strict=True))
     shards = []
     for device, index in index_map.items():
