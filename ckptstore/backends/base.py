@@ -135,11 +135,8 @@ class Backend(ABC):
 
     async def exists(self, key: str) -> bool:
         """Whether the object exists."""
-        try:
-            await self.stat(key)
-        except NotFoundError:
-            return False
-        return True
+        validate_key(key)
+        return await self._run(lambda _: self._exists(key))
 
     async def delete(self, key: str) -> None:
         """Delete one object; deleting a missing key is not an error."""
@@ -167,12 +164,15 @@ class Backend(ABC):
 
     @property
     def ts_context(self) -> ts.Context:
-        """The `tensorstore.Context` to open `kvstore_spec` specs with."""
+        """The `tensorstore.Context` to open `kvstore_spec` specs with (made once)."""
         ctx: ts.Context | None = getattr(self, "_ts_context", None)
         if ctx is None:
-            ctx = ts.Context()
-            self._ts_context = ctx
+            ctx = self._ts_context = self._new_ts_context()
         return ctx
+
+    def _new_ts_context(self) -> ts.Context:
+        """The context `ts_context` creates; backends with their own resources override it."""
+        return ts.Context()
 
     def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
         """A context to hold while writing below ``prefix`` through TensorStore.
@@ -214,6 +214,14 @@ class Backend(ABC):
 
     @abstractmethod
     async def _stat(self, key: str) -> ObjectInfo: ...
+
+    async def _exists(self, key: str) -> bool:
+        """`exists` without validation, bounds or retries: for use inside other operations."""
+        try:
+            await self._stat(key)
+        except NotFoundError:
+            return False
+        return True
 
     @abstractmethod
     async def _delete(self, key: str) -> None: ...

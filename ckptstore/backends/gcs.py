@@ -45,7 +45,7 @@ from ckptstore.backends.base import (
 )
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError
+from ckptstore.errors import ConfigError, PermissionDeniedError
 
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable-upload chunks are multiples of 256 KiB
@@ -394,13 +394,6 @@ class GcsBackend(Backend):
         _, _, body = await self._request("stat", key, "GET", self._object_url(key))
         meta = json.loads(body)
         return ObjectInfo(key, int(meta["size"]), _mtime(meta))
-
-    async def _exists(self, key: str) -> bool:
-        try:
-            await self._stat(key)
-        except NotFoundError:
-            return False
-        return True
 
     async def _delete(self, key: str) -> None:
         await self._request("delete", key, "DELETE", self._object_url(key), ok_statuses=(404,))

@@ -76,19 +76,11 @@ class LocalBackend(Backend):
         path = self.root / norm if norm else self.root
         return {"driver": "file", "path": f"{path}/"}
 
-    @property
-    def ts_context(self) -> ts.Context:
+    def _new_ts_context(self) -> ts.Context:
         """TensorStore's context for these files; its ``file_io_sync`` follows ``fsync``."""
-        ctx: ts.Context | None = getattr(self, "_ts_context", None)
-        if ctx is None:
-            ctx = ts.Context(
-                {
-                    "file_io_concurrency": {"limit": _TS_FILE_IO_THREADS},
-                    "file_io_sync": self.fsync,
-                }
-            )
-            self._ts_context = ctx
-        return ctx
+        return ts.Context(
+            {"file_io_concurrency": {"limit": _TS_FILE_IO_THREADS}, "file_io_sync": self.fsync}
+        )
 
     def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
         """Drop written files below ``prefix`` from the page cache (see `pagecache`).
@@ -142,16 +134,17 @@ class LocalBackend(Backend):
             raise self._error(exc, key) from exc
 
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        path = self._path(key)
-        try:
-            await _durable_put(path, data, exclusive=False, fsync=self.fsync)
-        except OSError as exc:
-            raise self._error(exc, key) from exc
+        await self._put(key, data, exclusive=False)
 
     async def _create(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        await self._put(key, data, exclusive=True)
+
+    async def _put(
+        self, key: str, data: bytes | bytearray | memoryview, *, exclusive: bool
+    ) -> None:
         path = self._path(key)
         try:
-            await _durable_put(path, data, exclusive=True, fsync=self.fsync)
+            await _durable_put(path, data, exclusive=exclusive, fsync=self.fsync)
         except OSError as exc:
             raise self._error(exc, key) from exc
 

@@ -47,7 +47,7 @@ from ckptstore.backends.base import (
 )
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
+from ckptstore.errors import ConfigError, PermissionDeniedError, StorageError
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
@@ -403,13 +403,6 @@ class S3Backend(Backend):
         head = await self._call("stat", key, "head_object", Key=self._full(key))
         mtime = head.get("LastModified")
         return ObjectInfo(key, head["ContentLength"], mtime and mtime.timestamp())
-
-    async def _exists(self, key: str) -> bool:
-        try:
-            await self._stat(key)
-        except NotFoundError:
-            return False
-        return True
 
     async def _delete(self, key: str) -> None:
         await self._call("delete", key, "delete_object", Key=self._full(key))
