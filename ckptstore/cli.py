@@ -22,7 +22,7 @@ from typing import Any
 from ckptstore.arrays import ocdbt_spec, open_leaf, read_slice
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.restore import committed_steps, read_manifest
+from ckptstore.checkpoint.restore import committed_steps, load_manifest, read_manifest
 from ckptstore.checkpoint.target import opened
 from ckptstore.errors import CkptStoreError
 from ckptstore.importers.safetensors import import_safetensors
@@ -43,7 +43,7 @@ def when(timestamp: float) -> str:
 async def cmd_ls(target: str, as_json: bool) -> int:
     async with opened(target) as backend:
         steps = await committed_steps(backend)
-        manifests = await asyncio.gather(*(read_manifest(backend, s) for s in steps))
+        manifests = await asyncio.gather(*(load_manifest(backend, s) for s in steps))
     rows: list[dict[str, Any]] = [
         {
             "step": m.step,

@@ -51,6 +51,11 @@ async def read_manifest(backend: Backend, step: int | None = None) -> Manifest:
         raise CheckpointNotFoundError(
             f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
         )
+    return await load_manifest(backend, step)
+
+
+async def load_manifest(backend: Backend, step: int) -> Manifest:
+    """The manifest of ``step``, which the caller already knows is committed."""
     data = await backend.read(layout.manifest_key(step))
     return Manifest.from_bytes(data, where=f"{backend.url}/{layout.manifest_key(step)}")
 
