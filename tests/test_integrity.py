@@ -76,19 +76,10 @@ KILL_AT_POINT = textwrap.dedent(
     import numpy as np
     import ckptstore
     import ckptstore.checkpoint.save as save_module
+    from tests.killpoints import first_bytes
 
     point = sys.argv[2]
     real_write, real_merge = save_module.write_leaves, save_module.merge
-
-    async def first_bytes(store, context, *rest):
-        # wait until the store being written has its first object on storage
-        import tensorstore as ts
-        base = await ts.KvStore.open(store["base"], context=context)
-        for _ in range(2000):
-            if await base.list():
-                return
-            await asyncio.sleep(0.005)
-        raise SystemExit("the write never started")
 
     async def write_leaves(*args, **kwargs):
         task = asyncio.ensure_future(real_write(*args, **kwargs))
@@ -139,7 +130,10 @@ async def test_writer_killed_mid_save(tmp_path: Path, point: str) -> None:
     root = tmp_path / "ckpt"
     await ckptstore.save(str(root), {"x": np.arange(1000) + 1}, step=1)
     proc = subprocess.Popen(
-        [sys.executable, "-c", KILL_AT_POINT, str(root), point], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", KILL_AT_POINT, str(root), point],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[1],
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "at point"

@@ -157,20 +157,11 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
     import numpy as np
     import ckptstore
     import ckptstore.checkpoint.partial as partial_module
+    from tests.killpoints import first_bytes
     from tests.test_partial import part_tree
 
     real_write = partial_module.write_leaves
     calls = 0
-
-    async def first_bytes(store, context, *rest):
-        # wait until the store being written has its first object on storage
-        import tensorstore as ts
-        base = await ts.KvStore.open(store["base"], context=context)
-        for _ in range(2000):
-            if await base.list():
-                return
-            await asyncio.sleep(0.005)
-        raise SystemExit("the write never started")
 
     async def write_leaves(*args, **kwargs):
         global calls
