@@ -1,7 +1,7 @@
 """Cross-process agreement through jax.distributed's coordination service.
 
-Barriers and a key-value store, each with a timeout and a clear error. With
-one process every call returns at once, so single-host code pays nothing.
+A key-value store whose reads wait with a timeout and fail with a clear error.
+Single-process code never calls it (see `ckptstore.checkpoint.handoff`).
 """
 
 from __future__ import annotations
@@ -45,25 +45,8 @@ def unique_name(label: str) -> str:
     return f"ckptstore/{label}/{next(_sequence)}"
 
 
-async def barrier(name: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Wait until every process reaches the barrier ``name``."""
-    if process_count() == 1:
-        return
-    client = _client()
-    try:
-        await asyncio.to_thread(client.wait_at_barrier, name, int(timeout * 1000))
-    except Exception as exc:
-        raise CoordinationError(
-            f"process {process_index()} of {process_count()}: barrier {name!r} failed "
-            f"or timed out after {timeout:g} s: {exc}"
-        ) from exc
-
-
 async def kv_set(key: str, value: str) -> None:
     """Publish ``value`` under ``key`` for every process to read."""
-    if process_count() == 1:
-        _local_kv[key] = value
-        return
     try:
         await asyncio.to_thread(_client().key_value_set, key, value)
     except Exception as exc:
@@ -72,19 +55,10 @@ async def kv_set(key: str, value: str) -> None:
 
 async def kv_get(key: str, timeout: float = DEFAULT_TIMEOUT) -> str:
     """Wait for and return the value published under ``key``."""
-    if process_count() == 1:
-        if key not in _local_kv:
-            raise CoordinationError(f"nothing was published under {key!r}")
-        return _local_kv[key]
     try:
-        value = await asyncio.to_thread(
-            _client().blocking_key_value_get, key, int(timeout * 1000)
-        )
+        value = await asyncio.to_thread(_client().blocking_key_value_get, key, int(timeout * 1000))
     except Exception as exc:
         raise CoordinationError(
             f"process {process_index()}: no value for {key!r} within {timeout:g} s: {exc}"
         ) from exc
     return str(value)
-
-
-_local_kv: dict[str, str] = {}

@@ -8,7 +8,7 @@ A save alternates two kinds of rounds:
 
 A failure is published instead of a report or an outcome, so the other processes
 stop at once with the error rather than waiting for a barrier to time out.
-With one process, all of this is in-process bookkeeping.
+With one process nothing is published: reports and errors stay in this process.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ class Handoff:
         self.me = distributed.process_index()
         self.count = distributed.process_count()
         self._round = 0
+        self._mine: dict[str, Any] = {}  # this process's last report
+
+    async def _publish(self, key: str, value: str) -> None:
+        if self.count > 1:  # alone, nobody else would read it
+            await distributed.kv_set(key, value)
 
     def _outcome_key(self) -> str:
         return f"{self.tag}/outcome/{self._round}"
@@ -49,15 +54,18 @@ class Handoff:
         try:
             report = await work()
         except Exception as exc:
-            await distributed.kv_set(self._report_key(self.me), _failure(exc))
+            await self._publish(self._report_key(self.me), _failure(exc))
             if self.me == 0:  # the others wait for process 0's next outcome: fail it now
-                await distributed.kv_set(self._outcome_key(), _failure(exc))
+                await self._publish(self._outcome_key(), _failure(exc))
             raise
-        await distributed.kv_set(self._report_key(self.me), json.dumps({"ok": True, **report}))
+        await self._publish(self._report_key(self.me), json.dumps({"ok": True, **report}))
+        self._mine = report
         return report
 
     async def reports(self) -> list[dict[str, Any]]:
         """On process 0: every process's report of the last `everyone` round, in order."""
+        if self.count == 1:
+            return [self._mine]
         out = []
         for i in range(self.count):
             report = json.loads(await distributed.kv_get(self._report_key(i), self.timeout))
@@ -78,9 +86,9 @@ class Handoff:
                 try:
                     result = await work()
                 except Exception as exc:
-                    await distributed.kv_set(key, _failure(exc))
+                    await self._publish(key, _failure(exc))
                     raise
-                await distributed.kv_set(key, json.dumps({"ok": True}))
+                await self._publish(key, json.dumps({"ok": True}))
                 return result
             outcome = json.loads(await distributed.kv_get(key, self.timeout))
             if not outcome["ok"]:
