@@ -57,9 +57,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import ckptstore
 from benchmarks import common
 from benchmarks.common import MiB, Timer
-from ckptstore.arrays import describe_leaf, ocdbt_spec, write_leaves
+from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.merge import merge
+from ckptstore.leaves import describe_leaf
 
 PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpoint", "psutil"]
 N_LARGE = 4

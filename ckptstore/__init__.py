@@ -5,6 +5,8 @@ The public API on one screen:
 - `save`, `restore`, `list_steps` (async) and `save_sync`, `restore_sync`,
   `list_steps_sync`: checkpoints of JAX pytrees, committed atomically.
 - `partial_save(target, step)`: a `PartialSave` session (`add` parts, then `finalize`).
+- `verify(target, step)`: a `VerifyReport`: would a restore return exactly what was saved?
+- `delete_step(target, step)` and `gc(target, older_than=...)`: removing steps and garbage.
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
@@ -14,9 +16,11 @@ from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
 from ckptstore.backends.registry import load_profile, open_backend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync
+from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
 from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
 from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
 from ckptstore.checkpoint.save import SaveResult, save
+from ckptstore.checkpoint.verify import VerifyReport, verify
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -53,12 +57,16 @@ __all__ = [
     "Part",
     "PartialSave",
     "PermissionDeniedError",
+    "Removal",
     "RetriesExhaustedError",
     "RetryPolicy",
     "SaveResult",
     "StorageError",
     "TransientStorageError",
     "TreeMismatchError",
+    "VerifyReport",
+    "delete_step",
+    "gc",
     "list_steps",
     "list_steps_sync",
     "load_profile",
@@ -69,4 +77,5 @@ __all__ = [
     "restore_sync",
     "save",
     "save_sync",
+    "verify",
 ]

@@ -1,9 +1,10 @@
-"""Arrays <-> TensorStore zarr3 arrays inside OCDBT stores.
+"""Leaves <-> TensorStore zarr3 arrays inside OCDBT stores: the I/O.
 
 Each leaf is a zarr3 array whose chunks carry a ``crc32c`` checksum that
 TensorStore verifies on every read. A process writes only the shards it owns
 (addressable, replica 0) into its own OCDBT store; reads fetch only the slices
-each device needs, whatever mesh the arrays were saved from.
+each device needs, whatever mesh the arrays were saved from. What each leaf
+looks like (`LeafInfo`, chunking) is the schema in `ckptstore.leaves`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
+from ckptstore.leaves import LeafInfo, host_array
 
-#: Chunks are split until they are at most this big, so resharded reads stay cheap.
-TARGET_CHUNK_BYTES = 64 << 20
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
 MAX_INFLIGHT_BYTES = 256 << 20
@@ -32,50 +32,6 @@ MAX_INFLIGHT_BYTES = 256 << 20
 DATA_FILE_BYTES = 64 << 20
 
 Index = tuple[slice, ...]
-
-
-class UnsupportedLeafError(CkptStoreError, TypeError):
-    """A leaf's type or dtype cannot be stored."""
-
-
-@dataclass(frozen=True)
-class LeafInfo:
-    """What the manifest records about one leaf."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    chunk_shape: tuple[int, ...]
-    kind: str  # "jax" | "numpy" | "scalar"
-    python_type: str | None = None  # "int" | "float" | "bool" | "complex" for Python numbers
-    sharding: dict[str, Any] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(dtype_of(self.dtype)).itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "chunk_shape": list(self.chunk_shape),
-            "kind": self.kind,
-            "python_type": self.python_type,
-            "sharding": self.sharding,
-            "nbytes": self.nbytes,
-        }
-
-    @classmethod
-    def from_json(cls, name: str, data: dict[str, Any]) -> LeafInfo:
-        return cls(
-            name=name,
-            shape=tuple(data["shape"]),
-            dtype=data["dtype"],
-            chunk_shape=tuple(data["chunk_shape"]),
-            kind=data["kind"],
-            python_type=data.get("python_type"),
-            sharding=data.get("sharding"),
-        )
 
 
 @dataclass
@@ -95,49 +51,6 @@ class WriteStats:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 6),
         }
-
-
-# ---- dtypes and chunking ----
-
-
-def dtype_of(name: str) -> np.dtype[Any]:
-    """The numpy dtype for a stored dtype name (ml_dtypes names included)."""
-    try:
-        return np.dtype(ts.dtype(name).numpy_dtype)
-    except (ValueError, TypeError) as exc:
-        raise UnsupportedLeafError(f"dtype {name!r} is not supported") from exc
-
-
-def dtype_name(dtype: Any) -> str:
-    name: str = np.dtype(dtype).name
-    try:
-        ts.dtype(name)
-    except (ValueError, TypeError) as exc:
-        raise UnsupportedLeafError(f"dtype {name!r} cannot be stored by TensorStore") from exc
-    return name
-
-
-def choose_chunks(shard_shape: Sequence[int], itemsize: int, target: int) -> tuple[int, ...]:
-    """Chunk shape: the shard, split along its largest dimensions until under ``target`` bytes.
-
-    Chunks divide the shard exactly, so every shard is written as whole chunks
-    (no read-modify-write) and a reader on another mesh reads few extra bytes.
-    """
-    chunk = [max(1, d) for d in shard_shape]
-    while math.prod(chunk) * itemsize > target:
-        candidates = [i for i, d in enumerate(chunk) if d > 1]
-        if not candidates:
-            break
-        dim = max(candidates, key=lambda i: chunk[i])
-        chunk[dim] //= _smallest_factor(chunk[dim])
-    return tuple(chunk)
-
-
-def _smallest_factor(n: int) -> int:
-    for f in range(2, math.isqrt(n) + 1):
-        if n % f == 0:
-            return f
-    return n
 
 
 def zarr_spec(kvstore: dict[str, Any], info: LeafInfo) -> dict[str, Any]:
@@ -165,56 +78,6 @@ def zarr_spec(kvstore: dict[str, Any], info: LeafInfo) -> dict[str, Any]:
 def ocdbt_spec(base: dict[str, Any]) -> dict[str, Any]:
     """An OCDBT store on top of a backend's kvstore spec."""
     return {"driver": "ocdbt", "base": base, "target_data_file_size": DATA_FILE_BYTES}
-
-
-# ---- describing leaves ----
-
-
-def sharding_json(sharding: jax.sharding.Sharding) -> dict[str, Any]:
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-        return {
-            "type": "named",
-            "mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()},
-            "spec": spec,
-        }
-    return {"type": type(sharding).__name__, "repr": repr(sharding)[:500]}
-
-
-def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES) -> LeafInfo:
-    """The `LeafInfo` for one leaf value."""
-    if isinstance(value, jax.Array):
-        dtype = dtype_name(value.dtype)
-        shard_shape = value.sharding.shard_shape(value.shape)
-        return LeafInfo(
-            name=name,
-            shape=tuple(value.shape),
-            dtype=dtype,
-            chunk_shape=choose_chunks(shard_shape, value.dtype.itemsize, target_chunk),
-            kind="jax",
-            sharding=sharding_json(value.sharding),
-        )
-    python_type = None
-    if isinstance(value, (bool, int, float, complex)):
-        python_type = type(value).__name__
-        if type(value) is int and not -(2**63) <= value < 2**63:
-            raise UnsupportedLeafError(f"leaf {name!r}: int {value} does not fit in int64")
-    if python_type or isinstance(value, (np.ndarray, np.generic)):
-        arr = host_array(value)
-        return LeafInfo(
-            name=name,
-            shape=tuple(arr.shape),
-            dtype=dtype_name(arr.dtype),
-            chunk_shape=choose_chunks(arr.shape, arr.dtype.itemsize, target_chunk),
-            kind="scalar" if python_type or isinstance(value, np.generic) else "numpy",
-            python_type=python_type,
-        )
-    raise UnsupportedLeafError(f"leaf {name!r} has unsupported type {type(value).__name__}")
-
-
-def host_array(value: Any) -> np.ndarray[Any, Any]:
-    """A numpy array for a host leaf; Python ints are stored as int64 on every platform."""
-    return np.asarray(value, dtype=np.int64 if type(value) is int else None)
 
 
 def owned_slices(value: Any, process: int) -> list[tuple[Index, Any]]:
@@ -345,22 +208,21 @@ class _Hold:
 
 
 async def open_leaf(store: dict[str, Any], context: ts.Context, info: LeafInfo) -> ts.TensorStore:
-    """Open a saved leaf for reading (metadata is read and checked from storage)."""
+    """Open a saved leaf for reading.
+
+    The stored ``zarr.json`` must match what the manifest implies exactly (shape,
+    dtype, chunk grid, codecs), and a missing chunk is an error rather than zeros.
+    """
     spec = {
         "driver": "zarr3",
-        "kvstore": {**store, "path": store.get("path", "") + info.name + "/"},
+        "kvstore": zarr_spec(store, info)["kvstore"],
+        "metadata": zarr_spec(store, info)["metadata"],
+        "fill_missing_data_reads": False,
     }
     try:
-        arr = await ts.open(spec, open=True, read=True, context=context)
+        return await ts.open(spec, open=True, read=True, context=context)
     except Exception as exc:  # TensorStore raises ValueError for most failures
         raise _read_error(exc, info.name) from exc
-    if tuple(arr.shape) != info.shape or arr.dtype.name != info.dtype:
-        raise CorruptCheckpointError(
-            f"stored array is {arr.dtype.name}{list(arr.shape)} but the manifest says "
-            f"{info.dtype}{list(info.shape)}",
-            leaf=info.name,
-        )
-    return arr
 
 
 async def read_slice(arr: ts.TensorStore, index: Index, name: str) -> np.ndarray[Any, Any]:

@@ -1,8 +1,11 @@
 """The ``ckptstore`` command: what is in a checkpoint, and is it intact.
 
-    ckptstore ls TARGET                  committed steps with sizes and times
+    ckptstore ls TARGET [--all]          committed steps (--all: uncommitted attempts too)
     ckptstore info TARGET [--step N]     the tree: leaves, shapes, dtypes, bytes, shardings
-    ckptstore verify TARGET [--step N]   read every chunk, checking its checksum
+    ckptstore verify TARGET [--step N]   check marker, manifest, coverage and every chunk
+    ckptstore rm TARGET --step N         delete one committed step
+    ckptstore gc TARGET [--older-than 6h] [--dry-run]
+                                         remove uncommitted attempts and unused parts
     ckptstore import-safetensors SRC DST [--step N] [--map RULES]
                                          stream a safetensors model into a checkpoint
 
@@ -19,11 +22,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ckptstore.arrays import ocdbt_spec, open_leaf, read_slice
-from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan
+from ckptstore.checkpoint.commit import committed_steps, latest_manifest, load_committed
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.restore import committed_steps, load_manifest, read_manifest
 from ckptstore.checkpoint.target import opened
+from ckptstore.checkpoint.verify import verify
 from ckptstore.errors import CkptStoreError
 from ckptstore.importers.safetensors import import_safetensors
 
@@ -40,13 +43,16 @@ def when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
 
 
-async def cmd_ls(target: str, as_json: bool) -> int:
+async def cmd_ls(target: str, as_json: bool, show_all: bool) -> int:
+    if show_all:
+        return await cmd_ls_all(target, as_json)
     async with opened(target) as backend:
         steps = await committed_steps(backend)
-        manifests = await asyncio.gather(*(load_manifest(backend, s) for s in steps))
+        manifests = await asyncio.gather(*(load_committed(backend, s) for s in steps))
     rows: list[dict[str, Any]] = [
         {
             "step": m.step,
+            "attempt": m.attempt,
             "bytes": m.nbytes,
             "created": m.created,
             "items": sorted(m.items),
@@ -66,6 +72,41 @@ async def cmd_ls(target: str, as_json: bool) -> int:
             f"{r['step']:>10}  {human(r['bytes']):>10}  {r['leaves']:>6}  "
             f"{when(r['created'])}  {','.join(r['items'])}"
         )
+    return 0
+
+
+async def cmd_ls_all(target: str, as_json: bool) -> int:
+    """Every entry of every step directory: committed or not, with age and stored size."""
+    async with opened(target) as backend:
+        scans = await scan(backend)
+    now = time.time()
+    rows: list[dict[str, Any]] = []
+    for s in scans:
+        for e in s.entries:
+            state = "committed" if e.committed else "uncommitted"
+            if s.marker_error is not None:
+                state = "unreadable marker"
+            idle = e.idle_for(now)
+            rows.append(
+                {
+                    "step": s.step,
+                    "entry": e.name,
+                    "state": state,
+                    "bytes": e.bytes,
+                    "objects": len(e.objects),
+                    "idle_seconds": idle,
+                }
+            )
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"nothing stored in {target}")
+        return 0
+    print(f"{'STEP':>10}  {'STATE':11}  {'SIZE':>10}  {'IDLE':>8}  ENTRY")
+    for r in rows:
+        age = "?" if r["idle_seconds"] is None else duration_text(r["idle_seconds"])
+        print(f"{r['step']:>10}  {r['state']:11}  {human(r['bytes']):>10}  {age:>8}  {r['entry']}")
     return 0
 
 
@@ -99,7 +140,7 @@ def _print_info(manifest: Manifest) -> None:
 
 async def cmd_info(target: str, step: int | None, as_json: bool) -> int:
     async with opened(target) as backend:
-        manifest = await read_manifest(backend, step)
+        manifest = await latest_manifest(backend, step)
     if as_json:
         print(manifest.to_bytes().decode())
     else:
@@ -107,23 +148,73 @@ async def cmd_info(target: str, step: int | None, as_json: bool) -> int:
     return 0
 
 
-async def cmd_verify(target: str, step: int | None) -> int:
-    """Read every leaf of a step; zarr3's crc32c codec checks every chunk on the way."""
-    bad = 0
-    async with opened(target) as backend:
-        manifest = await read_manifest(backend, step)
-        for item_name, item in manifest.items.items():
-            store = ocdbt_spec(backend.kvstore_spec(layout.item_dir(manifest.step, item_name)))
-            for leaf in item.leaves.values():
-                try:
-                    arr = await open_leaf(store, backend.ts_context, leaf)
-                    await read_slice(arr, (), leaf.name)
-                except CkptStoreError as exc:
-                    bad += 1
-                    print(f"CORRUPT {item_name}/{leaf.name}: {exc}")
-    total = sum(len(i.leaves) for i in manifest.items.values())
-    print(f"step {manifest.step}: {total - bad} of {total} leaves intact")
-    return 1 if bad else 0
+async def cmd_verify(target: str, step: int | None, as_json: bool) -> int:
+    """Exit 0 only if a restore of the step would return exactly what was saved."""
+    report = await verify(target, step)
+    if as_json:
+        doc = {
+            "step": report.step,
+            "attempt": report.attempt,
+            "ok": report.ok,
+            "leaves": report.leaves,
+            "bytes": report.bytes,
+            "problems": report.problems,
+        }
+        print(json.dumps(doc, indent=1))
+        return 0 if report.ok else 1
+    for what, why in sorted(report.problems.items()):
+        print(f"CORRUPT {what}: {why}")
+    bad = len(report.problems)
+    verdict = "intact" if report.ok else f"CORRUPT ({bad} problem(s))"
+    print(
+        f"step {report.step}: {verdict}; {report.leaves} leaves, "
+        f"{human(report.bytes)} read and checksummed"
+    )
+    return 0 if report.ok else 1
+
+
+def _print_removal(removal: Removal, verb: str) -> None:
+    for key in removal.entries:
+        print(f"{verb} {key}")
+    for key in removal.kept_young:
+        print(f"kept {key} (written to within the grace period)")
+    print(
+        f"{verb} {len(removal.entries)} entries, {removal.objects} objects, {human(removal.bytes)}"
+    )
+
+
+async def cmd_rm(target: str, step: int) -> int:
+    _print_removal(await delete_step(target, step), "removed")
+    return 0
+
+
+async def cmd_gc(target: str, older_than: float, dry_run: bool) -> int:
+    removal = await gc(target, older_than=older_than, dry_run=dry_run)
+    _print_removal(removal, "would remove" if dry_run else "removed")
+    return 0
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``6h`` or ``2d`` as seconds."""
+    unit = text[-1:].lower()
+    number = text[:-1] if unit in _UNITS else text
+    try:
+        value = float(number) * _UNITS.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30m, 6h, 2d)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r}")
+    return value
+
+
+def duration_text(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 async def cmd_import(args: argparse.Namespace) -> int:
@@ -148,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list committed steps")
     ls.add_argument("target")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.add_argument("--all", action="store_true", help="uncommitted attempts too, with age")
     info = sub.add_parser("info", help="describe one step's tree (latest by default)")
     info.add_argument("target")
     info.add_argument("--step", type=int)
@@ -155,6 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="read every chunk and check its checksum")
     verify.add_argument("target")
     verify.add_argument("--step", type=int)
+    verify.add_argument("--json", action="store_true", help="machine-readable report")
+    rm = sub.add_parser("rm", help="delete one committed step (its marker first)")
+    rm.add_argument("target")
+    rm.add_argument("--step", type=int, required=True)
+    collect = sub.add_parser("gc", help="remove uncommitted attempts and unused parts")
+    collect.add_argument("target")
+    collect.add_argument(
+        "--older-than",
+        type=parse_duration,
+        default=DEFAULT_GRACE,
+        help="only what nobody wrote to for this long (default 6h; 0 = regardless of age)",
+    )
+    collect.add_argument("--dry-run", action="store_true", help="show, remove nothing")
     imp = sub.add_parser("import-safetensors", help="stream a safetensors model into a checkpoint")
     imp.add_argument("src", help="a .safetensors file, a model folder, or its index.json")
     imp.add_argument("dst", help="checkpoint target (path, URL or .toml profile)")
@@ -169,12 +274,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "ls":
-            return asyncio.run(cmd_ls(args.target, args.json))
+            return asyncio.run(cmd_ls(args.target, args.json, args.all))
         if args.command == "info":
             return asyncio.run(cmd_info(args.target, args.step, args.json))
         if args.command == "import-safetensors":
             return asyncio.run(cmd_import(args))
-        return asyncio.run(cmd_verify(args.target, args.step))
+        if args.command == "rm":
+            return asyncio.run(cmd_rm(args.target, args.step))
+        if args.command == "gc":
+            return asyncio.run(cmd_gc(args.target, args.older_than, args.dry_run))
+        return asyncio.run(cmd_verify(args.target, args.step, args.json))
     except CkptStoreError as exc:
         print(f"ckptstore: error: {exc}", file=sys.stderr)
         return 2

@@ -113,12 +113,17 @@ async def test_saving_a_committed_step_is_refused(any_backend: Backend) -> None:
 async def test_uncommitted_steps_are_invisible_and_replaced(any_backend: Backend) -> None:
     await ckptstore.save(any_backend, {"x": np.arange(3)}, step=1)
     # What a crashed writer leaves: data and even a manifest, but no marker.
-    await any_backend.write("2/state/ocdbt.process_0/junk", b"partial")
-    await any_backend.write(layout.manifest_key(2), b"{}")
+    crashed = layout.AttemptDir(2, layout.new_attempt())
+    await any_backend.write(f"{crashed.process_store('state', 0)}/junk", b"partial")
+    await any_backend.write(crashed.manifest, b"{}")
     assert await ckptstore.list_steps(any_backend) == [1]
     np.testing.assert_array_equal((await ckptstore.restore(any_backend))["x"], np.arange(3))
     await ckptstore.save(any_backend, {"x": np.arange(5)}, step=2)
-    assert not await any_backend.exists("2/state/ocdbt.process_0/junk")
+    assert await any_backend.exists(crashed.manifest)  # another attempt's files: untouched
+    np.testing.assert_array_equal((await ckptstore.restore(any_backend))["x"], np.arange(5))
+    removal = await ckptstore.gc(any_backend, older_than=0)
+    assert removal.entries == [crashed.root] and removal.objects == 2
+    assert not await any_backend.exists(crashed.manifest)
     np.testing.assert_array_equal((await ckptstore.restore(any_backend))["x"], np.arange(5))
 
 

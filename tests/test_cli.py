@@ -60,15 +60,16 @@ def test_info(root: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_verify_catches_corruption(root: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", root, "--step", "9"]) == 0
-    assert "1 of 1 leaves intact" in capsys.readouterr().out
-    data_dir = Path(root) / "9" / "state" / "ocdbt.process_0" / "d"
+    assert "step 9: intact; 1 leaves, 4.0 KiB read" in capsys.readouterr().out
+    (attempt,) = (Path(root) / "9").glob("attempt-*")
+    data_dir = attempt / "state" / "ocdbt.process_0" / "d"
     victim = max(data_dir.iterdir(), key=lambda p: p.stat().st_size)
     blob = bytearray(victim.read_bytes())
     blob[len(blob) // 2] ^= 1
     victim.write_bytes(bytes(blob))
     assert main(["verify", root, "--step", "9"]) == 1
     out = capsys.readouterr().out
-    assert "CORRUPT state/only" in out and "0 of 1 leaves intact" in out
+    assert "CORRUPT state/only" in out and "step 9: CORRUPT (1 problem(s))" in out
 
 
 def test_errors_are_reported_not_raised(root: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,10 +15,12 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
+from tests.paths import attempts, committed_root
 
 
 async def largest_data_file(backend: Backend, step: int) -> str:
-    files = [info async for info in backend.list(f"{step}/state/ocdbt.process_0/d")]
+    root = await committed_root(backend, step)
+    files = [info async for info in backend.list(f"{root}/state/ocdbt.process_0/d")]
     return max(files, key=lambda info: info.size).key
 
 
@@ -47,7 +49,7 @@ async def test_truncated_file_is_caught(any_backend: Backend) -> None:
 
 async def test_corrupt_manifest_is_reported(any_backend: Backend) -> None:
     await ckptstore.save(any_backend, {"x": np.arange(3)}, step=1)
-    await any_backend.write("1/manifest.json", b"{not json")
+    await any_backend.write(f"{await committed_root(any_backend, 1)}/manifest.json", b"{not json")
     with pytest.raises(ckptstore.CorruptCheckpointError, match="manifest"):
         await ckptstore.restore(any_backend)
 
@@ -108,9 +110,12 @@ async def check_only_step_one(root: Path) -> None:
     assert await ckptstore.list_steps(backend) == [1]
     restored = await ckptstore.restore(backend)
     np.testing.assert_array_equal(restored["x"], np.arange(1000) + 1)
-    # The step can be saved again afterwards, leftovers replaced.
-    await ckptstore.save(backend, {"x": np.arange(4)}, step=2)
-    assert await ckptstore.list_steps(backend) == [1, 2]
+    # The step can be saved again afterwards, in a new attempt; gc collects the dead one.
+    (dead,) = await attempts(backend, 2)
+    result = await ckptstore.save(backend, {"x": np.arange(4)}, step=2)
+    assert await ckptstore.list_steps(backend) == [1, 2] and result.attempt != dead
+    assert (await ckptstore.gc(backend, older_than=0)).entries == [f"2/{dead}"]
+    np.testing.assert_array_equal((await ckptstore.restore(backend))["x"], np.arange(4))
 
 
 async def test_writer_killed_before_marker(tmp_path: Path) -> None:
@@ -120,7 +125,7 @@ async def test_writer_killed_before_marker(tmp_path: Path) -> None:
         subprocess.run, [sys.executable, "-c", KILL_BEFORE_MARKER, str(root)], timeout=120
     )
     assert proc.returncode == -signal.SIGKILL
-    assert (root / "2" / "manifest.json").exists()  # it got as far as the manifest
+    assert list((root / "2").glob("attempt-*/manifest.json"))  # it got as far as the manifest
     assert not (root / "2" / "COMMITTED").exists()
     await check_only_step_one(root)
 
@@ -139,7 +144,7 @@ async def test_writer_killed_mid_save(tmp_path: Path, point: str) -> None:
     assert proc.stdout.readline().strip() == "at point"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    assert (root / "2" / "state" / "ocdbt.process_0").is_dir()  # it was killed mid-save
+    assert list((root / "2").glob("attempt-*/state/ocdbt.process_0"))  # killed mid-save
     await check_only_step_one(root)
 
 

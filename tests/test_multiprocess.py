@@ -55,11 +55,12 @@ def test_two_processes_save_then_restore_anywhere(tmp_path: Path) -> None:
     assert all(w > 0 for w in written)
 
     # Each process wrote its own store; the merged one references both.
-    assert sorted(p.name for p in (root / "1" / "state").glob("ocdbt.process_*")) == [
+    (attempt,) = (root / "1").glob("attempt-*")
+    assert sorted(p.name for p in (attempt / "state").glob("ocdbt.process_*")) == [
         "ocdbt.process_0",
         "ocdbt.process_1",
     ]
-    manifest = json.loads((root / "1" / "manifest.json").read_text())
+    manifest = json.loads((attempt / "manifest.json").read_text())
     assert [p["process"] for p in manifest["processes"]] == [0, 1]
 
     # One process with 8 devices.
@@ -91,11 +92,12 @@ def test_a_failing_process_fails_the_save_everywhere_quickly(tmp_path: Path) -> 
 def test_two_processes_build_a_step_from_partial_saves(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     assert run_job(root, "partial") == ["partial ok\n", "partial ok\n"]
-    stores = [p.name for p in (root / "2" / "state").glob("pending_*/ocdbt.process_*")]
+    (attempt,) = (root / "2").glob("attempt-*")
+    stores = [p.name for p in (attempt / "state").glob("pending_*/ocdbt.process_*")]
     # Process 0 writes every part; process 1 only "w": of "v" and "replicated" it holds no
     # replica-0 shard (the mesh's first row, replica 0, is process 0's devices).
     assert sorted(stores) == ["ocdbt.process_0"] * len(SHAPES) + ["ocdbt.process_1"]
-    manifest = json.loads((root / "2" / "manifest.json").read_text())
+    manifest = json.loads((attempt / "manifest.json").read_text())
     assert len(manifest["processes"]) == 2 * len(SHAPES)
     out = ckptstore.restore_sync(str(root), step=2)
     for k in SHAPES:

@@ -38,6 +38,7 @@ def resident_pages(path: Path) -> int:
             del first
         return sum(v & 1 for v in vec)
 
+
 @pytest.fixture
 def disk_dir() -> Iterator[Path]:
     """A directory on the project's disk: /tmp may be tmpfs, whose pages cannot be dropped."""

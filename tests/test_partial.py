@@ -124,15 +124,21 @@ async def test_failed_part_is_discarded_on_resume(any_backend: Backend) -> None:
     assert [p.index for p in broken.parts] == [0]
     with pytest.raises(InjectedPermanentFault):
         await broken.add(part_tree(1))
-    assert await any_backend.list_dir("4/state/pending_1")  # data of the failed part is there
+    item_dir = f"4/{broken.attempt}/state"
+    unrecorded = [n for n in await any_backend.list_dir(item_dir) if n.startswith("pending_1-")]
+    assert len(unrecorded) == 1  # data of the failed part is there, but no record
 
     resumed = await ckptstore.partial_save(any_backend, step=4)
+    assert resumed.attempt == broken.attempt == session.attempt
     assert [p.index for p in resumed.parts] == [0]
-    assert resumed.discarded == [1]
-    assert not await any_backend.list_dir("4/state/pending_1")
     for k in (1, 2):
         await resumed.add(part_tree(k))
+    assert resumed.parts[1].dir != unrecorded[0]  # a new directory, nothing overwritten
     await resumed.finalize()
+    assert_trees_equal(await ckptstore.restore(any_backend), combined(3))
+    # The unrecorded part is garbage: unused by the commit, collected by gc.
+    removal = await ckptstore.gc(any_backend, older_than=0)
+    assert removal.entries == [f"{item_dir}/{unrecorded[0]}"]
     assert_trees_equal(await ckptstore.restore(any_backend), combined(3))
 
 
@@ -224,8 +230,7 @@ async def test_killed_importer_resumes_to_the_same_checkpoint(
 
     assert await ckptstore.list_steps(target) == []
     session = await ckptstore.partial_save(target, step=7)
-    assert [p.index for p in session.parts] == [0, 1, 2]
-    assert session.discarded == [3]
+    assert [p.index for p in session.parts] == [0, 1, 2]  # part 3 was never recorded
     for k in range(3, 6):
         await session.add(part_tree(k))
     await session.finalize()

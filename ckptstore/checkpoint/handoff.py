@@ -17,14 +17,33 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ckptstore import distributed
+from ckptstore import distributed, errors
 from ckptstore.errors import CkptStoreError
 
 T = TypeVar("T")
 
+#: Errors re-raised with their own type on the processes that learn of them remotely,
+#: so that, say, losing a commit race is `AlreadyExistsError` on every process.
+_TYPED = (
+    errors.AlreadyExistsError,
+    errors.CheckpointNotFoundError,
+    errors.CorruptCheckpointError,
+    errors.PermissionDeniedError,
+    errors.CoordinationError,
+)
+
 
 def _failure(exc: BaseException) -> str:
-    return json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    return json.dumps({"ok": False, "type": type(exc).__name__, "error": str(exc)})
+
+
+def _remote_error(outcome: dict[str, Any], where: str) -> CkptStoreError:
+    """The error a peer published, as the most specific type we can rebuild."""
+    text = f"{where}: {outcome.get('type', 'Error')}: {outcome.get('error')}"
+    for cls in _TYPED:
+        if outcome.get("type") == cls.__name__:
+            return cls(text)
+    return CkptStoreError(text)
 
 
 class Handoff:
@@ -70,9 +89,13 @@ class Handoff:
         for i in range(self.count):
             report = json.loads(await distributed.kv_get(self._report_key(i), self.timeout))
             if not report.pop("ok"):
-                raise CkptStoreError(f"process {i} failed: {report['error']}")
+                raise _remote_error(report, f"process {i} failed")
             out.append(report)
         return out
+
+    async def agree(self, decide: Callable[[], Awaitable[str]]) -> str:
+        """Process 0 decides a value (an attempt id, a directory name); everyone gets it."""
+        return str(await self._primary(decide, share=True))
 
     async def primary(self, work: Callable[[], Awaitable[T]]) -> T | None:
         """Process 0 runs ``work`` and publishes the outcome; the others wait for it.
@@ -80,6 +103,9 @@ class Handoff:
         Returns ``work``'s result on process 0 and None elsewhere; raises
         everywhere if it failed.
         """
+        return await self._primary(work, share=False)
+
+    async def _primary(self, work: Callable[[], Awaitable[T]], *, share: bool) -> T | None:
         key = self._outcome_key()
         try:
             if self.me == 0:
@@ -88,11 +114,12 @@ class Handoff:
                 except Exception as exc:
                     await self._publish(key, _failure(exc))
                     raise
-                await self._publish(key, json.dumps({"ok": True}))
+                shared = {"value": result} if share else {}
+                await self._publish(key, json.dumps({"ok": True, **shared}))
                 return result
             outcome = json.loads(await distributed.kv_get(key, self.timeout))
             if not outcome["ok"]:
-                raise CkptStoreError(f"{self.label} failed on process 0: {outcome['error']}")
-            return None
+                raise _remote_error(outcome, f"{self.label} failed on process 0")
+            return outcome.get("value")  # type: ignore[no-any-return]
         finally:
             self._round += 1

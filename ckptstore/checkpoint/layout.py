@@ -1,25 +1,43 @@
 """Names of everything a checkpoint stores, relative to the backend root.
 
+Format version 2 (attempt-scoped):
+
 ```
 <step>/
-  <item>/                               e.g. "state"
-    ocdbt.process_<i>/                  process i's own OCDBT store (manifest.ocdbt, d/...)
-    pending_<k>/ocdbt.process_<i>/      partial save k
-    manifest.ocdbt, d/                  the merged OCDBT store: references only
-  manifest.json                         tree structure, leaves, per-process statistics
-  COMMITTED                             created last; its presence means committed
+  COMMITTED                               created last, create-if-absent: names the
+                                          attempt and carries its manifest's digest
+  <attempt>/                              one per save attempt or partial-save session
+    manifest.json                         tree structure, leaves, step, attempt
+    SESSION.json                          partial-save sessions only: lets a resumer find it
+    <item>/                               e.g. "state"
+      ocdbt.process_<i>/                  process i's own OCDBT store (a save)
+      pending_<k>-<token>/ocdbt.process_<i>/   part k of a partial save
+      parts/<k>.json                      the record of part k, created last
+      manifest.ocdbt, d/                  the merged OCDBT store: references only
 ```
+
+Format version 1 had no attempt level: ``<step>/manifest.json`` and ``<step>/<item>/``.
+Both are read; an `AttemptDir` with ``attempt=None`` names a version-1 step.
 """
 
 from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass
 
 from ckptstore.errors import CkptStoreError
 
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
+SESSION = "SESSION.json"
+PARTS = "parts"
 DEFAULT_ITEM = "state"
 FORMAT = "ckptstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+_ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 
 
 def check_step(step: int) -> int:
@@ -34,29 +52,68 @@ def step_dir(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    """The step a directory name stands for, or None if it is not a step directory."""
-    return int(name) if name.isdigit() and (name == "0" or not name.startswith("0")) else None
+    """The step a directory name stands for, or None if it is not a step directory.
+
+    Only ASCII digits without leading zeros: "05", superscript or full-width digits are not steps.
+    """
+    if not (name.isascii() and name.isdigit()) or (name != "0" and name.startswith("0")):
+        return None
+    return int(name)
 
 
-def item_dir(step: int, item: str) -> str:
-    return f"{step_dir(step)}/{item}"
+def new_attempt() -> str:
+    """A fresh attempt id: sortable by creation time, unique by 48 random bits."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return f"attempt-{stamp}-{secrets.token_hex(6)}"
 
 
-def process_store(step: int, item: str, process: int) -> str:
-    return f"{item_dir(step, item)}/ocdbt.process_{process}"
-
-
-def pending_dir(step: int, item: str, part: int) -> str:
-    return f"{item_dir(step, item)}/pending_{part}"
-
-
-def pending_store(step: int, item: str, part: int, process: int) -> str:
-    return f"{pending_dir(step, item, part)}/ocdbt.process_{process}"
-
-
-def manifest_key(step: int) -> str:
-    return f"{step_dir(step)}/{MANIFEST}"
+def is_attempt(name: str) -> bool:
+    return _ATTEMPT.fullmatch(name) is not None
 
 
 def commit_key(step: int) -> str:
     return f"{step_dir(step)}/{COMMIT_MARKER}"
+
+
+@dataclass(frozen=True)
+class AttemptDir:
+    """Where one attempt of one step lives; ``attempt=None`` is a version-1 step."""
+
+    step: int
+    attempt: str | None
+
+    @property
+    def root(self) -> str:
+        base = step_dir(self.step)
+        return f"{base}/{self.attempt}" if self.attempt is not None else base
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.root}/{MANIFEST}"
+
+    @property
+    def session(self) -> str:
+        return f"{self.root}/{SESSION}"
+
+    def item(self, item: str) -> str:
+        return f"{self.root}/{item}"
+
+    def process_store(self, item: str, process: int) -> str:
+        return f"{self.item(item)}/ocdbt.process_{process}"
+
+    def part_dir(self, item: str, name: str) -> str:
+        return f"{self.item(item)}/{name}"
+
+    def part_store(self, item: str, name: str, process: int) -> str:
+        return f"{self.part_dir(item, name)}/ocdbt.process_{process}"
+
+    def parts(self, item: str) -> str:
+        return f"{self.item(item)}/{PARTS}"
+
+    def part_record(self, item: str, index: int) -> str:
+        return f"{self.parts(item)}/{index}.json"
+
+
+def new_part_name(index: int) -> str:
+    """A part directory no other writer picks, even for the same index."""
+    return f"pending_{index}-{secrets.token_hex(4)}"

@@ -1,19 +1,27 @@
 """The checkpoint manifest: tree structure, leaves, per-process statistics, format version.
 
-Stored as JSON at ``<step>/manifest.json`` and written before the commit marker.
-It is parsed as data only (`json.loads`), never evaluated.
+Stored as JSON at ``<step>/<attempt>/manifest.json`` and written before the commit
+marker, which carries its digest. It is parsed as data only (`json.loads`), never
+evaluated, and checked field by field: a manifest a restore could misread is
+`CorruptCheckpointError`, never a traceback or a silently different tree.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.arrays import LeafInfo
-from ckptstore.checkpoint.layout import FORMAT, FORMAT_VERSION
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.tree import check_structure
 from ckptstore.errors import CorruptCheckpointError
+from ckptstore.leaves import LeafInfo, dtype_of
+
+KINDS = ("jax", "numpy", "scalar")
+PYTHON_TYPES = (None, "int", "float", "bool", "complex")
+MAX_RANK = 64
 
 
 @dataclass
@@ -33,9 +41,14 @@ class ItemManifest:
 class Manifest:
     step: int
     items: dict[str, ItemManifest]
+    attempt: str | None = None  # None: a format-version-1 checkpoint (no attempt level)
     processes: list[dict[str, Any]] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Other attempts whose data this one references (``{"step": s, "attempt": a}``);
+    #: `delete_step` and `gc` keep them. Empty until incremental saves exist.
+    references: list[dict[str, Any]] = field(default_factory=list)
+    format_version: int = layout.FORMAT_VERSION
 
     @property
     def nbytes(self) -> int:
@@ -43,12 +56,14 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         doc = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format": layout.FORMAT,
+            "format_version": self.format_version,
             "step": self.step,
+            "attempt": self.attempt,
             "created": self.created,
             "checksums": "crc32c per chunk (zarr3 crc32c codec), verified on every read",
             "metadata": self.metadata,
+            "references": self.references,
             "processes": self.processes,
             "items": {
                 name: {
@@ -65,28 +80,93 @@ class Manifest:
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
         try:
             doc = json.loads(data)
-            if doc.get("format") != FORMAT:
-                raise ValueError(f"not a {FORMAT} manifest")
-            version = doc.get("format_version")
-            if not isinstance(version, int) or version > FORMAT_VERSION:
-                raise ValueError(
-                    f"format version {version!r} is newer than this ckptstore reads "
-                    f"({FORMAT_VERSION}); upgrade ckptstore"
-                )
-            items = {
-                name: ItemManifest(
-                    structure=item["structure"],
-                    parts=list(item.get("parts", [])),
-                    leaves={n: LeafInfo.from_json(n, d) for n, d in item["leaves"].items()},
-                )
-                for name, item in doc["items"].items()
-            }
-            return cls(
-                step=int(doc["step"]),
-                items=items,
-                processes=list(doc.get("processes", [])),
-                created=float(doc.get("created", 0.0)),
-                metadata=dict(doc.get("metadata", {})),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return _parse(doc)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(f"unreadable manifest {where}: {exc}") from exc
+
+
+def _parse(doc: Any) -> Manifest:
+    _expect(isinstance(doc, dict), "not a JSON object")
+    _expect(doc.get("format") == layout.FORMAT, f"not a {layout.FORMAT} manifest")
+    version = doc.get("format_version")
+    _expect(_is_int(version) and version >= 1, f"bad format version {version!r}")
+    if version > layout.FORMAT_VERSION:
+        raise ValueError(
+            f"format version {version} is newer than this ckptstore reads "
+            f"({layout.FORMAT_VERSION}); upgrade ckptstore"
+        )
+    step = doc["step"]
+    _expect(_is_int(step) and step >= 0, f"bad step {step!r}")
+    attempt = doc.get("attempt")
+    if version >= 2:
+        _expect(isinstance(attempt, str) and layout.is_attempt(attempt), f"bad attempt {attempt!r}")
+    created = doc.get("created", 0.0)
+    _expect(isinstance(created, (int, float)) and math.isfinite(created), "bad creation time")
+    _expect(isinstance(doc.get("metadata", {}), dict), "metadata is not an object")
+    for name in ("processes", "references"):
+        _expect(isinstance(doc.get(name, []), list), f"{name} is not a list")
+    _expect(isinstance(doc["items"], dict) and bool(doc["items"]), "no items")
+    return Manifest(
+        step=step,
+        attempt=attempt if version >= 2 else None,
+        items={name: _parse_item(name, item) for name, item in doc["items"].items()},
+        processes=list(doc.get("processes", [])),
+        created=float(created),
+        metadata=dict(doc.get("metadata", {})),
+        references=list(doc.get("references", [])),
+        format_version=version,
+    )
+
+
+def _parse_item(name: str, item: Any) -> ItemManifest:
+    _expect(isinstance(item, dict), f"item {name!r} is not an object")
+    leaves_doc = item["leaves"]
+    _expect(isinstance(leaves_doc, dict), f"item {name!r}: leaves is not an object")
+    leaves = {n: _parse_leaf(n, d) for n, d in leaves_doc.items()}
+    parts = item.get("parts", [])
+    _expect(isinstance(parts, list) and all(isinstance(p, str) for p in parts), "bad parts")
+    structure = item["structure"]
+    named = check_structure(structure)
+    _expect(
+        named == set(leaves),
+        f"item {name!r}: the structure's leaves and the leaf table differ "
+        f"({sorted(named ^ set(leaves))[:5]})",
+    )
+    return ItemManifest(structure=structure, leaves=leaves, parts=list(parts))
+
+
+def _parse_leaf(name: str, d: Any) -> LeafInfo:
+    _expect(isinstance(name, str) and name != "", "empty leaf name")
+    _expect(isinstance(d, dict), f"leaf {name!r} is not an object")
+    shape, chunks = d["shape"], d["chunk_shape"]
+    _expect(
+        isinstance(shape, list) and len(shape) <= MAX_RANK and all(_is_int(x) for x in shape),
+        f"leaf {name!r}: bad shape",
+    )
+    _expect(
+        isinstance(chunks, list)
+        and len(chunks) == len(shape)
+        and all(_is_int(c) and c >= 1 for c in chunks),
+        f"leaf {name!r}: bad chunk shape",
+    )
+    _expect(all(0 <= x < 2**63 for x in shape), f"leaf {name!r}: bad shape")
+    _expect(isinstance(d["dtype"], str), f"leaf {name!r}: bad dtype")
+    dtype_of(d["dtype"])  # raises for dtypes TensorStore cannot hold
+    _expect(d["kind"] in KINDS, f"leaf {name!r}: bad kind {d['kind']!r}")
+    python_type = d.get("python_type")
+    _expect(python_type in PYTHON_TYPES, f"leaf {name!r}: bad python type {python_type!r}")
+    _expect(python_type is None or shape == [], f"leaf {name!r}: a Python number with a shape")
+    sharding = d.get("sharding")
+    _expect(sharding is None or isinstance(sharding, dict), f"leaf {name!r}: bad sharding")
+    info = LeafInfo.from_json(name, d)
+    _expect(info.nbytes < 2**63, f"leaf {name!r}: impossibly large")
+    return info
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _expect(ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(why)

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
-from ckptstore.arrays import LeafInfo, ocdbt_spec
+from ckptstore.arrays import ocdbt_spec
 from ckptstore.backends.base import Backend
 from ckptstore.errors import IncompleteCheckpointError
+from ckptstore.leaves import LeafInfo
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ async def merge(
     txn = ts.Transaction(atomic=True)
     view = parent_kv.with_transaction(txn)
     try:
+        # The parent ends up exactly the union of the children, even where an earlier,
+        # interrupted merge (a crashed partial-save finalize) already committed into it.
+        await view.delete_range(ts.KvStore.KeyRange())
         child_kvs = await asyncio.gather(  # opening reads each manifest: do it concurrently
             *(ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(c)), context=ctx) for c in children)
         )
@@ -132,8 +136,12 @@ async def validate(
     batch.submit()
     metas = await asyncio.gather(*reads)
     for info, meta_read in zip(complete, metas, strict=True):
-        meta = json.loads(meta_read.value)
-        stored = (tuple(meta.get("shape", ())), meta.get("data_type"))
+        try:
+            meta = json.loads(meta_read.value)
+            stored = (tuple(meta.get("shape", ())), meta.get("data_type"))
+        except (ValueError, TypeError, AttributeError):
+            problems[info.name] = "zarr.json is not a JSON object"
+            continue
         if stored != (info.shape, info.dtype):
             problems[info.name] = f"zarr.json says {stored[1]}{list(stored[0])}"
             continue

@@ -1,38 +1,52 @@
 """Partial saves: build one checkpoint step from many parts, in O(total bytes).
 
-Each `PartialSave.add` writes a *new* directory ``<step>/<item>/pending_<k>/``
-holding per-process OCDBT stores, then records the part with a small
-``PART.json`` created last (so a part is complete exactly when its record
-exists). Nothing already written is copied or renamed, on any backend.
-`PartialSave.finalize` merges every part by reference in one atomic
+A session is one attempt of the step (`ckptstore.checkpoint.commit`): it records
+itself in ``<step>/<attempt>/SESSION.json`` so that a resumer finds it. Each
+`PartialSave.add` writes a *new* directory ``<attempt>/<item>/pending_<k>-<token>/``
+holding per-process OCDBT stores, then records the part by creating
+``<attempt>/<item>/parts/<k>.json`` last (create-if-absent: a part is complete
+exactly when its record exists, and two writers can never both record part k).
+Nothing already written is copied, renamed or deleted, on any backend.
+`PartialSave.finalize` merges every recorded part by reference in one atomic
 transaction, validates, and commits the step as a normal save does.
 
-Reopening a session for the same step (after a crash) keeps the parts that
-completed, discards any that did not, and continues.
+Reopening a session for the same step (after a crash) resumes the newest
+uncommitted session of that step and item: its recorded parts are kept, an
+unrecorded (interrupted) part is ignored and left for `ckptstore.gc`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from ckptstore import distributed
-from ckptstore.arrays import LeafInfo, describe_leaf, ocdbt_spec, write_leaves
+from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import commit, ensure_uncommitted
 from ckptstore.checkpoint.handoff import Handoff
+from ckptstore.checkpoint.layout import AttemptDir
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.save import SaveResult, commit, ensure_uncommitted
+from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.checkpoint.tree import describe, flatten
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError
+from ckptstore.checkpoint.tree import TreeError, describe, flatten
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    CkptStoreError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
+from ckptstore.leaves import LeafInfo, describe_leaf
 
-PART_RECORD = "PART.json"
+_PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
 
 
 class DuplicateLeafError(CkptStoreError, ValueError):
@@ -49,6 +63,7 @@ class Part:
     """One completed part of a partial save."""
 
     index: int
+    dir: str  # the part's directory below the item, ``pending_<index>-<token>``
     leaves: dict[str, LeafInfo]
     structure: dict[str, Any]
     replace: bool
@@ -62,6 +77,7 @@ class Part:
         return json.dumps(
             {
                 "index": self.index,
+                "dir": self.dir,
                 "replace": self.replace,
                 "structure": self.structure,
                 "processes": self.processes,
@@ -73,14 +89,19 @@ class Part:
     def from_bytes(cls, data: bytes, where: str) -> Part:
         try:
             doc = json.loads(data)
+            index, name = doc["index"], doc["dir"]
+            match = _PART_DIR.fullmatch(name) if isinstance(name, str) else None
+            if not isinstance(index, int) or match is None or int(match[1]) != index:
+                raise ValueError(f"part {index!r} names directory {name!r}")
             return cls(
-                index=int(doc["index"]),
+                index=index,
+                dir=name,
                 leaves={n: LeafInfo.from_json(n, d) for n, d in doc["leaves"].items()},
                 structure=doc["structure"],
                 replace=bool(doc["replace"]),
                 processes=list(doc["processes"]),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(f"unreadable part record {where}: {exc}") from exc
 
 
@@ -111,10 +132,15 @@ class PartialSave:
         self.step = step
         self.item = item
         self.timeout = timeout
+        self.where = AttemptDir(step, None)  # set by `open`
         self.parts: list[Part] = []
-        self.discarded: list[int] = []  # incomplete parts removed on open (process 0)
         self._owned = owned  # the context manager that opened the backend, if we did
-        self._finalized = False
+        self._done = ""  # "finalized" or "abandoned" once the session is over
+
+    @property
+    def attempt(self) -> str:
+        """The attempt id this session writes below (pass it to `open` to resume exactly it)."""
+        return str(self.where.attempt)
 
     # ---- life cycle ----
 
@@ -126,8 +152,15 @@ class PartialSave:
         *,
         item: str = layout.DEFAULT_ITEM,
         timeout: float = distributed.DEFAULT_TIMEOUT,
+        resume: bool = True,
+        attempt: str | None = None,
     ) -> PartialSave:
-        """Open (or resume) the partial save of ``step``."""
+        """Open the partial save of ``step``.
+
+        By default the newest uncommitted session of this step and item is resumed,
+        or a new one started; ``resume=False`` always starts a new one, and
+        ``attempt`` resumes exactly that session (`CheckpointNotFoundError` if absent).
+        """
         layout.check_step(step)
         if isinstance(target, Backend):
             session = cls(target, step, item, timeout)
@@ -135,7 +168,7 @@ class PartialSave:
             owned = opened(target)
             session = cls(await owned.__aenter__(), step, item, timeout, owned)
         try:
-            await session._resume()
+            await session._start(resume, attempt)
         except BaseException:
             await session.close()
             raise
@@ -158,35 +191,59 @@ class PartialSave:
     ) -> None:
         await self.close()
 
-    async def _resume(self) -> None:
+    async def _start(self, resume: bool, attempt: str | None) -> None:
         await ensure_uncommitted(self.backend, self.step)
         handoff = Handoff(f"partial/{self.step}/open", self.timeout)
-        await handoff.primary(self._clean)
+        chosen = await handoff.agree(lambda: self._choose(resume, attempt))
+        self.where = AttemptDir(self.step, chosen)
         self.parts = await self._load_parts()
 
-    async def _clean(self) -> None:
-        """Remove incomplete parts and anything a crashed finalize left outside the parts."""
-        item_dir = layout.item_dir(self.step, self.item)
-        for name in await self.backend.list_dir(item_dir):
-            path = f"{item_dir}/{name}"
-            if name.startswith("pending_"):
-                if not await self.backend.exists(f"{path}/{PART_RECORD}"):
-                    self.discarded.append(int(name.removeprefix("pending_")))
-                    await self.backend.delete_prefix(path)
-            elif name == "manifest.ocdbt":
-                await self.backend.delete(path)
-            else:
-                await self.backend.delete_prefix(path)
-        await self.backend.delete(layout.manifest_key(self.step))
+    async def _choose(self, resume: bool, attempt: str | None) -> str:
+        """On process 0: the attempt this session writes below."""
+        if attempt is not None:
+            if not layout.is_attempt(attempt) or self.item not in await self._session_items(
+                attempt
+            ):
+                raise CheckpointNotFoundError(
+                    f"no partial-save session {attempt!r} of item {self.item!r}",
+                    backend=self.backend.url,
+                    key=layout.step_dir(self.step),
+                )
+            return attempt
+        if resume:
+            names = await self.backend.list_dir(layout.step_dir(self.step))
+            for name in sorted(filter(layout.is_attempt, names), reverse=True):
+                if self.item in await self._session_items(name):
+                    return name
+        fresh = layout.new_attempt()
+        record = {"step": self.step, "attempt": fresh, "item": self.item, "created": time.time()}
+        await self.backend.create(AttemptDir(self.step, fresh).session, json.dumps(record).encode())
+        return fresh
+
+    async def _session_items(self, attempt: str) -> list[str]:
+        """The item of the session recorded for ``attempt`` (empty if none is)."""
+        key = AttemptDir(self.step, attempt).session
+        try:
+            record = json.loads(await self.backend.read(key))
+        except NotFoundError:
+            return []
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"unreadable session record {key}: {exc}") from exc
+        item = record.get("item") if isinstance(record, dict) else None
+        return [item] if isinstance(item, str) else []
 
     async def _load_parts(self) -> list[Part]:
-        item_dir = layout.item_dir(self.step, self.item)
+        prefix = self.where.parts(self.item)
         parts = []
-        for name in await self.backend.list_dir(item_dir):
-            if name.startswith("pending_"):
-                key = f"{item_dir}/{name}/{PART_RECORD}"
+        for name in await self.backend.list_dir(prefix):
+            if name.endswith(".json"):
+                key = f"{prefix}/{name}"
                 parts.append(Part.from_bytes(await self.backend.read(key), key))
         return sorted(parts, key=lambda p: p.index)
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise CkptStoreError(f"the partial save of step {self.step} is already {self._done}")
 
     # ---- parts ----
 
@@ -199,20 +256,32 @@ class PartialSave:
         return out
 
     async def add(self, subtree: Any, *, replace: bool = False) -> Part:
-        """Write ``subtree`` as a new part; returns once the part is durable and recorded."""
-        if self._finalized:
-            raise CkptStoreError(f"step {self.step} is already finalized")
+        """Write ``subtree`` as a new part; returns once the part is durable and recorded.
+
+        Refused before anything is written: a leaf an earlier part holds (unless
+        ``replace``), and a leaf that lies under, or above, a leaf of an earlier part.
+        """
+        self._check_open()
         named = flatten(subtree)
         infos = [describe_leaf(name, value) for name, value in named]
+        saved = self.leaves
+        nested = _nesting_conflicts(set(saved), [info.name for info in infos])
+        if nested:
+            raise TreeError("a part cannot nest leaves inside earlier ones: " + "; ".join(nested))
         if not replace:
-            taken = sorted(set(self.leaves) & {info.name for info in infos})
+            taken = sorted(set(saved) & {info.name for info in infos})
             if taken:
                 raise DuplicateLeafError(taken)
         index = self.parts[-1].index + 1 if self.parts else 0  # same on every process
         handoff = Handoff(f"partial/{self.step}/add/{index}", self.timeout)
 
+        async def name_part() -> str:
+            return layout.new_part_name(index)
+
+        part_dir = await handoff.agree(name_part)
+
         async def write_mine() -> dict[str, Any]:
-            store = layout.pending_store(self.step, self.item, index, handoff.me)
+            store = self.where.part_store(self.item, part_dir, handoff.me)
             with self.backend.write_behind(store):
                 stats = await write_leaves(
                     ocdbt_spec(self.backend.kvstore_spec(store)),
@@ -226,6 +295,7 @@ class PartialSave:
         await handoff.everyone(write_mine)
         part = Part(
             index=index,
+            dir=part_dir,
             leaves={info.name: info for info in infos},
             structure=describe(subtree),
             replace=replace,
@@ -234,28 +304,62 @@ class PartialSave:
 
         async def record() -> Part:
             recorded = dataclasses.replace(part, processes=await handoff.reports())
-            key = f"{layout.pending_dir(self.step, self.item, index)}/{PART_RECORD}"
-            await self.backend.create(key, recorded.to_bytes())
+            key = self.where.part_record(self.item, index)
+            try:
+                await self.backend.create(key, recorded.to_bytes())
+            except AlreadyExistsError as exc:
+                raise AlreadyExistsError(
+                    f"another writer of session {self.attempt} recorded part {index} first; "
+                    "reopen the session to continue",
+                    backend=self.backend.url,
+                    key=key,
+                ) from exc
             return recorded
 
         part = await handoff.primary(record) or part
         self.parts.append(part)
         return part
 
+    async def drop(self, index: int) -> None:
+        """Remove part ``index`` from the session (its data is left for `ckptstore.gc`)."""
+        self._check_open()
+        matching = [p for p in self.parts if p.index == index]
+        if not matching:
+            raise CkptStoreError(
+                f"the partial save of step {self.step} has no part {index} "
+                f"(it has {[p.index for p in self.parts]})"
+            )
+        handoff = Handoff(f"partial/{self.step}/drop/{index}", self.timeout)
+        await handoff.primary(lambda: self.backend.delete(self.where.part_record(self.item, index)))
+        self.parts.remove(matching[0])
+
+    async def abandon(self) -> None:
+        """Delete this session's attempt, every part included; the step stays uncommitted."""
+        self._check_open()
+        await ensure_uncommitted(self.backend, self.step)
+        handoff = Handoff(f"partial/{self.step}/abandon", self.timeout)
+        await handoff.primary(lambda: self.backend.delete_prefix(self.where.root))
+        self._done = "abandoned"
+        self.parts = []
+        await self.close()
+
     async def finalize(self, *, metadata: dict[str, Any] | None = None) -> SaveResult:
-        """Merge every part by reference, validate, and commit the step."""
-        if self._finalized:
-            raise CkptStoreError(f"step {self.step} is already finalized")
+        """Merge every part by reference, validate, and commit the step.
+
+        Raises `AlreadyExistsError` if another attempt committed the step meanwhile.
+        """
+        self._check_open()
         if not self.parts:
             raise CkptStoreError(f"step {self.step}: nothing to finalize (no parts were added)")
         start = time.perf_counter()
         handoff = Handoff(f"partial/{self.step}/finalize", self.timeout)
         merge_seconds = await handoff.primary(lambda: self._merge_and_commit(metadata))
-        self._finalized = True
+        self._done = "finalized"
         leaves = self.leaves
         await self.close()
         return SaveResult(
             step=self.step,
+            attempt=self.attempt,
             bytes=sum(info.nbytes for info in leaves.values()),
             bytes_written=sum(part.nbytes for part in self.parts),
             seconds=time.perf_counter() - start,
@@ -263,7 +367,8 @@ class PartialSave:
         )
 
     async def _merge_and_commit(self, metadata: dict[str, Any] | None) -> float:
-        step, item = self.step, self.item
+        await ensure_uncommitted(self.backend, self.step)
+        item, where = self.item, self.where
         stores: list[str] = []
         clear: dict[str, list[str]] = {}
         seen: set[str] = set()
@@ -271,9 +376,7 @@ class PartialSave:
         processes: list[dict[str, Any]] = []
         for part in self.parts:
             replaced = sorted(seen & set(part.leaves))
-            part_stores = [
-                layout.pending_store(step, item, part.index, p) for p in range(_writers(part))
-            ]
+            part_stores = [where.part_store(item, part.dir, p) for p in range(_writers(part))]
             if replaced:
                 clear[part_stores[0]] = replaced
             stores += part_stores
@@ -281,23 +384,36 @@ class PartialSave:
             structure = merge_structures(structure, part.structure)
             processes += [{"part": part.index, **p} for p in part.processes]
         leaves = self.leaves
-        merged = await merge(
-            self.backend, layout.item_dir(step, item), stores, list(leaves.values()), clear
-        )
+        merged = await merge(self.backend, where.item(item), stores, list(leaves.values()), clear)
         manifest = Manifest(
-            step=step,
+            step=self.step,
+            attempt=where.attempt,
             items={
                 item: ItemManifest(
                     structure=structure,
                     leaves=leaves,
-                    parts=[s.removeprefix(layout.item_dir(step, item) + "/") for s in stores],
+                    parts=[s.removeprefix(where.item(item) + "/") for s in stores],
                 )
             },
             processes=processes,
             metadata=metadata or {},
         )
-        await commit(self.backend, step, manifest)
+        await commit(self.backend, manifest)
         return merged.seconds
+
+
+def _nesting_conflicts(saved: set[str], new: list[str]) -> list[str]:
+    """New leaf names that lie under a saved leaf, or above one (a saved leaf lies under them)."""
+    above = {name.rsplit("/", i)[0] for name in saved for i in range(1, name.count("/") + 1)}
+    problems = []
+    for name in new:
+        parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
+        under = [p for p in parents if p in saved]
+        if under:
+            problems.append(f"{name!r} lies under the saved leaf {under[0]!r}")
+        elif name in above:
+            problems.append(f"{name!r} holds leaves an earlier part saved below it")
+    return problems
 
 
 def _writers(part: Part) -> int:
@@ -311,6 +427,10 @@ async def partial_save(
     *,
     item: str = layout.DEFAULT_ITEM,
     timeout: float = distributed.DEFAULT_TIMEOUT,
+    resume: bool = True,
+    attempt: str | None = None,
 ) -> PartialSave:
-    """Open (or resume) a partial-save session for ``step``: see `PartialSave`."""
-    return await PartialSave.open(target, step, item=item, timeout=timeout)
+    """Open (or resume) a partial-save session for ``step``: see `PartialSave.open`."""
+    return await PartialSave.open(
+        target, step, item=item, timeout=timeout, resume=resume, attempt=attempt
+    )

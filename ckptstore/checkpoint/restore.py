@@ -15,13 +15,15 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from ckptstore.arrays import LeafInfo, ocdbt_spec, open_leaf, read_slice
+from ckptstore.arrays import ocdbt_spec, open_leaf, read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import committed_steps, latest_manifest
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
+from ckptstore.leaves import LeafInfo
 
 T = TypeVar("T")
 
@@ -32,32 +34,10 @@ async def list_steps(target: Target) -> list[int]:
         return await committed_steps(backend)
 
 
-async def committed_steps(backend: Backend) -> list[int]:
-    candidates = sorted(
-        s for s in (layout.parse_step(n) for n in await backend.list_dir()) if s is not None
-    )
-    flags = await asyncio.gather(*(backend.exists(layout.commit_key(s)) for s in candidates))
-    return [s for s, ok in zip(candidates, flags, strict=True) if ok]
-
-
-async def read_manifest(backend: Backend, step: int | None = None) -> Manifest:
-    """The manifest of a committed step (the latest when ``step`` is None)."""
-    if step is None:
-        steps = await committed_steps(backend)
-        if not steps:
-            raise CheckpointNotFoundError("no committed checkpoint", backend=backend.url)
-        step = steps[-1]
-    elif not await backend.exists(layout.commit_key(step)):
-        raise CheckpointNotFoundError(
-            f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
-        )
-    return await load_manifest(backend, step)
-
-
-async def load_manifest(backend: Backend, step: int) -> Manifest:
-    """The manifest of ``step``, which the caller already knows is committed."""
-    data = await backend.read(layout.manifest_key(step))
-    return Manifest.from_bytes(data, where=f"{backend.url}/{layout.manifest_key(step)}")
+async def read_manifest(target: Target, step: int | None = None) -> Manifest:
+    """The verified manifest of a committed step (the latest when ``step`` is None)."""
+    async with opened(target) as backend:
+        return await latest_manifest(backend, step)
 
 
 async def restore(
@@ -76,14 +56,14 @@ async def restore(
     jax arrays laid out that way, each process reading only its slices.
     """
     async with opened(target) as backend:
-        manifest = await read_manifest(backend, step)
+        manifest = await latest_manifest(backend, step)
         if item not in manifest.items:
             raise CheckpointNotFoundError(
                 f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
                 backend=backend.url,
             )
         saved = manifest.items[item]
-        store = ocdbt_spec(backend.kvstore_spec(layout.item_dir(manifest.step, item)))
+        store = item_store(backend, manifest, item)
         ctx = backend.ts_context
 
         async def load(info: LeafInfo, want: Any) -> Any:
@@ -101,6 +81,12 @@ async def restore(
         _check(wanted, saved.leaves, partial=partial, cast=cast)
         values = await settle(load(saved.leaves[n], w) for n, w in wanted)
         return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any]:
+    """The TensorStore spec of one item's merged store in the attempt ``manifest`` describes."""
+    where = layout.AttemptDir(manifest.step, manifest.attempt)
+    return ocdbt_spec(backend.kvstore_spec(where.item(item)))
 
 
 async def settle(coros: Iterable[Awaitable[T]]) -> list[T]:
@@ -162,12 +148,13 @@ async def _materialize(arr: Any, info: LeafInfo, want: Any, cast: bool) -> Any:
     whole = await read_slice(arr, (), info.name)
     if cast and dtype is not None:
         whole = whole.astype(dtype)
-    if _is_number(want) or (want is None and info.python_type):
-        kind = type(want).__name__ if want is not None else str(info.python_type)
-        return _PYTHON_TYPES[kind](whole[()])
-    if want is None and info.kind == "scalar":
-        return whole[()]
-    return whole
+    if want is None:
+        if info.python_type:
+            return _PYTHON_TYPES[info.python_type](whole[()])
+        return whole[()] if info.kind == "scalar" else whole
+    if type(want) in _PYTHON_TYPES.values():  # exactly a Python number, not np.float64
+        return type(want)(whole[()])
+    return whole[()] if isinstance(want, np.generic) else whole
 
 
 _PYTHON_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "complex": complex}

@@ -11,6 +11,7 @@ dicts of their children unless the caller passes ``like``.
 from __future__ import annotations
 
 import collections
+import keyword
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, unquote
@@ -69,8 +70,7 @@ def flatten(tree: Any) -> list[tuple[str, Any]]:
     for name, leaf in named:
         if not is_leaf_value(leaf):
             raise TreeError(
-                f"leaf {name!r} is a {type(leaf).__name__}; "
-                "only arrays and numbers can be saved"
+                f"leaf {name!r} is a {type(leaf).__name__}; only arrays and numbers can be saved"
             )
     return named
 
@@ -117,6 +117,77 @@ def describe(tree: Any, name: str = "") -> dict[str, Any]:
         "keys": [segment(path[0]) for path, _ in children],
         "items": [describe(v, child(path[0])) for path, v in children],
     }
+
+
+MAX_DEPTH = 200  # far deeper than any real model; deep enough JSON would exhaust the stack
+
+
+def check_structure(desc: Any) -> set[str]:
+    """Check a stored structure is one `rebuild` can use; returns its leaf names.
+
+    Raises `TreeError` naming the first problem (unknown node type, malformed keys,
+    a leaf named twice, nesting deeper than `MAX_DEPTH`).
+    """
+    names: set[str] = set()
+    stack: list[tuple[Any, int]] = [(desc, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise TreeError(f"the stored tree is nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict) or node.get("t") not in _NODE_TYPES:
+            raise TreeError(f"malformed node in the stored tree structure: {str(node)[:80]}")
+        kind = node["t"]
+        if kind == "leaf":
+            name = node.get("name")
+            if not isinstance(name, str) or not name or name in names:
+                raise TreeError(f"bad or repeated leaf name {name!r} in the stored structure")
+            names.add(name)
+            continue
+        items = node.get("items", [])
+        if not isinstance(items, list):
+            raise TreeError(f"a {kind} node's items are not a list")
+        if kind == "dict":
+            _check_keys(node.get("keys"), len(items), _is_dict_key)
+        elif kind == "namedtuple":
+            _check_keys(node.get("fields"), len(items), _is_field)
+            if not _is_identifier(node.get("type")):
+                raise TreeError(f"bad namedtuple type name {node.get('type')!r}")
+        elif kind == "custom":
+            _check_keys(node.get("keys"), len(items), lambda k: isinstance(k, str))
+        stack.extend((child, depth + 1) for child in items)
+    return names
+
+
+_NODE_TYPES = ("none", "leaf", "dict", "list", "tuple", "namedtuple", "custom")
+
+
+def _check_keys(keys: Any, count: int, ok: Callable[[Any], bool]) -> None:
+    if (
+        not isinstance(keys, list)
+        or len(keys) != count
+        or not all(ok(k) for k in keys)
+        or len({repr(k) for k in keys}) != count
+    ):
+        raise TreeError(f"malformed keys in the stored tree structure: {str(keys)[:80]}")
+
+
+def _is_dict_key(k: Any) -> bool:
+    return (
+        isinstance(k, list)
+        and len(k) == 2
+        and (
+            (k[0] == "str" and isinstance(k[1], str))
+            or (k[0] == "int" and isinstance(k[1], int) and not isinstance(k[1], bool))
+        )
+    )
+
+
+def _is_identifier(k: Any) -> bool:
+    return isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k)
+
+
+def _is_field(k: Any) -> bool:
+    return _is_identifier(k) and not k.startswith("_")
 
 
 def rebuild(desc: dict[str, Any], leaf: Callable[[str], Any]) -> Any:

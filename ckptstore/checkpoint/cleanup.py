@@ -1,0 +1,224 @@
+"""Deleting steps and collecting garbage, without ever touching what a reader relies on.
+
+- `delete_step` removes the commit marker first (the step vanishes atomically from
+  every listing), then the attempt it named. Killed in between, it leaves an
+  uncommitted attempt, which `gc` removes later.
+- `gc` removes what no commit marker names: uncommitted attempts, leftovers of
+  format-version-1 saves that never committed, and part directories a committed
+  attempt does not use. Only what nobody has written to for ``older_than``
+  seconds goes, so an in-flight writer is never collected; and never anything a
+  committed attempt's manifest lists under ``references``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ckptstore.backends.base import Backend, ObjectInfo
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import Marker, load_manifest, read_marker
+from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
+
+DEFAULT_GRACE = 6 * 3600.0  # seconds
+
+
+@dataclass
+class Entry:
+    """One top-level entry of a step directory (an attempt, or a version-1 file or item)."""
+
+    step: int
+    name: str  # the attempt id, or a version-1 name ("manifest.json", "state")
+    committed: bool  # named by the step's marker (or version-1 content of a committed step)
+    objects: list[ObjectInfo] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.step}/{self.name}"
+
+    @property
+    def bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    def idle_for(self, now: float) -> float | None:
+        """Seconds since anything below was written; None if the backend cannot tell."""
+        return _idle(self.objects, now)
+
+
+@dataclass
+class StepScan:
+    """What is stored under one step directory."""
+
+    step: int
+    marker: Marker | None
+    marker_error: str | None  # the marker exists but cannot be read
+    entries: list[Entry]
+
+    @property
+    def committed(self) -> bool:
+        return self.marker is not None or self.marker_error is not None
+
+
+async def scan(backend: Backend) -> list[StepScan]:
+    """Every step directory with its marker and entries, ascending."""
+    steps = sorted(
+        s for s in (layout.parse_step(n) for n in await backend.list_dir()) if s is not None
+    )
+    return list(await asyncio.gather(*(scan_step(backend, s) for s in steps)))
+
+
+async def scan_step(backend: Backend, step: int) -> StepScan:
+    marker: Marker | None = None
+    error = None
+    try:
+        marker = await read_marker(backend, step)
+    except CorruptCheckpointError as exc:
+        error = str(exc)
+    groups: dict[str, list[ObjectInfo]] = defaultdict(list)
+    async for info in backend.list(layout.step_dir(step)):
+        name = info.key.split("/")[1]
+        if name != layout.COMMIT_MARKER:
+            groups[name].append(info)
+    entries = []
+    for name, objects in sorted(groups.items()):
+        if marker is None:
+            committed = error is not None  # unreadable marker: keep everything
+        elif marker.attempt is None:
+            committed = not layout.is_attempt(name)
+        else:
+            committed = name == marker.attempt
+        entries.append(Entry(step, name, committed, objects))
+    return StepScan(step, marker, error, entries)
+
+
+@dataclass
+class Removal:
+    """What `delete_step` or `gc` removed (or, on a dry run, would remove)."""
+
+    entries: list[str] = field(default_factory=list)  # keys of removed entries
+    objects: int = 0
+    bytes: int = 0
+    kept_young: list[str] = field(default_factory=list)  # garbage left for being too recent
+
+    def add(self, key: str, objects: list[ObjectInfo]) -> None:
+        self.entries.append(key)
+        self.objects += len(objects)
+        self.bytes += sum(o.size for o in objects)
+
+
+async def _remove(backend: Backend, key: str, objects: list[ObjectInfo]) -> None:
+    """Remove one entry: a lone object, or everything below a prefix."""
+    if len(objects) == 1 and objects[0].key == key:
+        await backend.delete(key)
+    else:
+        await backend.delete_prefix(key)
+
+
+async def _referenced(backend: Backend, scans: list[StepScan]) -> set[tuple[int, str]]:
+    """(step, attempt) pairs some committed attempt references (besides its own)."""
+    out: set[tuple[int, str]] = set()
+    for s in scans:
+        if s.marker_error is not None:
+            raise CorruptCheckpointError(
+                f"step {s.step}'s commit marker is unreadable ({s.marker_error}); "
+                f"cannot tell what it references: remove it with `ckptstore rm --step {s.step}`"
+            )
+        if s.marker is None or s.marker.attempt is None:
+            continue
+        manifest: Manifest = await load_manifest(backend, s.marker)
+        for ref in manifest.references:
+            out.add((int(ref["step"]), str(ref["attempt"])))
+    return out
+
+
+async def delete_step(target: Target, step: int) -> Removal:
+    """Delete committed ``step``: its marker first, then the attempt it named.
+
+    The attempt's data stays if another committed attempt references it. A step
+    whose marker is unreadable loses just the marker; `gc` removes the rest.
+    """
+    layout.check_step(step)
+    async with opened(target) as backend:
+        scanned = await scan_step(backend, step)
+        if not scanned.committed:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
+            )
+        keep: set[tuple[int, str]] = set()
+        if scanned.marker is not None and scanned.marker.attempt is not None:
+            others = [s for s in await scan(backend) if s.step != step and s.committed]
+            keep = await _referenced(backend, others)
+        removal = Removal()
+        await backend.delete(layout.commit_key(step))  # from here on, the step is gone
+        removal.entries.append(layout.commit_key(step))
+        removal.objects += 1
+        for entry in scanned.entries:
+            if entry.committed and (step, entry.name) not in keep:
+                await _remove(backend, entry.key, entry.objects)
+                removal.add(entry.key, entry.objects)
+        return removal
+
+
+async def gc(
+    target: Target, *, older_than: float = DEFAULT_GRACE, dry_run: bool = False
+) -> Removal:
+    """Remove uncommitted attempts and unused parts nobody wrote to for ``older_than`` s.
+
+    ``older_than=0`` collects regardless of age (only when no writer can be running).
+    Where a backend cannot tell when an object was written, it is never collected
+    unless ``older_than`` is 0.
+    """
+    if older_than < 0:
+        raise CkptStoreError(f"older_than must be >= 0 seconds, got {older_than}")
+    async with opened(target) as backend:
+        scans = await scan(backend)
+        keep = await _referenced(backend, scans)
+        now = time.time()
+        removal = Removal()
+        for s in scans:
+            garbage = [(e.key, e.objects) for e in s.entries if not e.committed]
+            garbage = [(k, o) for k, o in garbage if (s.step, k.split("/")[1]) not in keep]
+            if s.marker is not None and s.marker.attempt is not None:
+                garbage += await _unused_parts(backend, s)
+            for key, objects in garbage:
+                idle = _idle(objects, now)
+                if older_than > 0 and (idle is None or idle < older_than):
+                    removal.kept_young.append(key)
+                    continue
+                if not dry_run:
+                    await _remove(backend, key, objects)
+                removal.add(key, objects)
+        return removal
+
+
+async def _unused_parts(backend: Backend, s: StepScan) -> list[tuple[str, list[ObjectInfo]]]:
+    """Part directories inside a committed attempt that its merged stores do not use."""
+    assert s.marker is not None
+    manifest = await load_manifest(backend, s.marker)
+    root = layout.AttemptDir(s.step, s.marker.attempt).root
+    used = {
+        f"{name}/{part.split('/')[0]}"
+        for name, item in manifest.items.items()
+        for part in item.parts
+    }
+    groups: dict[str, list[ObjectInfo]] = defaultdict(list)
+    for entry in s.entries:
+        if entry.name != s.marker.attempt:
+            continue
+        for info in entry.objects:
+            rel = info.key.removeprefix(root + "/").split("/")
+            if len(rel) > 2 and rel[1].startswith("pending_") and f"{rel[0]}/{rel[1]}" not in used:
+                groups[f"{root}/{rel[0]}/{rel[1]}"].append(info)
+    return sorted(groups.items())
+
+
+def _idle(objects: list[ObjectInfo], now: float) -> float | None:
+    """Seconds since the newest of ``objects`` was written; None if any time is unknown."""
+    times = [o.mtime for o in objects]
+    if not times or any(t is None for t in times):
+        return None
+    return now - max(t for t in times if t is not None)
