@@ -15,7 +15,7 @@ The public API on one screen:
 from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
 from ckptstore.backends.registry import load_profile, open_backend
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync
+from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync, verify_sync
 from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
 from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
 from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
@@ -78,4 +78,5 @@ __all__ = [
     "save",
     "save_sync",
     "verify",
+    "verify_sync",
 ]

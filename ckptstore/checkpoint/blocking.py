@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from ckptstore.checkpoint.restore import list_steps, restore
 from ckptstore.checkpoint.save import SaveResult, save
+from ckptstore.checkpoint.verify import VerifyReport, verify
 
 T = TypeVar("T")
 
@@ -44,3 +45,8 @@ def restore_sync(*args: Any, **kwargs: Any) -> Any:
 def list_steps_sync(*args: Any, **kwargs: Any) -> list[int]:
     """`ckptstore.list_steps`, blocking."""
     return run(list_steps(*args, **kwargs))
+
+
+def verify_sync(*args: Any, **kwargs: Any) -> VerifyReport:
+    """`ckptstore.verify`, blocking."""
+    return run(verify(*args, **kwargs))
