@@ -249,3 +249,44 @@ async def test_killed_importer_resumes_to_the_same_checkpoint(
     first, second = (m.items["state"] for m in manifests)
     assert first.leaves == second.leaves
     assert first.structure == second.structure
+
+
+async def test_nested_leaves_are_refused_before_writing(any_backend: Backend) -> None:
+    session = await ckptstore.partial_save(any_backend, step=2)
+    await session.add({"a": {"x": np.zeros(2)}, "b": np.ones(2)})
+    before = await stored_bytes(any_backend)
+    for bad in ({"a": np.arange(3)}, {"b": {"y": np.arange(3)}}):
+        for replace in (False, True):
+            with pytest.raises(ckptstore.CkptStoreError, match="nest"):
+                await session.add(bad, replace=replace)
+    assert await stored_bytes(any_backend) == before  # refused before anything was written
+    await session.add({"a": {"z": np.arange(3)}})  # a sibling is fine
+    await session.finalize()
+    out = await ckptstore.restore(any_backend, step=2)
+    assert sorted(out["a"]) == ["x", "z"]
+
+
+async def test_sessions_resume_start_anew_and_abandon(any_backend: Backend) -> None:
+    first = await ckptstore.partial_save(any_backend, step=6)
+    await first.add(part_tree(0))
+    again = await ckptstore.partial_save(any_backend, step=6)  # resumes the newest session
+    assert again.attempt == first.attempt and [p.index for p in again.parts] == [0]
+    fresh = await ckptstore.partial_save(any_backend, step=6, resume=False)
+    assert fresh.attempt != first.attempt and fresh.parts == []
+    await fresh.add(part_tree(1))
+    exact = await ckptstore.partial_save(any_backend, step=6, attempt=first.attempt)
+    assert [p.index for p in exact.parts] == [0]
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        await ckptstore.partial_save(
+            any_backend, step=6, attempt="attempt-20200101T000000-0123456789ab"
+        )
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        await ckptstore.partial_save(any_backend, step=6, attempt="../../etc")
+    await exact.abandon()
+    with pytest.raises(ckptstore.CkptStoreError, match="abandoned"):
+        await exact.add(part_tree(2))
+    assert not [k async for k in any_backend.list(f"6/{first.attempt}")]
+    latest = await ckptstore.partial_save(any_backend, step=6)  # the other session is left
+    assert latest.attempt == fresh.attempt
+    await latest.finalize()
+    assert_trees_equal(await ckptstore.restore(any_backend, step=6), part_tree(1))

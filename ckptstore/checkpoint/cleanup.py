@@ -156,7 +156,7 @@ async def delete_step(target: Target, step: int) -> Removal:
         await backend.delete(layout.commit_key(step))  # from here on, the step is gone
         removal.entries.append(layout.commit_key(step))
         removal.objects += 1
-        for entry in scanned.entries:
+        for entry in scanned.entries if scanned.marker is not None else []:
             if entry.committed and (step, entry.name) not in keep:
                 await _remove(backend, entry.key, entry.objects)
                 removal.add(entry.key, entry.objects)

@@ -201,9 +201,7 @@ class PartialSave:
     async def _choose(self, resume: bool, attempt: str | None) -> str:
         """On process 0: the attempt this session writes below."""
         if attempt is not None:
-            if not layout.is_attempt(attempt) or self.item not in await self._session_items(
-                attempt
-            ):
+            if not layout.is_attempt(attempt) or await self._session_created(attempt) is None:
                 raise CheckpointNotFoundError(
                     f"no partial-save session {attempt!r} of item {self.item!r}",
                     backend=self.backend.url,
@@ -212,25 +210,28 @@ class PartialSave:
             return attempt
         if resume:
             names = await self.backend.list_dir(layout.step_dir(self.step))
-            for name in sorted(filter(layout.is_attempt, names), reverse=True):
-                if self.item in await self._session_items(name):
-                    return name
+            found = [(await self._session_created(n), n) for n in names if layout.is_attempt(n)]
+            sessions = [(created, n) for created, n in found if created is not None]
+            if sessions:
+                return max(sessions)[1]  # the newest
         fresh = layout.new_attempt()
         record = {"step": self.step, "attempt": fresh, "item": self.item, "created": time.time()}
         await self.backend.create(AttemptDir(self.step, fresh).session, json.dumps(record).encode())
         return fresh
 
-    async def _session_items(self, attempt: str) -> list[str]:
-        """The item of the session recorded for ``attempt`` (empty if none is)."""
+    async def _session_created(self, attempt: str) -> float | None:
+        """When the session of this item recorded for ``attempt`` began; None if there is none."""
         key = AttemptDir(self.step, attempt).session
         try:
             record = json.loads(await self.backend.read(key))
         except NotFoundError:
-            return []
+            return None
         except ValueError as exc:
             raise CorruptCheckpointError(f"unreadable session record {key}: {exc}") from exc
-        item = record.get("item") if isinstance(record, dict) else None
-        return [item] if isinstance(item, str) else []
+        if not isinstance(record, dict) or record.get("item") != self.item:
+            return None
+        created = record.get("created")
+        return float(created) if isinstance(created, (int, float)) else 0.0
 
     async def _load_parts(self) -> list[Part]:
         prefix = self.where.parts(self.item)

@@ -1,0 +1,201 @@
+"""delete_step and gc: what they remove, what they never remove, and SIGKILL in the middle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout
+from ckptstore.cli import main
+from tests.paths import attempts, committed_root
+from tests.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
+
+
+async def crashed_attempt(backend: Backend, step: int) -> layout.AttemptDir:
+    """What a writer killed mid-save leaves: data and a manifest, no marker."""
+    where = layout.AttemptDir(step, layout.new_attempt())
+    await backend.write(f"{where.process_store('state', 0)}/d/junk", b"x" * 100)
+    await backend.write(where.manifest, b"{}")
+    return where
+
+
+async def test_gc_keeps_committed_and_young_collects_the_rest(any_backend: Backend) -> None:
+    await ckptstore.save(any_backend, tree_of(1), step=1)
+    committed = await snapshot(any_backend, "1")
+    dead = await crashed_attempt(any_backend, 1)
+    orphan = await crashed_attempt(any_backend, 2)  # a step that never committed
+
+    young = await ckptstore.gc(any_backend, older_than=3600)
+    assert young.entries == [] and sorted(young.kept_young) == [dead.root, orphan.root]
+    dry = await ckptstore.gc(any_backend, older_than=0, dry_run=True)
+    assert sorted(dry.entries) == [dead.root, orphan.root] and dry.bytes > 200
+    assert await any_backend.exists(dead.manifest)  # a dry run removes nothing
+
+    removed = await ckptstore.gc(any_backend, older_than=0)
+    assert sorted(removed.entries) == [dead.root, orphan.root] and removed.objects == 4
+    assert not await any_backend.exists(dead.manifest)
+    assert await snapshot(any_backend, "1") == committed  # byte for byte as before
+    assert_is_tree(await ckptstore.restore(any_backend, step=1), 1)
+    assert (await ckptstore.gc(any_backend, older_than=0)).entries == []
+
+
+async def test_gc_uses_the_grace_period_by_age(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    await ckptstore.save(str(root), tree_of(1), step=1)
+    backend = ckptstore.open_backend(str(root))
+    dead = await crashed_attempt(backend, 1)
+    assert (await ckptstore.gc(str(root))).kept_young == [dead.root]  # default: 6 h
+    old = time.time() - 7 * 3600
+    for path in (root / dead.root).rglob("*"):
+        os.utime(path, (old, old))
+    assert (await ckptstore.gc(str(root))).entries == [dead.root]
+
+
+async def test_gc_never_collects_an_in_flight_save(any_backend: Backend) -> None:
+    op, suffix, after = STALLS["merged"]
+    gate = Stalled(any_backend, op, suffix, after=after)
+    task = asyncio.create_task(ckptstore.save(gate, tree_of(7), step=3))
+    await asyncio.wait_for(gate.reached.wait(), 60)  # all data written and merged, no marker
+    removal = await ckptstore.gc(any_backend, older_than=60)
+    assert removal.entries == [] and len(removal.kept_young) == 1
+    gate.release.set()
+    await task
+    assert_is_tree(await ckptstore.restore(any_backend, step=3), 7)
+    assert (await ckptstore.verify(any_backend, step=3)).ok
+
+
+async def test_gc_removes_parts_a_committed_attempt_does_not_use(any_backend: Backend) -> None:
+    session = await ckptstore.partial_save(any_backend, step=4)
+    await session.add({"x": tree_of(4)["x"]})
+    dropped = await session.add({"x2": np.zeros(3)})
+    await session.add({"w": tree_of(4)["w"]})
+    await session.drop(dropped.index)
+    assert [p.index for p in session.parts] == [0, 2]
+    await session.finalize()
+    root = await committed_root(any_backend, 4)
+    removal = await ckptstore.gc(any_backend, older_than=0)
+    assert removal.entries == [f"{root}/state/{dropped.dir}"]
+    restored = await ckptstore.restore(any_backend, step=4)
+    assert sorted(restored) == ["w", "x"]
+    assert_is_tree(restored, 4)
+
+
+async def test_delete_step(any_backend: Backend) -> None:
+    for step in (1, 2, 3):
+        await ckptstore.save(any_backend, tree_of(step), step=step)
+    loser = await crashed_attempt(any_backend, 2)
+    removal = await ckptstore.delete_step(any_backend, 2)
+    root = await attempts(any_backend, 2)
+    assert removal.entries[0] == "2/COMMITTED" and len(removal.entries) == 2
+    assert root == [loser.attempt]  # only the committed attempt went; the other is gc's
+    assert await ckptstore.list_steps(any_backend) == [1, 3]
+    for step in (1, 3):
+        assert_is_tree(await ckptstore.restore(any_backend, step=step), step)
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        await ckptstore.delete_step(any_backend, 2)
+    assert (await ckptstore.gc(any_backend, older_than=0)).entries == [loser.root]
+    assert [info.key async for info in any_backend.list("2")] == []
+
+
+async def test_delete_step_with_an_unreadable_marker(any_backend: Backend) -> None:
+    await ckptstore.save(any_backend, tree_of(1), step=1)
+    await any_backend.write("1/COMMITTED", b"garbage")
+    with pytest.raises(ckptstore.CorruptCheckpointError):
+        await ckptstore.gc(any_backend, older_than=0)  # cannot tell what it references
+    assert (await ckptstore.delete_step(any_backend, 1)).entries == ["1/COMMITTED"]
+    assert await ckptstore.list_steps(any_backend) == []
+    assert len((await ckptstore.gc(any_backend, older_than=0)).entries) == 1
+
+
+KILLED_DELETE = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    import ckptstore
+    from ckptstore.backends.local import LocalBackend
+
+    point = sys.argv[2]
+
+    class DiesMidDelete(LocalBackend):
+        async def _delete(self, key):
+            if point == "before marker" and key.endswith("COMMITTED"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            await super()._delete(key)
+            if point == "after marker" and key.endswith("COMMITTED"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        async def _delete_prefix(self, prefix):
+            if point == "mid attempt":  # remove some files of the attempt, then die
+                files = sorted(p for p in self._path(prefix).rglob("*") if p.is_file())
+                for path in files[: len(files) // 2]:
+                    path.unlink()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await super()._delete_prefix(prefix)
+
+    asyncio.run(ckptstore.delete_step(DiesMidDelete(sys.argv[1]), 2))
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["before marker", "after marker", "mid attempt"])
+def test_delete_step_killed_leaves_the_step_intact_or_gone(tmp_path: Path, point: str) -> None:
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2, 3):
+        ckptstore.save_sync(root, tree_of(step), step=step)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_DELETE, root, point], timeout=120, capture_output=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    steps = ckptstore.list_steps_sync(root)
+    if point == "before marker":
+        assert steps == [1, 2, 3]
+        assert_is_tree(ckptstore.restore_sync(root, step=2), 2)
+        assert ckptstore.verify_sync(root, step=2).ok
+    else:
+        assert steps == [1, 3]  # gone at once, though its files are (partly) still there
+        assert any((Path(root) / "2").rglob("attempt-*"))
+    assert main(["ls", root]) == 0
+    removal = asyncio.run(ckptstore.gc(root, older_than=0))
+    assert bool(removal.entries) == (point != "before marker")
+    for step in ckptstore.list_steps_sync(root):
+        assert_is_tree(ckptstore.restore_sync(root, step=step), step)
+
+
+def test_cli_rm_gc_and_ls_all(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2):
+        ckptstore.save_sync(root, tree_of(step), step=step)
+    backend = ckptstore.open_backend(root)
+    dead = asyncio.run(crashed_attempt(backend, 2))
+    one, two = (asyncio.run(committed_root(backend, s)).split("/")[1] for s in (1, 2))
+    assert main(["ls", root, "--all"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    expected = [
+        ("1", "committed", one),
+        ("2", "committed", two),
+        ("2", "uncommitted", dead.attempt),
+    ]
+    assert sorted((r[0], r[1], r[-1]) for r in rows) == sorted(expected)
+    assert main(["gc", root, "--dry-run", "--older-than", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"would remove {dead.root}" in out and "would remove 1 entries, 2 objects" in out
+    assert main(["gc", root]) == 0  # default grace: too young
+    assert f"kept {dead.root}" in capsys.readouterr().out
+    assert main(["rm", root, "--step", "1"]) == 0
+    assert "removed 1/COMMITTED" in capsys.readouterr().out
+    assert ckptstore.list_steps_sync(root) == [2]
+    assert main(["rm", root, "--step", "1"]) == 2
+    assert "step 1 is not committed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["gc", root, "--older-than", "soon"])
+    assert "not a duration: 'soon'" in capsys.readouterr().err
