@@ -3,8 +3,9 @@
 Usage: mp_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT MODE
 MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "partial" builds the same
 tree as step 2 through a partial save, one part per leaf; "fail" saves like "save" but
-process 1 fails while writing; "restore" restores it on a transposed (4, 2) mesh and checks
-every addressable shard.
+process 1 fails while writing; "late" saves like "save" but another writer commits step 1
+while process 0 merges (every process must then raise `AlreadyExistsError`); "restore"
+restores step 1 on a transposed (4, 2) mesh and checks every addressable shard.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def main() -> None:
             raise RuntimeError("disk on fire")
 
         save_module.write_leaves = broken  # type: ignore[assignment]
+    if mode == "late" and int(pid) == 0:
+        import ckptstore.checkpoint.save as save_module
+
+        real_merge = save_module.merge
+
+        async def merge_then_lose(backend, *args, **kwargs):  # type: ignore[no-untyped-def]
+            result = await real_merge(backend, *args, **kwargs)
+            await backend.create("1/COMMITTED", b'{"step": 1, "by": "someone else"}')
+            return result
+
+        save_module.merge = merge_then_lose
     if mode == "partial":
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
@@ -66,7 +78,7 @@ def main() -> None:
 
         asyncio.run(build())
         print("partial ok", flush=True)
-    elif mode in ("save", "fail"):
+    elif mode in ("save", "fail", "late"):
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
             for k in SHAPES
@@ -74,7 +86,7 @@ def main() -> None:
         try:
             result = asyncio.run(ckptstore.save(root, tree, step=1, timeout=60))
         except (ckptstore.CkptStoreError, RuntimeError) as exc:
-            print(f"failed: {exc}", flush=True)
+            print(f"failed: {type(exc).__name__}: {exc}", flush=True)
         else:
             print(f"saved {result.bytes_written} of {result.bytes}", flush=True)
     else:

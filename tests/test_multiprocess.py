@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -84,8 +85,8 @@ def test_a_failing_process_fails_the_save_everywhere_quickly(tmp_path: Path) -> 
     start = time.monotonic()
     outputs = run_job(root, "fail")
     assert time.monotonic() - start < 50  # far below the 60 s coordination timeout
-    assert outputs[1].startswith("failed: disk on fire")
-    assert outputs[0].startswith("failed: process 1 failed: RuntimeError: disk on fire")
+    assert outputs[1].startswith("failed: RuntimeError: disk on fire")
+    assert outputs[0].startswith("failed: CkptStoreError: process 1 failed: RuntimeError: disk")
     assert ckptstore.list_steps_sync(str(root)) == []
 
 
@@ -102,3 +103,15 @@ def test_two_processes_build_a_step_from_partial_saves(tmp_path: Path) -> None:
     out = ckptstore.restore_sync(str(root), step=2)
     for k in SHAPES:
         np.testing.assert_array_equal(out[k], expected(k))
+
+
+def test_losing_the_commit_is_already_exists_on_every_process(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    outputs = run_job(root, "late")
+    assert all(o.startswith("failed: AlreadyExistsError") for o in outputs), outputs
+    assert "committed by another writer first" in outputs[1]
+    assert (root / "1" / "COMMITTED").read_bytes() == b'{"step": 1, "by": "someone else"}'
+    # And a second job saving the committed step is refused by every process up front.
+    shutil.rmtree(root)
+    run_job(root, "save")
+    assert all(o.startswith("failed: AlreadyExistsError") for o in run_job(root, "save"))
