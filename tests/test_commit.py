@@ -179,50 +179,74 @@ class Stalled(FaultyBackend):
 STALLS = {"checked": ("stat", "COMMITTED", True), "merged": ("write", "manifest.json", False)}
 
 
-async def run_stalled(
-    backend: Backend, stall: str, stalled: Callable[[Backend], Awaitable[Any]], other: int
-) -> None:
-    """Run ``stalled`` until it stalls, commit tree ``other`` meanwhile, then let it go on."""
-    op, suffix, after = STALLS[stall]
-    gate = Stalled(backend, op, suffix, after=after)
-    task = asyncio.create_task(stalled(gate))
-    await asyncio.wait_for(gate.reached.wait(), 60)
-    await ckptstore.save(backend, tree_of(other), step=5)
-    before = await snapshot(backend, "5/COMMITTED") | await snapshot(
-        backend, await committed_root(backend, 5)
+Writer = Callable[[Backend, int], Awaitable[Any]]
+
+
+async def committed_bytes(backend: Backend, step: int) -> dict[str, bytes]:
+    return await snapshot(backend, f"{step}/COMMITTED") | await snapshot(
+        backend, await committed_root(backend, step)
     )
+
+
+async def run_stalled(backend: Backend, stall: str, writer: Writer, order: str) -> None:
+    """Two writers of step 5 pass their checks; one commits while the other is stalled.
+
+    ``order`` "other commits meanwhile": the stalled writer waits while another save
+    runs through and commits. "stalled commits first": both are stalled at the same
+    point, the first is let go and commits, then the second.
+    """
+    op, suffix, after = STALLS[stall]
+    first = Stalled(backend, op, suffix, after=after)
+    task = asyncio.create_task(writer(first, 1))
+    await asyncio.wait_for(first.reached.wait(), 60)
+    if order == "other commits meanwhile":
+        await ckptstore.save(backend, tree_of(2), step=5)
+        winner, loser, gate = 2, task, first
+    else:
+        second = Stalled(backend, op, suffix, after=after)
+        late = asyncio.create_task(writer(second, 2))
+        await asyncio.wait_for(second.reached.wait(), 60)
+        first.release.set()
+        await task
+        winner, loser, gate = 1, late, second
+    before = await committed_bytes(backend, 5)
     gate.release.set()
     with pytest.raises(ckptstore.AlreadyExistsError):
-        await task
-    after_ = await snapshot(backend, "5/COMMITTED") | await snapshot(
-        backend, await committed_root(backend, 5)
-    )
-    assert after_ == before  # the committed step: not one byte touched
-    assert_is_tree(await ckptstore.restore(backend, step=5), other)
+        await loser
+    assert await committed_bytes(backend, 5) == before  # the committed step: not a byte touched
+    assert_is_tree(await ckptstore.restore(backend, step=5), winner)
+    assert (await ckptstore.verify(backend, step=5)).ok
     assert len(await attempts(backend, 5)) == 2  # the loser's attempt is left for gc
 
 
+ORDERS = ["other commits meanwhile", "stalled commits first"]
+
+
+async def save_tree(backend: Backend, k: int) -> None:
+    await ckptstore.save(backend, tree_of(k), step=5)
+
+
+async def partial_tree(backend: Backend, k: int) -> None:
+    session = await ckptstore.partial_save(backend, step=5, resume=False)
+    await session.add({"x": tree_of(k)["x"]})
+    await session.add({"w": tree_of(k)["w"]})
+    await session.finalize()
+
+
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("stall", list(STALLS))
 async def test_stalled_save_never_touches_the_committed_step(
-    any_backend: Backend, stall: str
+    any_backend: Backend, stall: str, order: str
 ) -> None:
-    async def save(backend: Backend) -> None:
-        await ckptstore.save(backend, tree_of(1), step=5)
-
-    await run_stalled(any_backend, stall, save, other=2)
+    await run_stalled(any_backend, stall, save_tree, order)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("stall", list(STALLS))
 async def test_stalled_partial_save_never_touches_the_committed_step(
-    any_backend: Backend, stall: str
+    any_backend: Backend, stall: str, order: str
 ) -> None:
-    async def partial(backend: Backend) -> None:
-        session = await ckptstore.partial_save(backend, step=5)
-        await session.add({"x": tree_of(1)["x"]})
-        await session.add({"w": tree_of(1)["w"]})
-        await session.finalize()
-
-    await run_stalled(any_backend, stall, partial, other=3)
+    await run_stalled(any_backend, stall, partial_tree, order)
 
 
 async def test_concurrent_saves_in_one_process_one_wins(any_backend: Backend) -> None:

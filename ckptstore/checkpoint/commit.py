@@ -193,11 +193,16 @@ async def load_manifest(backend: Backend, marker: Marker) -> Manifest:
     return manifest
 
 
+async def resolve_step(backend: Backend, step: int | None) -> int:
+    """``step`` itself, checked, or the latest committed step when None."""
+    if step is not None:
+        return layout.check_step(step)
+    steps = await committed_steps(backend)
+    if not steps:
+        raise CheckpointNotFoundError("no committed checkpoint", backend=backend.url)
+    return steps[-1]
+
+
 async def latest_manifest(backend: Backend, step: int | None = None) -> Manifest:
     """The verified manifest of ``step``, or of the latest committed step when None."""
-    if step is None:
-        steps = await committed_steps(backend)
-        if not steps:
-            raise CheckpointNotFoundError("no committed checkpoint", backend=backend.url)
-        step = steps[-1]
-    return await load_committed(backend, layout.check_step(step))
+    return await load_committed(backend, await resolve_step(backend, step))

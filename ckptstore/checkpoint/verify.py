@@ -20,7 +20,7 @@ import tensorstore as ts
 from ckptstore.arrays import open_leaf, read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.commit import committed_steps, load_committed
+from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import item_store
@@ -55,12 +55,7 @@ async def verify(target: Target, step: int | None = None) -> VerifyReport:
     Raises `CheckpointNotFoundError` only if there is no such committed step.
     """
     async with opened(target) as backend:
-        if step is None:
-            steps = await committed_steps(backend)
-            if not steps:
-                raise CheckpointNotFoundError("no committed checkpoint", backend=backend.url)
-            step = steps[-1]
-        return await verify_step(backend, layout.check_step(step))
+        return await verify_step(backend, await resolve_step(backend, step))
 
 
 async def verify_step(backend: Backend, step: int) -> VerifyReport:
