@@ -27,7 +27,7 @@ from ckptstore.checkpoint.commit import committed_steps, latest_manifest, load_c
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import opened
 from ckptstore.checkpoint.verify import verify
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.importers.safetensors import import_safetensors
 
 
@@ -48,31 +48,43 @@ async def cmd_ls(target: str, as_json: bool, show_all: bool) -> int:
         return await cmd_ls_all(target, as_json)
     async with opened(target) as backend:
         steps = await committed_steps(backend)
-        manifests = await asyncio.gather(*(load_committed(backend, s) for s in steps))
-    rows: list[dict[str, Any]] = [
-        {
-            "step": m.step,
-            "attempt": m.attempt,
-            "bytes": m.nbytes,
-            "created": m.created,
-            "items": sorted(m.items),
-            "leaves": sum(len(i.leaves) for i in m.items.values()),
-        }
-        for m in manifests
-    ]
+        loaded = await asyncio.gather(
+            *(load_committed(backend, s) for s in steps), return_exceptions=True
+        )
+    rows: list[dict[str, Any]] = []
+    for step, m in zip(steps, loaded, strict=True):
+        if isinstance(m, CorruptCheckpointError):  # listed, not fatal: the others are fine
+            rows.append({"step": step, "corrupt": str(m)})
+        elif isinstance(m, BaseException):
+            raise m
+        else:
+            rows.append(
+                {
+                    "step": m.step,
+                    "attempt": m.attempt,
+                    "bytes": m.nbytes,
+                    "created": m.created,
+                    "items": sorted(m.items),
+                    "leaves": sum(len(i.leaves) for i in m.items.values()),
+                }
+            )
+    status = 1 if any("corrupt" in r for r in rows) else 0
     if as_json:
         print(json.dumps(rows, indent=1))
-        return 0
+        return status
     if not rows:
         print(f"no committed checkpoints in {target}")
         return 0
     print(f"{'STEP':>10}  {'SIZE':>10}  {'LEAVES':>6}  {'CREATED':19}  ITEMS")
     for r in rows:
+        if "corrupt" in r:
+            print(f"{r['step']:>10}  CORRUPT: {r['corrupt']}")
+            continue
         print(
             f"{r['step']:>10}  {human(r['bytes']):>10}  {r['leaves']:>6}  "
             f"{when(r['created'])}  {','.join(r['items'])}"
         )
-    return 0
+    return status
 
 
 async def cmd_ls_all(target: str, as_json: bool) -> int:

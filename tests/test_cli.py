@@ -85,3 +85,15 @@ def test_installed_command(root: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[1].split()[0] == "7"
+
+
+def test_ls_lists_a_corrupt_step_and_goes_on(root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    (attempt,) = (Path(root) / "7").glob("attempt-*")
+    manifest = attempt / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step":7', b'"step":9'))
+    assert main(["ls", root]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("         7  CORRUPT: manifest") and "digest" in lines[1]
+    assert lines[2].split()[:2] == ["9", "4.0"]
+    assert main(["verify", root, "--step", "7"]) == 1
+    assert "CORRUPT 7/COMMITTED" in capsys.readouterr().out
