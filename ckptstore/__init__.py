@@ -7,6 +7,8 @@ The public API on one screen:
 - `partial_save(target, step)`: a `PartialSave` session (`add` parts, then `finalize`).
 - `verify(target, step)`: a `VerifyReport`: would a restore return exactly what was saved?
 - `delete_step(target, step)` and `gc(target, older_than=...)`: removing steps and garbage.
+- `CheckpointManager(target, save_policy=..., keep_policy=..., options=ManagerOptions(...))`:
+  saves from a training loop that pause it only for staging; policies in `ckptstore.policies`.
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
@@ -38,11 +40,15 @@ from ckptstore.errors import (
     TransientStorageError,
     TreeMismatchError,
 )
+from ckptstore.lifecycle import policies
+from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
+from ckptstore.lifecycle.options import ManagerOptions
 
 __all__ = [
     "AlreadyExistsError",
     "Backend",
     "Capabilities",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CkptStoreError",
     "ConfigError",
@@ -52,6 +58,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidKeyError",
     "InvalidURLError",
+    "ManagerOptions",
     "NotFoundError",
     "ObjectInfo",
     "Part",
@@ -60,7 +67,9 @@ __all__ = [
     "Removal",
     "RetriesExhaustedError",
     "RetryPolicy",
+    "SaveHandle",
     "SaveResult",
+    "SaveStats",
     "StorageError",
     "TransientStorageError",
     "TreeMismatchError",
@@ -72,6 +81,7 @@ __all__ = [
     "load_profile",
     "open_backend",
     "partial_save",
+    "policies",
     "read_manifest",
     "restore",
     "restore_sync",

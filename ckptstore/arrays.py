@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
-from ckptstore.leaves import LeafInfo, host_array
+from ckptstore.leaves import HostShards, Index, LeafInfo, host_array
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
@@ -30,8 +30,6 @@ MAX_INFLIGHT_BYTES = 256 << 20
 #: are written (and fsync'd) in parallel while later chunks are still being encoded,
 #: instead of one big file per commit (TensorStore's default target is 2 GiB).
 DATA_FILE_BYTES = 64 << 20
-
-Index = tuple[slice, ...]
 
 
 @dataclass
@@ -80,22 +78,26 @@ def ocdbt_spec(base: dict[str, Any]) -> dict[str, Any]:
     return {"driver": "ocdbt", "base": base, "target_data_file_size": DATA_FILE_BYTES}
 
 
-def owned_slices(value: Any, process: int) -> list[tuple[Index, Any]]:
-    """The (index, data) pieces of a leaf that ``process`` must write.
+def owned_slices(value: Any, process: int) -> list[tuple[Index, Any, bool]]:
+    """The (index, data, private) pieces of a leaf that ``process`` must write.
 
-    jax arrays: the addressable shards with replica id 0. Host values belong
-    to process 0. Data is returned lazily for jax shards (``shard.data``).
+    jax arrays: the addressable shards with replica id 0 (data returned lazily,
+    ``shard.data``); staged arrays (`HostShards`): their pieces. Host values belong
+    to process 0. ``private`` data is never mutated by anyone else while the save
+    runs, so TensorStore may encode straight from it instead of copying it first.
     """
     if isinstance(value, jax.Array):
         return [
-            (tuple(shard.index), shard.data)
+            (tuple(shard.index), shard.data, True)
             for shard in value.addressable_shards
             if shard.replica_id == 0
         ]
+    if isinstance(value, HostShards):
+        return [(index, data, True) for index, data in value.pieces]
     if process != 0:
         return []
     arr = host_array(value)
-    return [(tuple(slice(None) for _ in arr.shape), arr)]
+    return [(tuple(slice(None) for _ in arr.shape), arr, False)]
 
 
 # ---- writing ----
@@ -132,9 +134,9 @@ async def write_leaves(
             )
         if pieces:
             stats.leaves.append(info.name)
-        await asyncio.gather(*(write_piece(arr, index, data) for index, data in pieces))
+        await asyncio.gather(*(write_piece(arr, *piece) for piece in pieces))
 
-    async def write_piece(arr: ts.TensorStore, index: Index, data: Any) -> None:
+    async def write_piece(arr: ts.TensorStore, index: Index, data: Any, private: bool) -> None:
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = host_view(data)
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
@@ -142,11 +144,8 @@ async def write_leaves(
         else:
             async with budget.hold(nbytes):
                 host = np.asarray(data)  # device-to-host copy for jax shards
-                # A jax shard's copy is private and never mutated: TensorStore may encode
-                # straight from it. A numpy leaf is the caller's array: TensorStore copies it.
-                await arr[index].write(
-                    host, can_reference_source_data_indefinitely=isinstance(data, jax.Array)
-                )
+                # A numpy leaf is the caller's array: TensorStore copies it.
+                await arr[index].write(host, can_reference_source_data_indefinitely=private)
         stats.shards += 1
         stats.bytes += nbytes
 

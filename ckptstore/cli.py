@@ -27,8 +27,9 @@ from ckptstore.checkpoint.commit import committed_steps, latest_manifest, load_c
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import opened
 from ckptstore.checkpoint.verify import verify
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError
+from ckptstore.errors import CkptStoreError, ConfigError, CorruptCheckpointError
 from ckptstore.importers.safetensors import import_safetensors
+from ckptstore.lifecycle.options import seconds
 
 
 def human(nbytes: float) -> str:
@@ -133,6 +134,11 @@ def _sharding_text(sharding: dict[str, Any] | None) -> str:
 
 def _print_info(manifest: Manifest) -> None:
     print(f"step {manifest.step}, created {when(manifest.created)}, {human(manifest.nbytes)}")
+    if manifest.attempt:
+        print(f"  attempt {manifest.attempt}")
+    if manifest.timings:
+        phases = ", ".join(f"{k} {v:.3f} s" for k, v in manifest.timings.items())
+        print(f"  timings: {phases}")
     for p in manifest.processes:
         print(
             f"  process {p.get('process')}: wrote {human(p.get('bytes', 0))} in "
@@ -206,20 +212,12 @@ async def cmd_gc(target: str, older_than: float, dry_run: bool) -> int:
     return 0
 
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def parse_duration(text: str) -> float:
     """``90``, ``90s``, ``30m``, ``6h`` or ``2d`` as seconds."""
-    unit = text[-1:].lower()
-    number = text[:-1] if unit in _UNITS else text
     try:
-        value = float(number) * _UNITS.get(unit, 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30m, 6h, 2d)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r}")
-    return value
+        return seconds(text, what="--older-than")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def duration_text(seconds: float) -> str:

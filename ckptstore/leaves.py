@@ -124,9 +124,24 @@ def sharding_json(sharding: jax.sharding.Sharding) -> dict[str, Any]:
     return {"type": type(sharding).__name__, "repr": repr(sharding)[:500]}
 
 
+Index = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class HostShards:
+    """A jax array as staged for a save: the shards this process writes (addressable,
+    replica 0), copied into host memory that only the save uses, so the array itself
+    may be donated, deleted or overwritten as soon as staging returns."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    sharding: jax.sharding.Sharding
+    pieces: tuple[tuple[Index, np.ndarray[Any, Any]], ...]
+
+
 def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES) -> LeafInfo:
     """The `LeafInfo` for one leaf value."""
-    if isinstance(value, jax.Array):
+    if isinstance(value, (jax.Array, HostShards)):
         dtype = dtype_name(value.dtype)
         shard_shape = value.sharding.shard_shape(value.shape)
         return LeafInfo(

@@ -105,7 +105,8 @@ def redact(url: str) -> str:
 
 
 def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate a profile: ``{"url": str, "options": {...}}`` with env refs expanded."""
+    """Read and validate a profile: ``{"url": str, "options": {...}}`` with env refs expanded
+    (plus ``"manager": {...}``, the `CheckpointManager`'s table, when the profile has one)."""
     file = Path(path)
     try:
         raw = tomllib.loads(file.read_text())
@@ -113,7 +114,7 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"profile {file} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"profile {file} is not valid TOML: {exc}") from None
-    unknown = set(raw) - {"url", "options", "description"}
+    unknown = set(raw) - {"url", "options", "description", "manager"}
     if unknown:
         raise ConfigError(f"profile {file}: unknown top-level keys {sorted(unknown)}")
     if not isinstance(raw.get("url"), str):
@@ -122,6 +123,10 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(options, dict):
         raise ConfigError(f"profile {file}: [options] must be a table")
     profile = {"url": _expand(raw["url"], file), "options": _expand(options, file)}
+    if "manager" in raw:  # the checkpoint manager's table, passed through uninterpreted
+        if not isinstance(raw["manager"], dict):
+            raise ConfigError(f"profile {file}: [manager] must be a table")
+        profile["manager"] = _expand(raw["manager"], file)
     kind, _ = parse_url(profile["url"])
     _check_options(kind, profile["options"], source=str(file))
     return profile

@@ -27,7 +27,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import CkptStoreError, InvalidKeyError
 
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
@@ -45,6 +45,20 @@ def check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CkptStoreError(f"step must be a non-negative int, got {step!r}")
     return step
+
+
+_ITEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+_RESERVED_ITEMS = {PARTS, MANIFEST, SESSION, COMMIT_MARKER, "d", "manifest.ocdbt"}
+
+
+def check_item(item: str) -> str:
+    """Item names are one safe path segment: letters, digits, ``_``, ``.`` and ``-``."""
+    if not isinstance(item, str) or not _ITEM.fullmatch(item) or item in _RESERVED_ITEMS:
+        raise InvalidKeyError(
+            f"item name must be 1-100 of [A-Za-z0-9_.-] (not starting with . or -) and "
+            f"not one of {sorted(_RESERVED_ITEMS)}; got {item!r}"
+        )
+    return item
 
 
 def step_dir(step: int) -> str:

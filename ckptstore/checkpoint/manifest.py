@@ -48,6 +48,8 @@ class Manifest:
     #: Other attempts whose data this one references (``{"step": s, "attempt": a}``);
     #: `delete_step` and `gc` keep them. Empty until incremental saves exist.
     references: list[dict[str, Any]] = field(default_factory=list)
+    #: Seconds per phase of the save ("staging", "write", "merge"), for `ckptstore info`.
+    timings: dict[str, float] = field(default_factory=dict)
     format_version: int = layout.FORMAT_VERSION
 
     @property
@@ -64,6 +66,7 @@ class Manifest:
             "checksums": "crc32c per chunk (zarr3 crc32c codec), verified on every read",
             "metadata": self.metadata,
             "references": self.references,
+            "timings": self.timings,
             "processes": self.processes,
             "items": {
                 name: {
@@ -105,6 +108,11 @@ def _parse(doc: Any) -> Manifest:
     _expect(isinstance(doc.get("metadata", {}), dict), "metadata is not an object")
     for name in ("processes", "references"):
         _expect(isinstance(doc.get(name, []), list), f"{name} is not a list")
+    timings = doc.get("timings", {})
+    _expect(
+        isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values()),
+        "timings are not numbers",
+    )
     _expect(isinstance(doc["items"], dict) and bool(doc["items"]), "no items")
     return Manifest(
         step=step,
@@ -114,11 +122,13 @@ def _parse(doc: Any) -> Manifest:
         created=float(created),
         metadata=dict(doc.get("metadata", {})),
         references=list(doc.get("references", [])),
+        timings={str(k): float(v) for k, v in timings.items()},
         format_version=version,
     )
 
 
 def _parse_item(name: str, item: Any) -> ItemManifest:
+    layout.check_item(name)  # a CkptStoreError and ValueError: reported as corrupt
     _expect(isinstance(item, dict), f"item {name!r} is not an object")
     leaves_doc = item["leaves"]
     _expect(isinstance(leaves_doc, dict), f"item {name!r}: leaves is not an object")

@@ -162,6 +162,7 @@ class PartialSave:
         ``attempt`` resumes exactly that session (`CheckpointNotFoundError` if absent).
         """
         layout.check_step(step)
+        layout.check_item(item)
         if isinstance(target, Backend):
             session = cls(target, step, item, timeout)
         else:

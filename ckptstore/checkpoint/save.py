@@ -20,7 +20,8 @@ The hand-offs between these steps are `Handoff` rounds.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore import distributed
@@ -33,6 +34,7 @@ from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import describe, flatten
+from ckptstore.errors import CkptStoreError
 from ckptstore.leaves import LeafInfo, describe_leaf
 
 
@@ -42,10 +44,27 @@ class SaveResult:
 
     step: int
     attempt: str
-    bytes: int  # payload bytes of the whole tree
+    bytes: int  # payload bytes of the whole tree (every item)
     bytes_written: int  # shard bytes this process wrote
     seconds: float
     merge_seconds: float
+    #: Seconds per phase on this process: "write" (its shards), "merge" and "commit"
+    #: (process 0; the others waited for them).
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """A tree flattened and described before anything is written (bad leaves fail here)."""
+
+    named: list[tuple[str, Any]]
+    leaves: list[LeafInfo]
+    structure: dict[str, Any]
+
+    @classmethod
+    def of(cls, tree: Any) -> PreparedItem:
+        named = flatten(tree)
+        return cls(named, [describe_leaf(n, v) for n, v in named], describe(tree))
 
 
 async def save(
@@ -61,23 +80,35 @@ async def save(
 
     Raises `AlreadyExistsError` if ``step`` is already committed.
     """
+    return await save_items(target, {item: tree}, step=step, metadata=metadata, timeout=timeout)
+
+
+async def save_items(
+    target: Target,
+    items: Mapping[str, Any],
+    *,
+    step: int,
+    metadata: dict[str, Any] | None = None,
+    timeout: float = distributed.DEFAULT_TIMEOUT,
+    timings: dict[str, float] | None = None,
+) -> SaveResult:
+    """Save several trees (items, e.g. the train state and a data-iterator state) as one
+    step, committed together; restore reads any of them by name."""
     layout.check_step(step)
-    named = flatten(tree)
-    leaves = [describe_leaf(name, value) for name, value in named]
-    structure = describe(tree)
+    if not items:
+        raise CkptStoreError("nothing to save: no items")
+    prepared = {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}
     async with opened(target) as backend:
-        return await _save(backend, named, leaves, structure, step, item, metadata, timeout)
+        return await _save(backend, prepared, step, metadata, timeout, timings or {})
 
 
 async def _save(
     backend: Backend,
-    named: list[tuple[str, Any]],
-    leaves: list[LeafInfo],
-    structure: dict[str, Any],
+    items: dict[str, PreparedItem],
     step: int,
-    item: str,
     metadata: dict[str, Any] | None,
     timeout: float,
+    timings: dict[str, float],
 ) -> SaveResult:
     start = time.perf_counter()
     handoff = Handoff(f"save/{step}", timeout)
@@ -89,44 +120,60 @@ async def _save(
     where = layout.AttemptDir(step, await handoff.agree(fresh_attempt))
 
     async def write_mine() -> dict[str, Any]:
-        store = where.process_store(item, handoff.me)
-        with backend.write_behind(store):
-            stats = await write_leaves(
-                ocdbt_spec(backend.kvstore_spec(store)),
-                backend.ts_context,
-                list(zip(leaves, (value for _, value in named), strict=True)),
-                process=handoff.me,
-                write_metadata=handoff.me == 0,
-            )
-        return stats.to_json()
+        total: dict[str, Any] = {"process": handoff.me, "shards": 0, "bytes": 0, "seconds": 0.0}
+        for name, item in items.items():
+            store = where.process_store(name, handoff.me)
+            with backend.write_behind(store):
+                stats = await write_leaves(
+                    ocdbt_spec(backend.kvstore_spec(store)),
+                    backend.ts_context,
+                    list(zip(item.leaves, (value for _, value in item.named), strict=True)),
+                    process=handoff.me,
+                    write_metadata=handoff.me == 0,
+                )
+            for key in ("shards", "bytes", "seconds"):
+                total[key] += stats.to_json()[key]
+        return total
 
     mine = await handoff.everyone(write_mine)
+    written = time.perf_counter()
+    phases: dict[str, float] = {}
 
-    async def merge_and_commit() -> float:
+    async def merge_and_commit() -> None:
         processes = await handoff.reports()
-        stores = [where.process_store(item, i) for i in range(handoff.count)]
-        merged = await merge(backend, where.item(item), stores, leaves)
-        item_manifest = ItemManifest(
-            structure=structure,
-            leaves={info.name: info for info in leaves},
-            parts=[s.rsplit("/", 1)[1] for s in stores],
-        )
+        manifest_items = {}
+        for name, item in items.items():
+            stores = [where.process_store(name, i) for i in range(handoff.count)]
+            await merge(backend, where.item(name), stores, item.leaves)
+            manifest_items[name] = ItemManifest(
+                structure=item.structure,
+                leaves={info.name: info for info in item.leaves},
+                parts=[s.rsplit("/", 1)[1] for s in stores],
+            )
+        merged = time.perf_counter()
+        phases["merge"] = merged - written
         manifest = Manifest(
             step=step,
             attempt=where.attempt,
-            items={item: item_manifest},
+            items=manifest_items,
             processes=processes,
             metadata=metadata or {},
+            timings={
+                **timings,
+                "write": max(p["seconds"] for p in processes),
+                "merge": phases["merge"],
+            },
         )
         await commit(backend, manifest)
-        return merged.seconds
+        phases["commit"] = time.perf_counter() - merged
 
-    merge_seconds = await handoff.primary(merge_and_commit)
+    await handoff.primary(merge_and_commit)
     return SaveResult(
         step=step,
         attempt=str(where.attempt),
-        bytes=sum(info.nbytes for info in leaves),
+        bytes=sum(info.nbytes for item in items.values() for info in item.leaves),
         bytes_written=int(mine["bytes"]),
         seconds=time.perf_counter() - start,
-        merge_seconds=merge_seconds or 0.0,
+        merge_seconds=phases.get("merge", 0.0),
+        timings={"write": written - start, **phases},
     )

@@ -14,17 +14,23 @@ from ckptstore.backends.registry import open_backend
 Target = Union[str, "os.PathLike[str]", Backend]
 
 
+def open_target(target: Target) -> Backend:
+    """The backend ``target`` names (a new one, unless ``target`` is a `Backend`)."""
+    if isinstance(target, Backend):
+        return target
+    path = os.fspath(target)
+    if path.endswith(".toml") and os.path.isfile(path):
+        return open_backend(profile=path)
+    return open_backend(path)
+
+
 @asynccontextmanager
 async def opened(target: Target) -> AsyncIterator[Backend]:
     """Yield the backend for ``target``; backends opened here are closed afterwards."""
     if isinstance(target, Backend):
         yield target
         return
-    path = os.fspath(target)
-    if path.endswith(".toml") and os.path.isfile(path):
-        backend = open_backend(profile=path)
-    else:
-        backend = open_backend(path)
+    backend = open_target(target)
     try:
         yield backend
     finally:

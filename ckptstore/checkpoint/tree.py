@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ckptstore.errors import CkptStoreError
+from ckptstore.leaves import HostShards
 
 SAFE = "-_.~"  # besides ASCII letters and digits, kept as is in storage names
 
@@ -29,8 +30,8 @@ class TreeError(CkptStoreError, ValueError):
 
 
 def is_leaf_value(x: Any) -> bool:
-    """Values saved as arrays: jax/numpy arrays, numpy scalars and Python numbers."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+    """Values saved as arrays: jax/numpy arrays (staged ones too), numpy scalars, numbers."""
+    return isinstance(x, (jax.Array, HostShards, np.ndarray, np.generic, bool, int, float, complex))
 
 
 def segment(key: Any) -> str:

@@ -1,0 +1,1 @@
+"""Training-loop lifecycle: the checkpoint manager, its save and keep policies, staging."""

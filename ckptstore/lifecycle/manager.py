@@ -1,0 +1,420 @@
+"""`CheckpointManager`: checkpoints from a training loop that pause it only for staging.
+
+Most JAX training loops are synchronous and never yield to an event loop, and the next
+step often donates the state's buffers. So `CheckpointManager.save` decides (save
+policy), copies what the save writes into host memory (`Stager`), and returns a
+`SaveHandle`; the write, merge, commit and retention (keep policy) run on the manager's
+own thread and event loop. One save is in flight at a time. A background failure is
+raised by `SaveHandle.wait` and, if nobody waited for it, by the next `save`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Coroutine, Generator, Mapping
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any, TypeVar
+
+from ckptstore import distributed
+from ckptstore.backends.base import Backend
+from ckptstore.backends.registry import load_profile
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.cleanup import delete_step, gc
+from ckptstore.checkpoint.commit import committed_steps, load_committed
+from ckptstore.checkpoint.handoff import Handoff
+from ckptstore.checkpoint.restore import restore
+from ckptstore.checkpoint.save import save_items
+from ckptstore.checkpoint.target import Target, open_target
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError
+from ckptstore.lifecycle import policies as P
+from ckptstore.lifecycle.options import ManagerOptions
+from ckptstore.lifecycle.staging import Staged, Stager
+
+T = TypeVar("T")
+log = logging.getLogger("ckptstore")
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Where one save's time went, in seconds, and what it wrote (this process)."""
+
+    step: int
+    attempt: str
+    staging: float  # the pause of the training loop: deciding and copying to host
+    write: float  # this process's shards to storage
+    merge: float  # process 0; 0 elsewhere
+    commit: float  # manifest and marker, process 0
+    retention: float  # deleting what the keep policy drops, process 0
+    durable: float  # from the call to save() until the step was committed
+    bytes: int  # payload of the whole step
+    bytes_written: int  # by this process
+    staged_bytes: int  # copied to host memory by this process
+
+
+class SaveHandle:
+    """A save that has been staged; `wait` (or ``await``) until it is committed."""
+
+    def __init__(self, step: int, future: concurrent.futures.Future[SaveStats]) -> None:
+        self.step = step
+        self._future = future
+        self.observed = False  # whether someone saw its outcome (then the next save won't)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveStats:
+        """Block until the step is committed; raises whatever the save raised."""
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done():
+                self.observed = True
+
+    def __await__(self) -> Generator[Any, None, SaveStats]:
+        self.observed = True
+        return asyncio.wrap_future(self._future).__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<SaveHandle step {self.step} {state}>"
+
+
+class CheckpointManager:
+    """Saves, keeps and restores the checkpoints of one training run at ``target``.
+
+    ``target`` is anything `ckptstore.save` accepts; a ``.toml`` profile may carry a
+    ``[manager]`` table with the options. Use it as a context manager, or call `close`.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        save_policy: P.SavePolicy | None = None,
+        keep_policy: P.KeepPolicy | None = None,
+        options: ManagerOptions | None = None,
+    ) -> None:
+        if options is None:
+            options = _options_from_profile(target)
+        self.options = options
+        self.save_policy: P.SavePolicy = save_policy or options.save_policy or P.EveryNSteps(1)
+        self.keep_policy: P.KeepPolicy = keep_policy or options.keep_policy or P.KeepAll()
+        self._me, self._count = distributed.process_index(), distributed.process_count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="ckptstore-manager", daemon=True
+        )
+        self._thread.start()
+        self._owns_backend = not isinstance(target, Backend)
+        self.backend = open_target(target)
+        self._stager = Stager(max_bytes=options.max_staging_bytes)
+        self._inflight: SaveHandle | None = None
+        self._last_time: float | None = None
+        self._records: dict[int, P.StepRecord] = {}
+        self._preempted = threading.Event()
+        self._previous_handler: Any = None
+        self.stats: list[SaveStats] = []  # every save this manager committed, in order
+        try:
+            steps = self._call(committed_steps(self.backend))
+            self._last_step: int | None = steps[-1] if steps else None
+            if options.gc_on_start and self._me == 0:
+                removed = self._call(gc(self.backend, older_than=options.gc_grace))
+                if removed.entries:
+                    log.info("ckptstore: removed %d stale attempts", len(removed.entries))
+        except BaseException:
+            self._shutdown()
+            raise
+        if options.handle_sigterm:
+            self._install_sigterm()
+
+    # ---- saving ----
+
+    def save(
+        self,
+        step: int,
+        state: Any = None,
+        *,
+        items: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> SaveHandle | None:
+        """Save ``state`` (or several named ``items``) as ``step`` if the save policy says so.
+
+        Returns None when it does not, else once every piece is staged in host memory:
+        the caller may then donate, delete or change the arrays. ``metrics`` are kept with
+        the step (for `KeepBest`). Raises an earlier background failure nobody waited for.
+        """
+        layout.check_step(step)
+        self._raise_unobserved()
+        trees = _items(state, items, self.options.item)
+        start = time.perf_counter()
+        if not self._decide(step, force):
+            return None
+        self._settle()  # the previous save: its errors surface here, unless already seen
+        staged = self._stager.stage(trees)
+        self._last_step, self._last_time = step, time.monotonic()
+        future = asyncio.run_coroutine_threadsafe(
+            self._write(step, staged, dict(metrics or {}), dict(metadata or {}), start), self._loop
+        )
+        self._inflight = SaveHandle(step, future)
+        return self._inflight
+
+    def _decide(self, step: int, force: bool) -> bool:
+        busy = self._inflight is not None and not self._inflight.done()
+        ctx = P.SaveContext(
+            step=step,
+            now=time.monotonic(),
+            last_step=self._last_step,
+            last_time=self._last_time,
+            in_flight=busy,
+            preempted=self._check_preemption(step),
+        )
+        wanted = force or self.save_policy.should_save(ctx)
+        go = wanted and not (busy and self.options.if_busy == "skip")
+        agreed_alone = force or (self.save_policy.deterministic and self.options.if_busy == "wait")
+        if self._count > 1 and not agreed_alone:  # clocks and progress differ: process 0 decides
+            go = self._call(self._agree(step, go))
+        if wanted and not go:
+            log.warning("ckptstore: skipped saving step %d: the previous save is running", step)
+        return go
+
+    async def _agree(self, step: int, go: bool) -> bool:
+        handoff = Handoff(f"manager/decide/{step}", self.options.timeout)
+
+        async def decide() -> str:
+            return "save" if go else "skip"
+
+        return await handoff.agree(decide) == "save"
+
+    async def _write(
+        self,
+        step: int,
+        staged: Staged,
+        metrics: dict[str, Any],
+        metadata: dict[str, Any],
+        start: float,
+    ) -> SaveStats:
+        result = await save_items(
+            self.backend,
+            staged.tree,
+            step=step,
+            metadata={**metadata, "metrics": metrics} if metrics else metadata,
+            timeout=self.options.timeout,
+            timings={"staging": staged.seconds},
+        )
+        durable = time.perf_counter() - start
+        self._records[step] = P.StepRecord(step, time.time(), metrics)
+        retention = await self._apply_keep_policy() if self._me == 0 else 0.0
+        stats = SaveStats(
+            step=step,
+            attempt=result.attempt,
+            staging=staged.seconds,
+            write=result.timings.get("write", 0.0),
+            merge=result.timings.get("merge", 0.0),
+            commit=result.timings.get("commit", 0.0),
+            retention=retention,
+            durable=durable,
+            bytes=result.bytes,
+            bytes_written=result.bytes_written,
+            staged_bytes=staged.nbytes,
+        )
+        self.stats.append(stats)
+        return stats
+
+    async def _apply_keep_policy(self) -> float:
+        start = time.perf_counter()
+        records = await self._step_records()
+        if not records:
+            return 0.0
+        keep = self.keep_policy.keep(records, time.time())
+        keep.add(max(r.step for r in records))  # never the latest committed step
+        for record in records:
+            if record.step not in keep:
+                await delete_step(self.backend, record.step)
+                self._records.pop(record.step, None)
+        return time.perf_counter() - start
+
+    async def _step_records(self) -> list[P.StepRecord]:
+        """Every committed step with its time and metrics (manifests read once, cached)."""
+        steps = await committed_steps(self.backend)
+        for step in steps:
+            if step not in self._records:
+                try:
+                    manifest = await load_committed(self.backend, step)
+                except CorruptCheckpointError as exc:  # never deleted on a guess
+                    log.warning("ckptstore: step %d is unreadable, kept: %s", step, exc)
+                    continue
+                metrics = manifest.metadata.get("metrics", {})
+                self._records[step] = P.StepRecord(
+                    step, manifest.created, metrics if isinstance(metrics, dict) else {}
+                )
+        return [self._records[s] for s in steps if s in self._records]
+
+    def wait_until_finished(self) -> None:
+        """Block until the save in flight (if any) is committed; raises its error."""
+        if self._inflight is not None:
+            self._inflight.wait()
+
+    def _settle(self) -> None:
+        """Wait for the save in flight; raise its error unless someone has seen it."""
+        if self._inflight is None:
+            return
+        if self._inflight.observed:
+            concurrent.futures.wait([self._inflight._future])
+        else:
+            self._inflight.wait()
+
+    def _raise_unobserved(self) -> None:
+        handle = self._inflight
+        if handle is not None and handle.done() and not handle.observed:
+            handle.wait()  # raises the failure, once
+
+    # ---- preemption ----
+
+    @property
+    def preempted(self) -> bool:
+        """Whether this process received SIGTERM (the loop should save and stop)."""
+        return self._preempted.is_set()
+
+    def _check_preemption(self, step: int) -> bool:
+        if self._count > 1:  # every process must agree on the step: JAX's sync point does
+            try:
+                from jax.experimental import multihost_utils
+
+                return bool(multihost_utils.reached_preemption_sync_point(step))
+            except RuntimeError:  # no preemption service in this job
+                return False
+        return self.preempted
+
+    def _install_sigterm(self) -> None:
+        if self._count > 1 or threading.current_thread() is not threading.main_thread():
+            return  # JAX's preemption service owns SIGTERM in multi-process jobs
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            self._preempted.set()
+            if callable(self._previous_handler):
+                self._previous_handler(signum, frame)
+
+        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+
+    # ---- reading ----
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return self._call(committed_steps(self.backend))
+
+    def restore(
+        self,
+        step: int | None = None,
+        like: Any = None,
+        *,
+        item: str | None = None,
+        items: Mapping[str, Any] | None = None,
+        partial: bool = False,
+        cast: bool = False,
+    ) -> Any:
+        """Restore ``step`` (the latest committed by default), like `ckptstore.restore`.
+
+        ``items`` maps item names to their ``like`` (None for the saved tree) and returns a
+        dict of the restored items, all from the same step.
+        """
+        if items is None:
+            name = item or self.options.item
+            return self._call(
+                restore(self.backend, step, like, item=name, partial=partial, cast=cast)
+            )
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CkptStoreError(f"no committed checkpoint in {self.backend.url}")
+        out = {}
+        for name, item_like in items.items():
+            out[name] = self._call(
+                restore(self.backend, step, item_like, item=name, partial=partial, cast=cast)
+            )
+        return out
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with ``step``."""
+        manifest = self._call(load_committed(self.backend, step))
+        metrics = manifest.metadata.get("metrics", {})
+        return dict(metrics) if isinstance(metrics, dict) else {}
+
+    # ---- life cycle ----
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release everything (its error, if unseen, raises)."""
+        try:
+            self._settle()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+        if self._loop.is_running():
+            if self._owns_backend:
+                self._call(self.backend.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+        self._stager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> CheckpointManager:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.close)
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the manager's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[str, Any]:
+    if (state is None) == (items is None):
+        raise CkptStoreError("pass the state, or items={name: tree, ...}, not both")
+    trees = dict(items) if items is not None else {default: state}
+    for name in trees:
+        layout.check_item(name)  # refused before anything is staged
+    return trees
+
+
+def _options_from_profile(target: Target) -> ManagerOptions:
+    if isinstance(target, Backend):
+        return ManagerOptions()
+    path = os.fspath(target)
+    if path.endswith(".toml") and os.path.isfile(path):
+        table = load_profile(path).get("manager")
+        if table is not None:
+            return ManagerOptions.from_table(table, source=f"{path} [manager]")
+    return ManagerOptions()

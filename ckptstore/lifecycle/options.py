@@ -1,0 +1,141 @@
+"""`ManagerOptions`: everything about a `CheckpointManager` that depends on the environment,
+in one object, loadable from the ``[manager]`` table of a backend profile.
+
+```toml
+[manager]
+save_every_steps = 1000          # any of these save keys combine with AnyOf
+save_every_seconds = "30m"
+save_at_steps = [10, 20]
+save_initial = true
+save_continuous = "5m"           # minimum interval between continuous saves
+save_on_preemption = true
+keep_latest = 3                  # any of these keep keys combine with KeepAnyOf
+keep_every_steps = 10000
+keep_best = { n = 1, metric = "val_acc", mode = "max" }
+keep_for = "7d"
+if_busy = "wait"                 # or "skip": what save() does while a save is in flight
+max_staging_bytes = 68719476736
+timeout = "10m"                  # cross-process waits
+gc_on_start = true
+gc_grace = "10m"
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ckptstore.checkpoint import layout
+from ckptstore.errors import ConfigError
+from ckptstore.lifecycle import policies as P
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def seconds(value: Any, *, what: str = "duration") -> float:
+    """A duration: a number of seconds, or a string like ``90``, ``30m``, ``6h``, ``2d``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip().lower()
+        unit = _UNITS.get(text[-1], 0.0)
+        try:
+            number = float(text[:-1] if unit else text) * (unit or 1.0)
+        except ValueError:
+            raise ConfigError(f"{what}: not a duration: {value!r} (try 90, 30m, 6h, 2d)") from None
+    else:
+        raise ConfigError(f"{what}: not a duration: {value!r}")
+    if not 0 <= number < float("inf"):
+        raise ConfigError(f"{what}: must be a non-negative, finite duration, got {value!r}")
+    return number
+
+
+@dataclass
+class ManagerOptions:
+    """Options of a `CheckpointManager` (policies passed to the manager itself win)."""
+
+    save_policy: P.SavePolicy | None = None  # None: save whenever save() is called
+    keep_policy: P.KeepPolicy | None = None  # None: keep every step
+    if_busy: Literal["wait", "skip"] = "wait"
+    max_staging_bytes: int | None = None
+    timeout: float = 600.0
+    gc_on_start: bool = True
+    gc_grace: float = 600.0
+    item: str = layout.DEFAULT_ITEM
+    handle_sigterm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.if_busy not in ("wait", "skip"):
+            raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
+            raise ConfigError("max_staging_bytes must be positive")
+        layout.check_item(self.item)
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any], *, source: str = "[manager]") -> ManagerOptions:
+        """Options from a ``[manager]`` TOML table (see the module docstring)."""
+        table = dict(table)
+        saves: list[P.SavePolicy] = []
+        keeps: list[P.KeepPolicy] = []
+        out: dict[str, Any] = {}
+
+        def take(key: str) -> Any:
+            return table.pop(key, None)
+
+        if (n := take("save_every_steps")) is not None:
+            saves.append(P.EveryNSteps(_int(n, f"{source}.save_every_steps")))
+        if (t := take("save_every_seconds")) is not None:
+            saves.append(P.EveryNSeconds(seconds(t, what=f"{source}.save_every_seconds")))
+        if (steps := take("save_at_steps")) is not None:
+            if not isinstance(steps, list):
+                raise ConfigError(f"{source}.save_at_steps must be a list of steps")
+            saves.append(P.AtSteps(_int(s, f"{source}.save_at_steps") for s in steps))
+        if take("save_initial"):
+            saves.append(P.InitialStep())
+        if (t := take("save_continuous")) is not None:
+            saves.append(P.Continuous(seconds(t, what=f"{source}.save_continuous")))
+        if take("save_on_preemption"):
+            saves.append(P.OnPreemption())
+        if (n := take("keep_latest")) is not None:
+            keeps.append(P.KeepLatest(_int(n, f"{source}.keep_latest")))
+        if (n := take("keep_every_steps")) is not None:
+            keeps.append(P.KeepEveryNSteps(_int(n, f"{source}.keep_every_steps")))
+        if (best := take("keep_best")) is not None:
+            if not isinstance(best, dict) or set(best) - {"n", "metric", "mode"}:
+                raise ConfigError(f"{source}.keep_best must be {{n, metric, mode}}")
+            keeps.append(
+                P.KeepBest(
+                    _int(best.get("n", 1), f"{source}.keep_best.n"),
+                    str(best.get("metric", "")),
+                    best.get("mode", "max"),
+                )
+            )
+        if (t := take("keep_for")) is not None:
+            keeps.append(P.KeepFor(seconds(t, what=f"{source}.keep_for")))
+        for key in ("timeout", "gc_grace"):
+            if (t := take(key)) is not None:
+                out[key] = seconds(t, what=f"{source}.{key}")
+        for key in ("if_busy", "item"):
+            if (v := take(key)) is not None:
+                out[key] = str(v)
+        for key in ("gc_on_start", "handle_sigterm"):
+            if (v := take(key)) is not None:
+                if not isinstance(v, bool):
+                    raise ConfigError(f"{source}.{key} must be true or false")
+                out[key] = v
+        if (v := take("max_staging_bytes")) is not None:
+            out["max_staging_bytes"] = _int(v, f"{source}.max_staging_bytes")
+        if table:
+            raise ConfigError(f"{source}: unknown keys {sorted(table)}")
+        if saves:
+            out["save_policy"] = saves[0] if len(saves) == 1 else P.AnyOf(*saves)
+        if keeps:
+            out["keep_policy"] = keeps[0] if len(keeps) == 1 else P.KeepAnyOf(*keeps)
+        return cls(**out)
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{what} must be an integer, got {value!r}")
+    return value

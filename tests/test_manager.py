@@ -1,0 +1,356 @@
+"""CheckpointManager: staging and donation, policies, retention, errors, preemption, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ckptstore
+from ckptstore import policies as pol
+from ckptstore.backends.base import Backend
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.checkpoint import layout
+from ckptstore.lifecycle.policies import SaveContext, StepRecord
+from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    rng = np.random.default_rng(seed)
+    return {
+        "w": jax.device_put(
+            rng.standard_normal((64, 32)).astype(np.float32), NamedSharding(mesh, P("x", "y"))
+        ),
+        "b": jnp.asarray(rng.standard_normal(32), dtype=jnp.bfloat16),  # one device
+        "replicated": jax.device_put(np.arange(16.0), NamedSharding(mesh, P())),
+        "host": rng.standard_normal(8),
+        "count": 3,
+    }
+
+
+@jax.jit
+def _step(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "w": state["w"] * 2 + 1, "b": state["b"] + 1}
+
+
+train_step = jax.jit(_step.__wrapped__, donate_argnums=0)  # type: ignore[attr-defined]
+
+
+def host_copy(state: dict[str, Any]) -> dict[str, Any]:
+    return jax.tree.map(lambda x: np.array(x) if hasattr(x, "shape") else x, state)
+
+
+def assert_same(restored: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert sorted(restored) == sorted(expected)
+    for key, want in expected.items():
+        got = restored[key]
+        if isinstance(want, np.ndarray):
+            assert np.asarray(got).dtype == want.dtype
+            assert np.asarray(got).tobytes() == want.tobytes(), key
+        else:
+            assert got == want and type(got) is type(want)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> str:
+    return str(tmp_path / "run")
+
+
+def options(**kw: Any) -> ckptstore.ManagerOptions:
+    return ckptstore.ManagerOptions(handle_sigterm=False, **kw)
+
+
+# ---- staging ----
+
+
+def test_donating_and_deleting_right_after_save_returns(root: str) -> None:
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        state = make_state()
+        expected = host_copy(state)
+        handle = mgr.save(1, state)
+        assert handle is not None
+        host = state["host"]
+        state = train_step(state)  # donates w, b, replicated
+        host[:] = -1  # and the caller scribbles on its numpy leaf
+        for leaf in jax.tree.leaves(state):
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+        stats = handle.wait()
+        assert stats.step == 1 and stats.staged_bytes > 0 and stats.durable >= stats.staging
+        assert_same(mgr.restore(1), expected)
+        assert ckptstore.verify_sync(root, step=1).ok
+
+
+def test_staging_reuses_its_buffers(root: str) -> None:
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        state = make_state()
+        expected = []
+        for step in range(1, 4):
+            expected.append(host_copy(state))
+            mgr.save(step, state)
+            held = mgr._stager.held_bytes
+            buffers = {k: id(v) for k, v in mgr._stager._buffers.items()}
+            state = train_step(state)
+            mgr.wait_until_finished()
+        # One staged copy of what this process writes, the same buffers every time.
+        assert buffers == {k: id(v) for k, v in mgr._stager._buffers.items()}
+        assert held == mgr.stats[-1].staged_bytes
+        for step in range(1, 4):
+            assert_same(mgr.restore(step), expected[step - 1])
+
+
+def test_staging_budget_is_enforced(root: str) -> None:
+    with ckptstore.CheckpointManager(root, options=options(max_staging_bytes=1000)) as mgr:
+        with pytest.raises(ckptstore.CkptStoreError, match="max_staging_bytes"):
+            mgr.save(1, make_state())
+        assert mgr.all_steps() == []
+
+
+# ---- policies ----
+
+
+def ctx(step: int, **kw: Any) -> SaveContext:
+    base = dict(now=100.0, last_step=None, last_time=None, in_flight=False, preempted=False)
+    return SaveContext(step=step, **{**base, **kw})
+
+
+def test_save_policies() -> None:
+    assert [s for s in range(10) if pol.EveryNSteps(3).should_save(ctx(s))] == [0, 3, 6, 9]
+    every = pol.EveryNSeconds(10)
+    assert every.should_save(ctx(1)) and not every.deterministic
+    assert not every.should_save(ctx(2, last_time=95.0, last_step=1))
+    assert every.should_save(ctx(3, last_time=90.0, last_step=1))
+    assert [s for s in range(10) if pol.AtSteps([2, 7]).should_save(ctx(s))] == [2, 7]
+    assert pol.InitialStep().should_save(ctx(0)) and not pol.InitialStep().should_save(
+        ctx(5, last_step=0)
+    )
+    cont = pol.Continuous(min_interval=5)
+    assert cont.should_save(ctx(1)) and not cont.should_save(ctx(2, in_flight=True))
+    assert not cont.should_save(ctx(3, last_time=97.0)) and cont.should_save(ctx(3, last_time=90.0))
+    assert pol.OnPreemption().should_save(ctx(7, preempted=True))
+    assert not pol.OnPreemption().should_save(ctx(7))
+    anyof = pol.AnyOf(pol.EveryNSteps(100), pol.OnPreemption())
+    assert anyof.deterministic and not anyof.should_save(ctx(7))
+    assert anyof.should_save(ctx(7, preempted=True)) and anyof.should_save(ctx(200))
+    assert not pol.AnyOf(pol.EveryNSteps(2), pol.EveryNSeconds(1)).deterministic
+    with pytest.raises(ckptstore.ConfigError):
+        pol.EveryNSteps(0)
+    with pytest.raises(ckptstore.ConfigError):
+        pol.AnyOf()
+
+
+def test_keep_policies() -> None:
+    now = 1000.0
+    records = [
+        StepRecord(s, now - (10 - s) * 60, {"acc": a})
+        for s, a in [(1, 0.5), (2, 0.9), (3, 0.7), (4, 0.8), (5, 0.6), (6, float("nan"))]
+    ]
+    records.append(StepRecord(8, now, {}))
+    assert pol.KeepLatest(2).keep(records, now) == {6, 8}
+    assert pol.KeepEveryNSteps(2).keep(records, now) == {2, 4, 6, 8}
+    assert pol.KeepBest(2, "acc").keep(records, now) == {2, 4}  # NaN and missing never best
+    assert pol.KeepBest(1, "acc", mode="min").keep(records, now) == {1}
+    assert pol.KeepFor(5 * 60).keep(records, now) == {6, 8}
+    assert pol.KeepAnyOf(pol.KeepLatest(1), pol.KeepBest(1, "acc")).keep(records, now) == {2, 8}
+    assert pol.KeepAll().keep(records, now) == {1, 2, 3, 4, 5, 6, 8}
+    with pytest.raises(ckptstore.ConfigError):
+        pol.KeepBest(1, "acc", mode="up")  # type: ignore[arg-type]
+
+
+def test_manager_follows_save_and_keep_policies(root: str) -> None:
+    keep = pol.KeepAnyOf(pol.KeepLatest(2), pol.KeepBest(1, "acc"))
+    save = pol.AnyOf(pol.EveryNSteps(3), pol.AtSteps([1]))
+    with ckptstore.CheckpointManager(
+        root, save_policy=save, keep_policy=keep, options=options()
+    ) as mgr:
+        state = make_state()
+        saved = []
+        for step in range(1, 16):
+            acc = 1.0 if step == 6 else step / 100
+            if mgr.save(step, state, metrics={"acc": acc}) is not None:
+                saved.append(step)
+            state = train_step(state)
+        mgr.wait_until_finished()
+        assert saved == [1, 3, 6, 9, 12, 15]
+        assert mgr.all_steps() == [6, 12, 15] and mgr.latest_step() == 15
+        assert mgr.metrics(6) == {"acc": 1.0}
+        assert [s.step for s in mgr.stats] == saved
+
+
+def test_the_latest_step_is_never_deleted(root: str) -> None:
+    keep = pol.KeepBest(1, "loss", mode="min")
+    with ckptstore.CheckpointManager(root, keep_policy=keep, options=options()) as mgr:
+        for step, loss in [(1, 0.1), (2, 0.5), (3, 0.9)]:
+            mgr.save(step, {"x": np.full(3, step)}, metrics={"loss": loss})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3]  # the best, and the latest though it is worst
+
+
+async def test_retention_never_touches_a_step_being_written(tmp_path: Path) -> None:
+    from tests.test_commit import STALLS, Stalled
+
+    root = str(tmp_path / "run")
+    backend = ckptstore.open_backend(root)
+    op, suffix, after = STALLS["merged"]
+    other = Stalled(backend, op, suffix, after=after)  # another writer, mid-save of step 50
+    task = asyncio.create_task(ckptstore.save(other, {"x": np.arange(4)}, step=50))
+    await asyncio.wait_for(other.reached.wait(), 60)
+
+    def run_manager() -> list[int]:
+        with ckptstore.CheckpointManager(
+            root, keep_policy=pol.KeepLatest(1), options=options(gc_grace=0.0, gc_on_start=False)
+        ) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, {"x": np.full(2, step)})
+            mgr.wait_until_finished()
+            return mgr.all_steps()
+
+    assert await asyncio.to_thread(run_manager) == [3]
+    other.release.set()
+    await task
+    assert await ckptstore.list_steps(root) == [3, 50]
+    np.testing.assert_array_equal((await ckptstore.restore(root, step=50))["x"], np.arange(4))
+
+
+# ---- several items ----
+
+
+def test_items_are_saved_and_restored_together(root: str) -> None:
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        state = make_state()
+        expected = host_copy(state)
+        data = {"epoch": 2, "offset": np.int64(12345)}
+        mgr.save(4, items={"state": state, "data": data}, metadata={"note": "hi"}).wait()
+        both = mgr.restore(items={"state": None, "data": None})
+        assert_same(both["state"], expected)
+        assert both["data"] == data
+        assert mgr.restore(item="data") == data
+        with pytest.raises(ckptstore.CheckpointNotFoundError, match="no item 'other'"):
+            mgr.restore(item="other")
+        with pytest.raises(ckptstore.CkptStoreError, match="not both"):
+            mgr.save(5, state, items={"data": data})
+        with pytest.raises(ckptstore.InvalidKeyError):
+            mgr.save(5, items={"../up": data})
+
+
+# ---- failures ----
+
+
+def failing(root: str) -> Backend:
+    inner = ckptstore.open_backend(root)
+    return FaultyBackend(
+        inner, fail_on={1}, ops={"create"}, error="permanent", retry=RetryPolicy(max_attempts=1)
+    )
+
+
+def test_background_error_surfaces_on_wait_and_is_not_repeated(root: str) -> None:
+    mgr = ckptstore.CheckpointManager(failing(root), options=options())
+    handle = mgr.save(1, {"x": np.arange(3)})
+    with pytest.raises(InjectedPermanentFault):
+        handle.wait()
+    mgr.save(2, {"x": np.arange(3)}).wait()  # seen once: not raised again
+    mgr.close()
+    assert ckptstore.list_steps_sync(root) == [2]
+
+
+def test_background_error_surfaces_on_the_next_save(root: str) -> None:
+    mgr = ckptstore.CheckpointManager(failing(root), options=options())
+    handle = mgr.save(1, {"x": np.arange(3)})
+    concurrent_done = time.monotonic() + 60
+    while not handle.done() and time.monotonic() < concurrent_done:
+        time.sleep(0.01)
+    with pytest.raises(InjectedPermanentFault):
+        mgr.save(2, {"x": np.arange(3)})
+    mgr.save(3, {"x": np.arange(3)})
+    mgr.close()
+    assert ckptstore.list_steps_sync(root) == [3]
+
+
+def test_close_raises_an_unseen_error(root: str) -> None:
+    mgr = ckptstore.CheckpointManager(failing(root), options=options())
+    mgr.save(1, {"x": np.arange(3)})
+    with pytest.raises(InjectedPermanentFault):
+        mgr.close()
+
+
+def test_if_busy_skip(root: str) -> None:
+    slow = FaultyBackend(ckptstore.open_backend(root), latency=0.2)
+    with ckptstore.CheckpointManager(slow, options=options(if_busy="skip")) as mgr:
+        first = mgr.save(1, {"x": np.arange(3)})
+        assert first is not None and mgr.save(2, {"x": np.arange(3)}) is None
+        first.wait()
+        assert mgr.save(3, {"x": np.arange(3)}) is not None
+    assert ckptstore.list_steps_sync(root) == [1, 3]
+
+
+# ---- preemption and restart ----
+
+
+def test_sigterm_saves_the_step_and_tells_the_loop(root: str) -> None:
+    policy = pol.AnyOf(pol.EveryNSteps(1000), pol.OnPreemption())
+    previous = signal.getsignal(signal.SIGTERM)
+    with ckptstore.CheckpointManager(root, save_policy=policy) as mgr:
+        state = make_state()
+        for step in range(1, 100):
+            if step == 37:
+                os.kill(os.getpid(), signal.SIGTERM)
+            expected = host_copy(state)
+            if mgr.save(step, state) is not None:
+                assert mgr.preempted
+                break
+            state = train_step(state)
+        assert step == 37
+    assert signal.getsignal(signal.SIGTERM) == previous  # the manager's handler is gone
+    assert ckptstore.list_steps_sync(root) == [37]
+    assert_same(ckptstore.restore_sync(root), expected)
+
+
+def test_a_restarted_manager_cleans_up_and_resumes(root: str) -> None:
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": np.full(3, step)})
+    backend = ckptstore.open_backend(root)
+    dead = layout.AttemptDir(3, layout.new_attempt())  # what a killed job left
+    asyncio.run(backend.write(dead.manifest, b"{}"))
+    with ckptstore.CheckpointManager(root, options=options(gc_grace=3600)) as mgr:
+        assert os.path.exists(os.path.join(root, dead.manifest))  # too young to be sure
+    with ckptstore.CheckpointManager(root, options=options(gc_grace=0)) as mgr:
+        assert not os.path.exists(os.path.join(root, dead.manifest))
+        assert mgr.latest_step() == 2
+        np.testing.assert_array_equal(mgr.restore()["x"], np.full(3, 2))
+        assert pol.InitialStep().should_save(ctx(0, last_step=mgr._last_step)) is False
+
+
+def test_options_from_the_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "run.toml"
+    profile.write_text(
+        f'url = "{tmp_path / "run"}"\n[manager]\nsave_every_steps = 2\nkeep_latest = 1\n'
+        'if_busy = "wait"\ngc_grace = "10m"\nhandle_sigterm = false\n'
+    )
+    with ckptstore.CheckpointManager(str(profile)) as mgr:
+        assert mgr.options.gc_grace == 600
+        for step in range(1, 6):
+            mgr.save(step, {"x": np.full(2, step)})
+    assert ckptstore.list_steps_sync(str(tmp_path / "run")) == [4]
+    profile.write_text(f'url = "{tmp_path / "run"}"\n[manager]\nkeep_lastest = 1\n')
+    with pytest.raises(ckptstore.ConfigError, match="unknown keys"):
+        ckptstore.CheckpointManager(str(profile))
+
+
+async def test_usable_from_async_code(root: str) -> None:
+    async with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        handle = mgr.save(1, {"x": np.arange(5)})
+        stats = await handle
+        assert stats.step == 1
+    assert await ckptstore.list_steps(root) == [1]
