@@ -5,7 +5,9 @@ MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "partial" builds th
 tree as step 2 through a partial save, one part per leaf; "fail" saves like "save" but
 process 1 fails while writing; "late" saves like "save" but another writer commits step 1
 while process 0 merges (every process must then raise `AlreadyExistsError`); "restore"
-restores step 1 on a transposed (4, 2) mesh and checks every addressable shard.
+restores step 1 on a transposed (4, 2) mesh and checks every addressable shard; "manager"
+trains 6 steps (donating the state) with a `CheckpointManager` saving every 2 steps and
+keeping 2, then restores the latest on the transposed mesh.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def main() -> None:
     )
     devices = np.array(jax.devices())
     assert devices.size == 4 * int(num), devices
+    if mode == "manager":
+        run_manager(root, devices)
+        jax.distributed.shutdown()
+        return
     if mode != "restore":
         mesh = Mesh(devices.reshape(2, -1), ("x", "y"))
         specs = {"w": P("x", "y"), "v": P("y"), "replicated": P()}
@@ -100,6 +106,51 @@ def main() -> None:
                 np.testing.assert_array_equal(np.asarray(shard.data), expected(k)[shard.index])
         print("restored ok", flush=True)
     jax.distributed.shutdown()
+
+
+def trained(name: str, steps: int) -> np.ndarray:
+    """``expected(name)`` after ``steps`` training steps (x -> 2x + 1, exact in float32)."""
+    value = expected(name)
+    for _ in range(steps):
+        value = value * 2 + 1
+    return value
+
+
+def run_manager(root: str, devices: np.ndarray) -> None:
+    from ckptstore import policies
+
+    mesh = Mesh(devices.reshape(2, -1), ("x", "y"))
+    specs = {"w": P("x", "y"), "v": P("y"), "replicated": P()}
+    shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    state = {
+        k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
+        for k in SHAPES
+    }
+    step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0)
+    # EveryNSeconds makes the policy clock-dependent: process 0 decides for both.
+    save = policies.AnyOf(policies.EveryNSteps(2), policies.EveryNSeconds(3600))
+    opts = ckptstore.ManagerOptions(timeout=60, handle_sigterm=False)
+    with ckptstore.CheckpointManager(
+        root, save_policy=save, keep_policy=policies.KeepLatest(2), options=opts
+    ) as mgr:
+        saved = []
+        for step in range(1, 7):
+            if mgr.save(step, state) is not None:
+                saved.append(step)
+            state = step_fn(state)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [4, 6], mgr.all_steps()
+        transposed = Mesh(devices.reshape(2, -1).T, ("x", "y"))
+        new_specs = {"w": P("y", "x"), "v": P(None, "x"), "replicated": P()}
+        like = {
+            k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=NamedSharding(transposed, s))
+            for k, s in new_specs.items()
+        }
+        out = mgr.restore(like=like)
+        for k, arr in out.items():
+            for shard in arr.addressable_shards:  # step 6 holds the state after 5 steps
+                np.testing.assert_array_equal(np.asarray(shard.data), trained(k, 5)[shard.index])
+    print(f"manager ok saved {saved}", flush=True)
 
 
 if __name__ == "__main__":

@@ -115,3 +115,9 @@ def test_losing_the_commit_is_already_exists_on_every_process(tmp_path: Path) ->
     shutil.rmtree(root)
     run_job(root, "save")
     assert all(o.startswith("failed: AlreadyExistsError") for o in run_job(root, "save"))
+
+
+def test_two_processes_train_with_a_checkpoint_manager(tmp_path: Path) -> None:
+    outputs = run_job(tmp_path / "ckpt", "manager")
+    assert outputs == ["manager ok saved [1, 2, 4, 6]\n"] * 2  # step 1: the first save (clock)
+    assert ckptstore.list_steps_sync(str(tmp_path / "ckpt")) == [4, 6]

@@ -212,7 +212,9 @@ class CheckpointManager:
         )
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
-        retention = await self._apply_keep_policy() if self._me == 0 else 0.0
+        # Process 0 applies the keep policy; everyone's save is done once it has.
+        handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
+        retention = await handoff.primary(self._apply_keep_policy) or 0.0
         stats = SaveStats(
             step=step,
             attempt=result.attempt,
