@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck bench clean
+.PHONY: test demo lint typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,12 +13,16 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check ckptstore tests benchmarks
+	$(VENV)/bin/ruff check ckptstore tests benchmarks demo
 	$(VENV)/bin/mypy ckptstore
 	$(PY) -m pytest -q
 
+# `make demo`: train, get preempted, resume bit-exact, finish; `make demo S3=1`: on moto S3.
+demo: $(STAMP)
+	$(PY) demo/run.py $(if $(S3),--s3,)
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ckptstore tests benchmarks
+	$(VENV)/bin/ruff check ckptstore tests benchmarks demo
 	$(VENV)/bin/ruff format --check ckptstore tests benchmarks
 
 typecheck: $(STAMP)

@@ -47,7 +47,8 @@ class SaveStats:
 
     step: int
     attempt: str
-    staging: float  # the pause of the training loop: deciding and copying to host
+    waited: float  # save() blocked on the previous save still in flight (if_busy="wait")
+    staging: float  # copying to host memory: with ``waited``, the pause of the training loop
     write: float  # this process's shards to storage
     merge: float  # process 0; 0 elsewhere
     commit: float  # manifest and marker, process 0
@@ -158,11 +159,14 @@ class CheckpointManager:
         start = time.perf_counter()
         if not self._decide(step, force):
             return None
+        before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
+        waited = time.perf_counter() - before
         staged = self._stager.stage(trees)
         self._last_step, self._last_time = step, time.monotonic()
         future = asyncio.run_coroutine_threadsafe(
-            self._write(step, staged, dict(metrics or {}), dict(metadata or {}), start), self._loop
+            self._write(step, staged, dict(metrics or {}), dict(metadata or {}), start, waited),
+            self._loop,
         )
         self._inflight = SaveHandle(step, future)
         return self._inflight
@@ -201,6 +205,7 @@ class CheckpointManager:
         metrics: dict[str, Any],
         metadata: dict[str, Any],
         start: float,
+        waited: float,
     ) -> SaveStats:
         result = await save_items(
             self.backend,
@@ -218,6 +223,7 @@ class CheckpointManager:
         stats = SaveStats(
             step=step,
             attempt=result.attempt,
+            waited=waited,
             staging=staged.seconds,
             write=result.timings.get("write", 0.0),
             merge=result.timings.get("merge", 0.0),
