@@ -138,7 +138,7 @@ async def write_leaves(
 
     async def write_piece(arr: ts.TensorStore, index: Index, data: Any, private: bool) -> None:
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
-        view = host_view(data)
+        view = data if private and isinstance(data, np.ndarray) else host_view(data)
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
             await arr[index].write(view, can_reference_source_data_indefinitely=True)
         else:

@@ -7,7 +7,8 @@ Single-process code never calls it (see `ckptstore.checkpoint.handoff`).
 from __future__ import annotations
 
 import asyncio
-import itertools
+import threading
+from collections import Counter
 from typing import Any
 
 import jax
@@ -16,7 +17,8 @@ from ckptstore.errors import CoordinationError
 
 DEFAULT_TIMEOUT = 600.0  # seconds
 
-_sequence = itertools.count()
+_uses: Counter[str] = Counter()
+_uses_lock = threading.Lock()
 
 
 def process_index() -> int:
@@ -40,9 +42,13 @@ def _client() -> Any:
 
 
 def unique_name(label: str) -> str:
-    """A name no earlier call in this process produced; equal across processes that
-    make the same sequence of calls (as SPMD programs do)."""
-    return f"ckptstore/{label}/{next(_sequence)}"
+    """A name no earlier call in this process produced; equal across processes that make
+    the same calls with ``label`` in the same order (as SPMD programs do). Counted per
+    label, so operations with different labels (a save and the manager's keep policy,
+    say) may interleave differently on different processes."""
+    with _uses_lock:
+        _uses[label] += 1
+        return f"ckptstore/{label}/{_uses[label]}"
 
 
 async def kv_set(key: str, value: str) -> None:

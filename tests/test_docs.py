@@ -42,3 +42,14 @@ def test_plain_tensorstore_example_reads_a_leaf(tmp_path: Path) -> None:
     arr = namespace["arr"]
     assert isinstance(arr, ts.TensorStore)
     np.testing.assert_array_equal(arr.read().result(), w)
+
+
+def test_manager_profile_example_is_valid(tmp_path: Path) -> None:
+    (profile,) = blocks("manager.md", "toml")
+    file = tmp_path / "run.toml"
+    file.write_text(profile)
+    loaded = ckptstore.load_profile(file)
+    options = ckptstore.ManagerOptions.from_table(loaded["manager"])
+    assert options.timeout == 600 and options.gc_grace == 600 and options.if_busy == "wait"
+    assert isinstance(options.save_policy, ckptstore.policies.AnyOf)
+    assert isinstance(options.keep_policy, ckptstore.policies.KeepAnyOf)

@@ -74,26 +74,52 @@ def options(**kw: Any) -> ckptstore.ManagerOptions:
 # ---- staging ----
 
 
-def test_donating_and_deleting_right_after_save_returns(root: str) -> None:
-    with ckptstore.CheckpointManager(root, options=options()) as mgr:
-        state = make_state()
-        expected = host_copy(state)
-        handle = mgr.save(1, state)
-        assert handle is not None
-        host = state["host"]
-        state = train_step(state)  # donates w, b, replicated
-        host[:] = -1  # and the caller scribbles on its numpy leaf
-        for leaf in jax.tree.leaves(state):
-            if isinstance(leaf, jax.Array):
-                leaf.delete()
-        stats = handle.wait()
-        assert stats.step == 1 and stats.staged_bytes > 0 and stats.durable >= stats.staging
-        assert_same(mgr.restore(1), expected)
-        assert ckptstore.verify_sync(root, step=1).ok
+STAGING = ["host", "view"]
+
+
+@pytest.mark.parametrize("staging", STAGING)
+def test_donating_and_deleting_right_after_save_returns(root: str, staging: str) -> None:
+    with ckptstore.CheckpointManager(root, options=options(staging=staging)) as mgr:
+        for step in (1, 2, 3):
+            state = make_state(step)
+            expected = host_copy(state)
+            handle = mgr.save(step, state)
+            assert handle is not None
+            host = state["host"]
+            state = train_step(state)  # donates w, b, replicated
+            host[:] = -1  # and the caller scribbles on its numpy leaf
+            for leaf in jax.tree.leaves(state):
+                if isinstance(leaf, jax.Array):
+                    leaf.delete()
+            stats = handle.wait()
+            assert stats.step == step and stats.staged_bytes > 0
+            assert_same(mgr.restore(step), expected)
+            assert ckptstore.verify_sync(root, step=step).ok
+
+
+@pytest.mark.parametrize("staging", STAGING)
+def test_deleting_the_saved_arrays_and_reusing_their_memory(root: str, staging: str) -> None:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    make = jax.jit(
+        lambda k: jax.random.normal(k, (1024, 512)), out_shardings=NamedSharding(mesh, P("x", "y"))
+    )
+    with ckptstore.CheckpointManager(root, options=options(staging=staging)) as mgr:
+        for step in (1, 2):
+            state = {f"l{i}": make(jax.random.key(10 * step + i)) for i in range(8)}  # 16 MiB
+            expected = host_copy(state)
+            handle = mgr.save(step, state)
+            for leaf in state.values():
+                leaf.delete()  # its memory may now be handed out again...
+            junk = [make(jax.random.key(1000 + i)) for i in range(8)]  # ...and overwritten
+            jax.block_until_ready(junk)
+            handle.wait()
+            restored = mgr.restore(step)
+            for key, want in expected.items():
+                assert restored[key].tobytes() == want.tobytes(), key
 
 
 def test_staging_reuses_its_buffers(root: str) -> None:
-    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+    with ckptstore.CheckpointManager(root, options=options(staging="host")) as mgr:
         state = make_state()
         expected = []
         for step in range(1, 4):
@@ -110,8 +136,10 @@ def test_staging_reuses_its_buffers(root: str) -> None:
             assert_same(mgr.restore(step), expected[step - 1])
 
 
-def test_staging_budget_is_enforced(root: str) -> None:
-    with ckptstore.CheckpointManager(root, options=options(max_staging_bytes=1000)) as mgr:
+@pytest.mark.parametrize("staging", STAGING)
+def test_staging_budget_is_enforced(root: str, staging: str) -> None:
+    opts = options(max_staging_bytes=10, staging=staging)
+    with ckptstore.CheckpointManager(root, options=opts) as mgr:
         with pytest.raises(ckptstore.CkptStoreError, match="max_staging_bytes"):
             mgr.save(1, make_state())
         assert mgr.all_steps() == []

@@ -3,8 +3,9 @@
 Most JAX training loops are synchronous and never yield to an event loop, and the next
 step often donates the state's buffers. So `CheckpointManager.save` decides (save
 policy), copies what the save writes into host memory (`Stager`), and returns a
-`SaveHandle`; the write, merge, commit and retention (keep policy) run on the manager's
-own thread and event loop. One save is in flight at a time. A background failure is
+`SaveHandle`; the write, merge and commit run on the manager's own thread and event
+loop, and once the handle is done (the step is committed) the keep policy is applied
+there too, before the next save starts. One save is in flight at a time. A background failure is
 raised by `SaveHandle.wait` and, if nobody waited for it, by the next `save`.
 """
 
@@ -52,7 +53,6 @@ class SaveStats:
     write: float  # this process's shards to storage
     merge: float  # process 0; 0 elsewhere
     commit: float  # manifest and marker, process 0
-    retention: float  # deleting what the keep policy drops, process 0
     durable: float  # from the call to save() until the step was committed
     bytes: int  # payload of the whole step
     bytes_written: int  # by this process
@@ -117,6 +117,7 @@ class CheckpointManager:
         self.backend = open_target(target)
         self._stager = Stager(max_bytes=options.max_staging_bytes)
         self._inflight: SaveHandle | None = None
+        self._retention: concurrent.futures.Future[None] | None = None  # after the last save
         self._last_time: float | None = None
         self._records: dict[int, P.StepRecord] = {}
         self._preempted = threading.Event()
@@ -162,7 +163,7 @@ class CheckpointManager:
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
         waited = time.perf_counter() - before
-        staged = self._stager.stage(trees)
+        staged = self._stager.stage(trees, self.options.staging)
         self._last_step, self._last_time = step, time.monotonic()
         future = asyncio.run_coroutine_threadsafe(
             self._write(step, staged, dict(metrics or {}), dict(metadata or {}), start, waited),
@@ -207,19 +208,20 @@ class CheckpointManager:
         start: float,
         waited: float,
     ) -> SaveStats:
+        await asyncio.to_thread(self._stager.finish, staged)  # copies "view" staging defers
         result = await save_items(
             self.backend,
             staged.tree,
             step=step,
             metadata={**metadata, "metrics": metrics} if metrics else metadata,
             timeout=self.options.timeout,
-            timings={"staging": staged.seconds},
+            timings={"staging": staged.seconds, "deferred_copy": staged.deferred_seconds},
         )
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
-        # Process 0 applies the keep policy; everyone's save is done once it has.
-        handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
-        retention = await handoff.primary(self._apply_keep_policy) or 0.0
+        # The step is committed: the handle completes now; the keep policy runs after it,
+        # before the next save starts (see `_settle`).
+        self._retention = asyncio.run_coroutine_threadsafe(self._retain(step), self._loop)
         stats = SaveStats(
             step=step,
             attempt=result.attempt,
@@ -228,7 +230,6 @@ class CheckpointManager:
             write=result.timings.get("write", 0.0),
             merge=result.timings.get("merge", 0.0),
             commit=result.timings.get("commit", 0.0),
-            retention=retention,
             durable=durable,
             bytes=result.bytes,
             bytes_written=result.bytes_written,
@@ -236,6 +237,12 @@ class CheckpointManager:
         )
         self.stats.append(stats)
         return stats
+
+    async def _retain(self, step: int) -> None:
+        """Process 0 applies the keep policy; every process waits until it has."""
+        handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
+        seconds = await handoff.primary(self._apply_keep_policy)
+        log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
 
     async def _apply_keep_policy(self) -> float:
         start = time.perf_counter()
@@ -267,18 +274,26 @@ class CheckpointManager:
         return [self._records[s] for s in steps if s in self._records]
 
     def wait_until_finished(self) -> None:
-        """Block until the save in flight (if any) is committed; raises its error."""
+        """Block until the save in flight (if any) is committed and the keep policy applied;
+        raises what either raised."""
         if self._inflight is not None:
             self._inflight.wait()
+        self._wait_retention()
 
     def _settle(self) -> None:
-        """Wait for the save in flight; raise its error unless someone has seen it."""
+        """Wait for the save in flight and its retention; raise an error nobody has seen."""
         if self._inflight is None:
             return
         if self._inflight.observed:
             concurrent.futures.wait([self._inflight._future])
         else:
             self._inflight.wait()
+        self._wait_retention()
+
+    def _wait_retention(self) -> None:
+        retention, self._retention = self._retention, None
+        if retention is not None:
+            retention.result()
 
     def _raise_unobserved(self) -> None:
         handle = self._inflight

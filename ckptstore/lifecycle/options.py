@@ -14,6 +14,7 @@ keep_every_steps = 10000
 keep_best = { n = 1, metric = "val_acc", mode = "max" }
 keep_for = "7d"
 if_busy = "wait"                 # or "skip": what save() does while a save is in flight
+staging = "auto"                 # or "host", "view" (see ckptstore.lifecycle.staging)
 max_staging_bytes = 68719476736
 timeout = "10m"                  # cross-process waits
 gc_on_start = true
@@ -58,6 +59,9 @@ class ManagerOptions:
     save_policy: P.SavePolicy | None = None  # None: save whenever save() is called
     keep_policy: P.KeepPolicy | None = None  # None: keep every step
     if_busy: Literal["wait", "skip"] = "wait"
+    #: "host" copies into reused host buffers before save() returns; "view" holds zero-copy
+    #: views of CPU device buffers; "auto": "view" where devices are CPUs, else "host".
+    staging: Literal["auto", "host", "view"] = "auto"
     max_staging_bytes: int | None = None
     timeout: float = 600.0
     gc_on_start: bool = True
@@ -68,6 +72,8 @@ class ManagerOptions:
     def __post_init__(self) -> None:
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if self.staging not in ("auto", "host", "view"):
+            raise ConfigError(f"staging must be 'auto', 'host' or 'view', got {self.staging!r}")
         if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
             raise ConfigError("max_staging_bytes must be positive")
         layout.check_item(self.item)
@@ -116,7 +122,7 @@ class ManagerOptions:
         for key in ("timeout", "gc_grace"):
             if (t := take(key)) is not None:
                 out[key] = seconds(t, what=f"{source}.{key}")
-        for key in ("if_busy", "item"):
+        for key in ("if_busy", "item", "staging"):
             if (v := take(key)) is not None:
                 out[key] = str(v)
         for key in ("gc_on_start", "handle_sigterm"):

@@ -1,11 +1,23 @@
-"""Staging: copy what a save needs from a training state into host memory the save owns.
+"""Staging: copy what a save needs from a training state into memory the save owns.
 
 A training loop may donate, delete or overwrite its arrays as soon as `Stager.stage`
-returns, so every piece a save will write is copied first: of each `jax.Array`, the
-addressable shards with replica id 0 (as `HostShards`); numpy arrays whole. Copies go
-into buffers kept from one save to the next (same leaf, same shard shape and dtype), so
-a steady-state save touches no new pages, and there is never more than one staged copy
-of the state. Large copies run on a few threads (numpy releases the GIL while copying).
+returns, so every piece a save will write is copied first. Two ways:
+
+- "host": of each `jax.Array`, the addressable shards with replica id 0 are copied to
+  host memory (as `HostShards`), into buffers kept from one save to the next (same leaf,
+  same shard shape and dtype), so a steady-state save touches no new pages. Large
+  copies run on a few threads (numpy releases the GIL while copying). The copy is done
+  when `stage` returns. This is the way on accelerators.
+- "view": where device memory is host memory (CPU devices), `stage` only takes zero-copy
+  numpy views of the arrays' own buffers and returns; `Stager.finish`, on the save's own
+  thread, copies them into the reused buffers and drops the views. While a view lives its
+  buffer is never reused: a computation that donates it gets fresh memory instead, and
+  `delete()` frees it only when the view is gone (tests/test_manager.py proves both with
+  buffers whose memory is then handed out again). "auto" picks this where every array is
+  on CPU devices, else "host".
+
+Numpy arrays are always copied into reused host buffers; numbers are immutable. There is
+never more than one staged copy of the state (the manager allows one save in flight).
 """
 
 from __future__ import annotations
@@ -13,29 +25,41 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
+from ckptstore.arrays import host_view
 from ckptstore.checkpoint.tree import flatten
 from ckptstore.errors import CkptStoreError
 from ckptstore.leaves import HostShards, Index
 
 Bounds = tuple[tuple[int, int], ...]
 
+Mode = Literal["auto", "host", "view"]
+
 #: Copies smaller than this run inline; thread hand-off costs more than it saves.
 THREAD_MIN_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
+Copy = tuple[Any, np.ndarray[Any, Any]]  # (source, staging buffer)
+
+
+@dataclass
 class Staged:
-    """A state staged for saving: the same tree with host copies in place of arrays."""
+    """A state staged for saving: the same tree with host buffers in place of arrays.
+
+    ``deferred`` copies (from zero-copy views, "view" mode) fill some buffers later:
+    `Stager.finish` must run before the tree is written.
+    """
 
     tree: Any
-    nbytes: int  # bytes copied
-    seconds: float
+    nbytes: int  # bytes of staging buffers
+    seconds: float  # how long `Stager.stage` took: the pause it caused
+    deferred: list[Copy] = field(default_factory=list)
+    deferred_seconds: float = 0.0
 
 
 class StagingBudgetError(CkptStoreError, MemoryError):
@@ -62,8 +86,8 @@ class Stager:
         self._pool.shutdown(wait=True)
         self._buffers.clear()
 
-    def stage(self, tree: Any) -> Staged:
-        """Copy every piece of ``tree`` a save writes; returns once all copies are done.
+    def stage(self, tree: Any, mode: Mode = "auto") -> Staged:
+        """Copy every piece of ``tree`` a save writes (see the module docstring for ``mode``).
 
         Must not run while an earlier staged tree is still being written (the buffers
         are reused): the manager allows one save in flight.
@@ -71,9 +95,14 @@ class Stager:
         start = time.perf_counter()
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         names = [name for name, _ in flatten(tree)]  # checks leaf types and name clashes
+        for name, leaf in zip(names, leaves, strict=True):
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise CkptStoreError(f"leaf {name!r} was deleted (donated?) before staging")
+        arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+        views = mode == "view" or (mode == "auto" and all(_on_cpu(a) for a in arrays))
         self._used = set()
-        plan = [self._plan(name, leaf) for name, leaf in zip(names, leaves, strict=True)]
-        needed = sum(dst.nbytes for _, copies in plan for _, dst in copies)
+        plan = [self._plan(n, leaf, views) for n, leaf in zip(names, leaves, strict=True)]
+        needed = sum(dst.nbytes for _, now, later in plan for _, dst in now + later)
         if self.max_bytes is not None and needed > self.max_bytes:
             raise StagingBudgetError(
                 f"staging this state needs {needed} bytes of host memory; "
@@ -81,44 +110,58 @@ class Stager:
             )
         for key in set(self._buffers) - self._used:
             del self._buffers[key]  # shards no longer in the state (or resharded)
-        copies = [c for _, cs in plan for c in cs]
+        self._run([c for _, cs, _ in plan for c in cs])
+        return Staged(
+            tree=jax.tree_util.tree_unflatten(treedef, [value for value, _, _ in plan]),
+            nbytes=needed,
+            seconds=time.perf_counter() - start,
+            deferred=[c for _, _, ds in plan for c in ds],
+        )
+
+    def finish(self, staged: Staged) -> None:
+        """Make the deferred copies and drop the views they came from (the save's thread)."""
+        start = time.perf_counter()
+        self._run(staged.deferred)
+        staged.deferred = []
+        staged.deferred_seconds = time.perf_counter() - start
+
+    def _run(self, copies: list[Copy]) -> None:
         if any(not _on_cpu(src) for src, _ in copies):  # overlap device-to-host transfers
             for src, _ in copies:
                 if isinstance(src, jax.Array):
                     src.copy_to_host_async()
-        big = [c for c in copies if c[1].nbytes >= THREAD_MIN_BYTES]
         for src, dst in copies:
             if dst.nbytes < THREAD_MIN_BYTES:
                 _copy(src, dst)
-        list(self._pool.map(lambda c: _copy(*c), big))
-        staged = [value for value, _ in plan]
-        return Staged(
-            tree=jax.tree_util.tree_unflatten(treedef, staged),
-            nbytes=needed,
-            seconds=time.perf_counter() - start,
+        list(
+            self._pool.map(
+                lambda c: _copy(*c), [c for c in copies if c[1].nbytes >= THREAD_MIN_BYTES]
+            )
         )
 
-    def _plan(self, name: str, leaf: Any) -> tuple[Any, list[tuple[Any, np.ndarray[Any, Any]]]]:
-        """The staged stand-in for ``leaf`` and the (source, buffer) copies that fill it."""
+    def _plan(self, name: str, leaf: Any, views: bool) -> tuple[Any, list[Copy], list[Copy]]:
+        """The staged stand-in for ``leaf``, the copies that fill it now and those deferred."""
         if isinstance(leaf, jax.Array):
-            if leaf.is_deleted():
-                raise CkptStoreError(f"leaf {name!r} was deleted (donated?) before staging")
-            pieces, copies = [], []
+            pieces, now, later = [], [], []
             for shard in leaf.addressable_shards:
                 if shard.replica_id != 0:
                     continue
                 index = tuple(shard.index)
                 buf = self._buffer((name, _key(index, leaf.shape)), shard.data.shape, leaf.dtype)
                 pieces.append((index, buf))
-                copies.append((shard.data, buf))
+                view = host_view(shard.data) if views else None
+                if view is not None:  # the device buffer itself, held until `finish` copies it
+                    later.append((view, buf))
+                else:
+                    now.append((shard.data, buf))
             value = HostShards(
                 tuple(leaf.shape), np.dtype(leaf.dtype), leaf.sharding, tuple(pieces)
             )
-            return value, copies
+            return value, now, later
         if isinstance(leaf, np.ndarray):
             buf = self._buffer((name, ()), leaf.shape, leaf.dtype)
-            return buf, [(leaf, buf)]
-        return leaf, []  # numpy scalars and Python numbers are immutable
+            return buf, [(leaf, buf)], []
+        return leaf, [], []  # numpy scalars and Python numbers are immutable
 
     def _buffer(
         self, key: tuple[str, Bounds], shape: tuple[int, ...], dtype: Any
