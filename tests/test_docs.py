@@ -53,3 +53,12 @@ def test_manager_profile_example_is_valid(tmp_path: Path) -> None:
     assert options.timeout == 600 and options.gc_grace == 600 and options.if_busy == "wait"
     assert isinstance(options.save_policy, ckptstore.policies.AnyOf)
     assert isinstance(options.keep_policy, ckptstore.policies.KeepAnyOf)
+
+
+def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
+    readme = (DOCS.parent / "README.md").read_text()
+    (code,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", readme, re.S)
+    code = code.replace('"/tmp/ckptstore-quickstart"', repr(str(tmp_path / "quickstart")))
+    exec(compile(code, "README quick start", "exec"), {"__name__": "readme"})
+    assert ckptstore.list_steps_sync(str(tmp_path / "quickstart")) == [100]
+    assert ckptstore.list_steps_sync(str(tmp_path / "quickstart-run")) == [28, 29, 30]
