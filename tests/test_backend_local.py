@@ -4,6 +4,7 @@ import errno
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,3 +89,23 @@ def test_kvstore_spec_points_at_root(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path)
     assert backend.kvstore_spec("a/b") == {"driver": "file", "path": f"{tmp_path}/a/b/"}
     assert backend.kvstore_spec() == {"driver": "file", "path": f"{tmp_path}/"}
+
+
+async def test_listing_skips_files_that_vanish_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A concurrent writer's temporary file can be gone between readdir and stat."""
+    backend = LocalBackend(tmp_path / "root")
+    await backend.write("a/kept", b"1")
+    await backend.write("a/gone", b"2")
+    real_stat = os.stat
+
+    def flaky_stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("gone"):
+            raise FileNotFoundError(path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", flaky_stat)
+    assert [info.key async for info in backend.list("a")] == ["a/kept"]
+    monkeypatch.undo()
+    assert await backend.delete_prefix("a") == 2

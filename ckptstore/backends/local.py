@@ -195,7 +195,10 @@ async def _walk(base: Path, prefix: str) -> list[ObjectInfo]:
                 if TEMP_MARKER in name:
                     continue
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                st = os.stat(os.path.join(dirpath, name))
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:  # removed since the directory was read (a
+                    continue  # concurrent writer's temporary file, say): not listed
                 out.append(ObjectInfo(join(prefix, rel), st.st_size, st.st_mtime))
         out.sort(key=lambda info: info.key)
         return out
@@ -210,11 +213,14 @@ def _remove_tree(path: Path) -> int:
         return 0
     for dirpath, dirs, files in os.walk(path, topdown=False):
         for name in files:
-            os.remove(os.path.join(dirpath, name))
-            count += 0 if TEMP_MARKER in name else 1
+            with contextlib.suppress(FileNotFoundError):  # a writer's temporary file, gone
+                os.remove(os.path.join(dirpath, name))
+                count += 0 if TEMP_MARKER in name else 1
         for name in dirs:
-            os.rmdir(os.path.join(dirpath, name))
-    os.rmdir(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(os.path.join(dirpath, name))
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
     return count
 
 

@@ -219,9 +219,11 @@ class CheckpointManager:
         )
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
-        # The step is committed: the handle completes now; the keep policy runs after it,
-        # before the next save starts (see `_settle`).
-        self._retention = asyncio.run_coroutine_threadsafe(self._retain(step), self._loop)
+        # The step is committed: the handle completes now. The keep policy runs after it,
+        # beside the next save if there is one (it only ever deletes committed steps), and
+        # after the previous keep-policy run.
+        previous, self._retention = self._retention, None
+        self._retention = asyncio.run_coroutine_threadsafe(self._retain(step, previous), self._loop)
         stats = SaveStats(
             step=step,
             attempt=result.attempt,
@@ -238,8 +240,10 @@ class CheckpointManager:
         self.stats.append(stats)
         return stats
 
-    async def _retain(self, step: int) -> None:
+    async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
         """Process 0 applies the keep policy; every process waits until it has."""
+        if previous is not None:
+            await asyncio.wrap_future(previous)  # its failure is this one's too
         handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
         seconds = await handoff.primary(self._apply_keep_policy)
         log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
@@ -278,21 +282,20 @@ class CheckpointManager:
         raises what either raised."""
         if self._inflight is not None:
             self._inflight.wait()
-        self._wait_retention()
-
-    def _settle(self) -> None:
-        """Wait for the save in flight and its retention; raise an error nobody has seen."""
-        if self._inflight is None:
-            return
-        if self._inflight.observed:
-            concurrent.futures.wait([self._inflight._future])
-        else:
-            self._inflight.wait()
-        self._wait_retention()
-
-    def _wait_retention(self) -> None:
         retention, self._retention = self._retention, None
         if retention is not None:
+            retention.result()
+
+    def _settle(self) -> None:
+        """Wait for the save in flight; raise its error, or the keep policy's, if unseen."""
+        if self._inflight is not None:
+            if self._inflight.observed:
+                concurrent.futures.wait([self._inflight._future])
+            else:
+                self._inflight.wait()
+        retention = self._retention
+        if retention is not None and retention.done() and retention.exception() is not None:
+            self._retention = None
             retention.result()
 
     def _raise_unobserved(self) -> None:
@@ -381,6 +384,9 @@ class CheckpointManager:
         """Wait for the save in flight, then release everything (its error, if unseen, raises)."""
         try:
             self._settle()
+            retention, self._retention = self._retention, None
+            if retention is not None:
+                retention.result()
         finally:
             self._shutdown()
 
