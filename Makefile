@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/storage.py
 	$(PY) benchmarks/save_restore.py
 	$(PY) benchmarks/partial.py
+	$(PY) benchmarks/training_loop.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

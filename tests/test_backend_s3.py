@@ -309,3 +309,25 @@ async def test_zarr3_over_ocdbt_roundtrip(s3: S3Backend) -> None:
     assert "ckpt/state/manifest.ocdbt" in keys
     reopened = await ts.open(spec, context=s3.ts_context)
     np.testing.assert_array_equal(await reopened.read(), data)
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+async def test_the_standard_endpoint_variable_reaches_bytes_and_arrays(
+    moto_server: MotoS3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """A plain s3:// URL with AWS_ENDPOINT_URL set: s3fs and TensorStore both use it."""
+    import numpy as np
+
+    import ckptstore
+
+    monkeypatch.setenv(variable, moto_server.endpoint)
+    url = f"s3://{s3_bucket}/run"
+    backend = ckptstore.open_backend(url, credentials="env")
+    assert isinstance(backend, S3Backend) and backend.endpoint_url == moto_server.endpoint
+    assert backend.kvstore_spec("x")["endpoint"] == moto_server.endpoint
+    await backend.close()
+    await asyncio.wait_for(ckptstore.save(url, {"w": np.arange(64.0)}, step=3), 120)
+    assert await ckptstore.list_steps(url) == [3]
+    restored = await asyncio.wait_for(ckptstore.restore(url), 120)
+    np.testing.assert_array_equal(restored["w"], np.arange(64.0))
+    assert (await ckptstore.verify(url)).ok

@@ -126,7 +126,14 @@ class S3Backend(Backend):
             raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
         self.bucket = bucket
         self.root = validate_prefix(prefix)
-        self.endpoint_url = endpoint_url
+        # AWS convention: the service-specific variable, then the general one. Resolved here
+        # once, so s3fs and TensorStore (which reads neither) reach the same server.
+        self.endpoint_url = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or None
+        )
         self.region = region
         self.credentials = credentials
         self.profile = profile
