@@ -9,6 +9,8 @@ The public API on one screen:
 - `delete_step(target, step)` and `gc(target, older_than=...)`: removing steps and garbage.
 - `CheckpointManager(target, save_policy=..., keep_policy=..., options=ManagerOptions(...))`:
   saves from a training loop that pause it only for staging; policies in `ckptstore.policies`.
+- `Tiered(fast=..., durable=...)` and `promote(tiered)`: committed steps copied from a fast
+  tier to a durable one; `ckptstore.lifecycle.tiers.restore` reads the nearest good copy.
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
@@ -43,6 +45,7 @@ from ckptstore.errors import (
 from ckptstore.lifecycle import policies
 from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
 from ckptstore.lifecycle.options import ManagerOptions
+from ckptstore.lifecycle.tiers import Promotion, Tiered, promote
 
 __all__ = [
     "AlreadyExistsError",
@@ -64,6 +67,7 @@ __all__ = [
     "Part",
     "PartialSave",
     "PermissionDeniedError",
+    "Promotion",
     "Removal",
     "RetriesExhaustedError",
     "RetryPolicy",
@@ -71,6 +75,7 @@ __all__ = [
     "SaveResult",
     "SaveStats",
     "StorageError",
+    "Tiered",
     "TransientStorageError",
     "TreeMismatchError",
     "VerifyReport",
@@ -82,6 +87,7 @@ __all__ = [
     "open_backend",
     "partial_save",
     "policies",
+    "promote",
     "read_manifest",
     "restore",
     "restore_sync",

@@ -120,7 +120,7 @@ async def write_leaves(
     """
     stats = WriteStats(process=process)
     start = time.perf_counter()
-    budget = _ByteBudget(max_inflight_bytes)
+    budget = ByteBudget(max_inflight_bytes)
 
     async def one_leaf(info: LeafInfo, value: Any) -> None:
         pieces = owned_slices(value, process)
@@ -174,8 +174,11 @@ def _sliced_shape(shape: Sequence[int], index: Index) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))
 
 
-class _ByteBudget:
-    """An async semaphore counted in bytes; one piece larger than the budget may pass alone."""
+class ByteBudget:
+    """An async semaphore counted in bytes; one piece larger than the budget may pass alone.
+
+    ``async with budget.hold(nbytes): ...`` (the save's shard copies, promotion's objects).
+    """
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -187,7 +190,7 @@ class _ByteBudget:
 
 
 class _Hold:
-    def __init__(self, budget: _ByteBudget, nbytes: int):
+    def __init__(self, budget: ByteBudget, nbytes: int):
         self.budget, self.nbytes = budget, nbytes
 
     async def __aenter__(self) -> None:

@@ -6,6 +6,8 @@
     ckptstore rm TARGET --step N         delete one committed step
     ckptstore gc TARGET [--older-than 6h] [--dry-run]
                                          remove uncommitted attempts and unused parts
+    ckptstore promote TIERS [--step N]   copy committed steps from the fast tier to the
+                                         durable one (TIERS: a profile with a [tiers] table)
     ckptstore import-safetensors SRC DST [--step N] [--map RULES]
                                          stream a safetensors model into a checkpoint
 
@@ -30,6 +32,7 @@ from ckptstore.checkpoint.verify import verify
 from ckptstore.errors import CkptStoreError, ConfigError, CorruptCheckpointError
 from ckptstore.importers.safetensors import import_safetensors
 from ckptstore.lifecycle.options import seconds
+from ckptstore.lifecycle.tiers import Tiered, promote, status
 
 
 def human(nbytes: float) -> str:
@@ -201,6 +204,29 @@ def _print_removal(removal: Removal, verb: str) -> None:
     )
 
 
+async def cmd_promote(profile: str, step: int | None, show_progress: bool) -> int:
+    tiered = Tiered.from_profile(profile)
+
+    def progress(done: int, total: int) -> None:
+        if show_progress:
+            print(f"\r  {human(done)} of {human(total)}", end="", file=sys.stderr, flush=True)
+
+    for p in await promote(tiered, step, progress=progress):
+        if show_progress and p.copied:
+            print(file=sys.stderr)
+        what = (
+            "already durable"
+            if p.already
+            else (
+                f"copied {p.copied} of {p.objects} objects, {human(p.bytes)} in {p.seconds:.1f} s"
+            )
+        )
+        print(f"step {p.step}: {what}")
+    where = (await status(tiered)).steps
+    print(f"durable now: {sorted(s for s, w in where.items() if w != 'fast')}")
+    return 0
+
+
 async def cmd_rm(target: str, step: int) -> int:
     _print_removal(await delete_step(target, step), "removed")
     return 0
@@ -270,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="only what nobody wrote to for this long (default 6h; 0 = regardless of age)",
     )
     collect.add_argument("--dry-run", action="store_true", help="show, remove nothing")
+    prom = sub.add_parser("promote", help="copy committed steps from the fast to the durable tier")
+    prom.add_argument("tiers", help="a .toml profile with a [tiers] table (fast, durable)")
+    prom.add_argument("--step", type=int, help="only this step (default: every unpromoted one)")
+    prom.add_argument("--no-progress", action="store_true")
     imp = sub.add_parser("import-safetensors", help="stream a safetensors model into a checkpoint")
     imp.add_argument("src", help="a .safetensors file, a model folder, or its index.json")
     imp.add_argument("dst", help="checkpoint target (path, URL or .toml profile)")
@@ -291,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(cmd_import(args))
         if args.command == "rm":
             return asyncio.run(cmd_rm(args.target, args.step))
+        if args.command == "promote":
+            return asyncio.run(cmd_promote(args.tiers, args.step, not args.no_progress))
         if args.command == "gc":
             return asyncio.run(cmd_gc(args.target, args.older_than, args.dry_run))
         return asyncio.run(cmd_verify(args.target, args.step, args.json))

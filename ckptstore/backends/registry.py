@@ -62,6 +62,11 @@ def open_backend(
             raise InvalidURLError(f"give a backend URL, a profile, or set ${PROFILE_ENV}")
     if profile is not None:
         loaded = load_profile(profile)
+        if "tiers" in loaded:
+            raise ConfigError(
+                f"profile {profile} describes two tiers, not one backend: "
+                "open it with ckptstore.Tiered.from_profile"
+            )
         if url is None:
             url = loaded["url"]
         options = {**loaded.get("options", {}), **options}
@@ -114,9 +119,20 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"profile {file} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"profile {file} is not valid TOML: {exc}") from None
-    unknown = set(raw) - {"url", "options", "description", "manager"}
+    unknown = set(raw) - {"url", "options", "description", "manager", "tiers"}
     if unknown:
         raise ConfigError(f"profile {file}: unknown top-level keys {sorted(unknown)}")
+    if "tiers" in raw:  # a tiered target (ckptstore.Tiered.from_profile): no url of its own
+        if not isinstance(raw["tiers"], dict) or "url" in raw or "options" in raw:
+            raise ConfigError(f"profile {file}: [tiers] is a table and replaces url/[options]")
+        return {
+            "tiers": _expand(raw["tiers"], file),
+            **(
+                {"manager": _expand(raw["manager"], file)}
+                if isinstance(raw.get("manager"), dict)
+                else {}
+            ),
+        }
     if not isinstance(raw.get("url"), str):
         raise ConfigError(f"profile {file}: 'url' (a string) is required")
     options = raw.get("options", {})

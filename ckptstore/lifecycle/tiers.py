@@ -1,0 +1,281 @@
+"""Tiered storage: saves land on a fast tier (local NVMe); committed steps are promoted,
+unchanged, to a durable tier (S3, GCS); restores read the nearest tier that holds a good copy.
+
+A step's attempt directory is relocatable (the merged OCDBT store references its data
+files by relative path), so promotion copies the committed attempt's objects as they are
+and then creates the durable tier's ``COMMITTED`` with the very bytes of the fast tier's
+marker, last: the durable tier never lists a step that is not fully there. Objects
+already on the durable tier with the right size are not copied again, so an interrupted
+promotion resumes where it stopped (each object write is atomic on every backend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.arrays import ByteBudget
+from ckptstore.backends.base import Backend, ObjectInfo
+from ckptstore.backends.registry import load_profile
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.cleanup import delete_step
+from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest
+from ckptstore.checkpoint.restore import restore as restore_from
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
+
+log = logging.getLogger("ckptstore")
+
+#: Bytes of objects read from the fast tier and not yet written to the durable one.
+PROMOTE_BYTES_IN_FLIGHT = 256 << 20
+
+
+@dataclass(frozen=True)
+class Tiered:
+    """A fast tier in front of a durable one; each a URL, profile path or `Backend`.
+
+    ``keep_fast``: after promoting, keep only this many latest promoted steps on the
+    fast tier (None: keep everything there).
+    """
+
+    fast: Target
+    durable: Target
+    keep_fast: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_fast is not None and self.keep_fast < 1:
+            raise ConfigError(f"keep_fast must be >= 1 (or None), got {self.keep_fast}")
+
+    @classmethod
+    def from_profile(cls, path: str | os.PathLike[str]) -> Tiered:
+        """The ``[tiers]`` table of a profile: ``fast``, ``durable`` (URLs or profile paths,
+        relative to the profile's folder) and ``keep_fast``."""
+        table = load_profile(path).get("tiers")
+        if not isinstance(table, dict):
+            raise ConfigError(f"profile {path} has no [tiers] table")
+        unknown = set(table) - {"fast", "durable", "keep_fast"}
+        if (
+            unknown
+            or not isinstance(table.get("fast"), str)
+            or not isinstance(table.get("durable"), str)
+        ):
+            raise ConfigError(
+                f"profile {path} [tiers] needs fast and durable (strings), "
+                f"and optionally keep_fast; unknown keys {sorted(unknown)}"
+            )
+        base = os.path.dirname(os.path.abspath(path))
+
+        def resolve(target: str) -> str:
+            if target.endswith(".toml") and not os.path.isabs(target):
+                return os.path.join(base, target)
+            return target
+
+        return cls(resolve(table["fast"]), resolve(table["durable"]), table.get("keep_fast"))
+
+    @asynccontextmanager
+    async def opened(self) -> AsyncIterator[tuple[Backend, Backend]]:
+        """Both tiers' backends (those opened here are closed afterwards)."""
+        async with AsyncExitStack() as stack:
+            fast = await stack.enter_async_context(opened(self.fast))
+            durable = await stack.enter_async_context(opened(self.durable))
+            yield fast, durable
+
+
+@dataclass
+class Promotion:
+    """What promoting one step did."""
+
+    step: int
+    attempt: str | None
+    objects: int = 0  # objects of the committed attempt
+    copied: int = 0  # objects copied now (the rest were already on the durable tier)
+    bytes: int = 0  # bytes copied now
+    seconds: float = 0.0
+    already: bool = False  # the durable tier had the step committed already
+
+
+@dataclass
+class TierStatus:
+    """Where each committed step is: "fast", "durable" or "both"."""
+
+    steps: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def unpromoted(self) -> list[int]:
+        return sorted(s for s, where in self.steps.items() if where == "fast")
+
+
+async def status(tiered: Tiered) -> TierStatus:
+    async with tiered.opened() as (fast, durable):
+        on_fast, on_durable = await asyncio.gather(committed_steps(fast), committed_steps(durable))
+    out = TierStatus()
+    for step in sorted(set(on_fast) | set(on_durable)):
+        both = step in on_fast and step in on_durable
+        out.steps[step] = "both" if both else ("fast" if step in on_fast else "durable")
+    return out
+
+
+async def list_steps(tiered: Tiered) -> list[int]:
+    """Steps committed on either tier, ascending."""
+    return sorted((await status(tiered)).steps)
+
+
+async def promote(
+    tiered: Tiered,
+    step: int | None = None,
+    *,
+    max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Promotion]:
+    """Promote ``step`` (default: every committed step the durable tier lacks), oldest first.
+
+    ``progress(bytes_done, bytes_total)`` is called as objects land. Then, with
+    ``keep_fast``, promoted steps beyond the latest ``keep_fast`` leave the fast tier.
+    """
+    async with tiered.opened() as (fast, durable):
+        if step is None:  # every step whose durable marker is missing or differs
+            on_durable = set(await committed_steps(durable))
+            steps = [
+                s
+                for s in await committed_steps(fast)
+                if s not in on_durable or not await _marker_matches(fast, durable, s)
+            ]
+        else:
+            steps = [layout.check_step(step)]
+        done = [await promote_step(fast, durable, s, max_bytes_in_flight, progress) for s in steps]
+        if tiered.keep_fast is not None:
+            await _trim_fast(fast, durable, tiered.keep_fast)
+        return done
+
+
+async def promote_step(
+    fast: Backend,
+    durable: Backend,
+    step: int,
+    max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
+    progress: Callable[[int, int], None] | None = None,
+) -> Promotion:
+    """Copy committed ``step``'s attempt from ``fast`` to ``durable``; its marker last."""
+    start = time.perf_counter()
+    key = layout.commit_key(step)
+    try:
+        marker_bytes = await fast.read(key)
+    except NotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed on the fast tier", backend=fast.url, key=key
+        ) from exc
+    marker = Marker.from_bytes(marker_bytes, step=step, where=f"{fast.url}/{key}")
+    await load_manifest(fast, marker)  # only a verified checkpoint is promoted
+    result = Promotion(step=step, attempt=marker.attempt)
+    if await _same_marker(durable, key, marker_bytes):
+        result.already = True
+        return result
+    objects = await _attempt_objects(fast, marker)
+    have = {i.key: i.size async for i in durable.list(marker.where.root)}
+    todo = [o for o in objects if have.get(o.key) != o.size]
+    result.objects, result.copied = len(objects), len(todo)
+    total = sum(o.size for o in todo)
+    budget = ByteBudget(max_bytes_in_flight)
+
+    async def copy(info: ObjectInfo) -> None:
+        async with budget.hold(info.size):
+            data = await fast.read(info.key)
+            if len(data) != info.size:
+                raise CorruptCheckpointError(f"{fast.url}/{info.key} changed while promoting")
+            await durable.write(info.key, data)
+        result.bytes += info.size
+        if progress is not None:
+            progress(result.bytes, total)
+
+    await asyncio.gather(*(copy(o) for o in todo))
+    landed = {i.key: i.size async for i in durable.list(marker.where.root)}
+    missing = [o.key for o in objects if landed.get(o.key) != o.size]
+    if missing:
+        raise CorruptCheckpointError(
+            f"promotion of step {step}: {len(missing)} objects missing or of the wrong size "
+            f"on {durable.url} (first: {missing[0]})"
+        )
+    await load_manifest(durable, marker)  # the durable copy's manifest checks out
+    try:
+        await durable.create(key, marker_bytes)
+    except AlreadyExistsError:
+        if not await _same_marker(durable, key, marker_bytes):
+            raise  # the durable tier committed another attempt of this step
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+async def _same_marker(durable: Backend, key: str, marker_bytes: bytes) -> bool:
+    try:
+        existing = await durable.read(key)
+    except NotFoundError:
+        return False
+    if existing != marker_bytes:
+        raise AlreadyExistsError(
+            "the durable tier has this step committed from another attempt",
+            backend=durable.url,
+            key=key,
+        )
+    return True
+
+
+async def _attempt_objects(fast: Backend, marker: Marker) -> list[ObjectInfo]:
+    """The committed attempt's objects (a version-1 step: the step's non-attempt entries)."""
+    if marker.attempt is not None:
+        return [info async for info in fast.list(marker.where.root)]
+    return [
+        info
+        async for info in fast.list(layout.step_dir(marker.step))
+        if info.key != layout.commit_key(marker.step)
+        and not layout.is_attempt(info.key.split("/")[1])
+    ]
+
+
+async def _trim_fast(fast: Backend, durable: Backend, keep: int) -> None:
+    """Delete from the fast tier the promoted steps beyond the latest ``keep``."""
+    on_fast = await committed_steps(fast)
+    on_durable = set(await committed_steps(durable))
+    for step in on_fast[:-keep]:
+        if step in on_durable and await _marker_matches(fast, durable, step):
+            await delete_step(fast, step)
+
+
+async def _marker_matches(fast: Backend, durable: Backend, step: int) -> bool:
+    key = layout.commit_key(step)
+    return bool(await fast.read(key) == await durable.read(key))
+
+
+async def restore(tiered: Tiered, step: int | None = None, like: Any = None, **kwargs: Any) -> Any:
+    """Restore from the fast tier when it holds a good copy of the step, else the durable one.
+
+    A fast copy that fails any check (marker, digest, checksums) is skipped with a warning:
+    the result is never an error that the durable copy could avoid, and never wrong data.
+    """
+    async with tiered.opened() as (fast, durable):
+        if step is None:
+            steps = sorted(set(await committed_steps(fast)) | set(await committed_steps(durable)))
+            if not steps:
+                raise CheckpointNotFoundError("no committed checkpoint on either tier")
+            step = steps[-1]
+        if await fast.exists(layout.commit_key(step)):
+            try:
+                return await restore_from(fast, step, like, **kwargs)
+            except CorruptCheckpointError as exc:
+                log.warning(
+                    "ckptstore: fast copy of step %d is damaged, using the durable tier: %s",
+                    step,
+                    exc,
+                )
+        return await restore_from(durable, step, like, **kwargs)

@@ -1,0 +1,191 @@
+"""Tiered storage: promotion from a fast tier to a durable one (moto S3, fake-gcs-server),
+resumption after SIGKILL, restores from the nearest good copy, fast-tier retention."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.checkpoint.target import open_target
+from ckptstore.cli import main
+from ckptstore.lifecycle import tiers
+from tests.paths import committed_root
+from tests.test_partial import shared_target
+
+DURABLE = ["s3", "gcs"]
+
+
+def tree(step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    return {
+        "w": rng.standard_normal((256, 128)).astype(np.float32),
+        "b": np.full(7, step, np.int16),
+        "step": step,
+    }
+
+
+def assert_tree(restored: dict[str, Any], step: int) -> None:
+    expected = tree(step)
+    assert restored["step"] == step
+    for key in ("w", "b"):
+        assert restored[key].dtype == expected[key].dtype
+        assert restored[key].tobytes() == expected[key].tobytes()
+
+
+@pytest.fixture(params=DURABLE)
+def tiered(request: pytest.FixtureRequest, tmp_path: Path) -> ckptstore.Tiered:
+    durable = shared_target(request.param, request, tmp_path, "durable")
+    return ckptstore.Tiered(fast=str(tmp_path / "nvme"), durable=durable)
+
+
+async def test_promote_then_restore_from_either_tier(tiered: ckptstore.Tiered) -> None:
+    for step in (1, 2):
+        await ckptstore.save(tiered.fast, tree(step), step=step)
+    assert (await tiers.status(tiered)).unpromoted == [1, 2]
+    done = await ckptstore.promote(tiered)
+    assert [(p.step, p.already) for p in done] == [(1, False), (2, False)]
+    assert all(p.copied == p.objects > 0 for p in done)
+    assert await ckptstore.list_steps(tiered.durable) == [1, 2]
+    assert (await tiers.status(tiered)).steps == {1: "both", 2: "both"}
+    assert (await ckptstore.verify(tiered.durable, step=2)).ok
+    again = await ckptstore.promote(tiered, step=2)  # idempotent
+    assert again[0].already and again[0].copied == 0
+    assert_tree(await tiers.restore(tiered), 2)
+    shutil.rmtree(tiered.fast)  # the job moved to new machines: the fast tier is empty
+    assert await tiers.list_steps(tiered) == [1, 2]
+    assert_tree(await tiers.restore(tiered, step=1), 1)
+    assert_tree(await tiers.restore(tiered), 2)
+
+
+async def test_a_damaged_fast_copy_falls_back_to_the_durable_one(
+    tiered: ckptstore.Tiered, caplog: pytest.LogCaptureFixture
+) -> None:
+    await ckptstore.save(tiered.fast, tree(3), step=3)
+    await ckptstore.promote(tiered)
+    fast = ckptstore.open_backend(tiered.fast)
+    root = await committed_root(fast, 3)
+    data = max(Path(tiered.fast, root, "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    data.write_bytes(bytes(blob))
+    with pytest.raises(ckptstore.CorruptCheckpointError):
+        await ckptstore.restore(tiered.fast)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert_tree(await tiers.restore(tiered), 3)
+    assert "fast copy of step 3 is damaged" in caplog.text
+
+
+async def test_keep_fast_trims_only_promoted_steps(tiered: ckptstore.Tiered) -> None:
+    trimmed = ckptstore.Tiered(tiered.fast, tiered.durable, keep_fast=1)
+    for step in (1, 2, 3):
+        await ckptstore.save(trimmed.fast, tree(step), step=step)
+    await ckptstore.promote(trimmed, step=1)  # 2 and 3 are not durable yet: stay
+    assert await ckptstore.list_steps(trimmed.fast) == [2, 3]
+    await ckptstore.promote(trimmed)
+    assert await ckptstore.list_steps(trimmed.fast) == [3]
+    assert await ckptstore.list_steps(trimmed.durable) == [1, 2, 3]
+
+
+async def test_durable_tier_with_another_attempt_is_refused(tiered: ckptstore.Tiered) -> None:
+    await ckptstore.save(tiered.fast, tree(4), step=4)
+    await ckptstore.save(tiered.durable, tree(5), step=4)  # someone else's step 4
+    with pytest.raises(ckptstore.AlreadyExistsError, match="another attempt"):
+        await ckptstore.promote(tiered)
+    assert_tree(await ckptstore.restore(tiered.durable), 5)  # untouched
+
+
+KILLED_PROMOTER = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    import ckptstore
+    from ckptstore.testing.faults import FaultyBackend
+
+    fast, durable, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    class DiesMidPromotion(FaultyBackend):
+        writes = 0
+
+        async def _write(self, key, data):
+            DiesMidPromotion.writes += 1
+            if DiesMidPromotion.writes == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            await super()._write(key, data)
+
+        async def _create(self, key, data):
+            if kill_at == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            await super()._create(key, data)
+
+    inner = ckptstore.open_backend(profile=durable) if durable.endswith(".toml") else (
+        ckptstore.open_backend(durable))
+    asyncio.run(ckptstore.promote(ckptstore.Tiered(fast, DiesMidPromotion(inner))))
+    print("finished without being killed")
+    """
+)
+
+
+@pytest.mark.parametrize("kind", DURABLE)
+async def test_a_killed_promotion_resumes_and_never_shows_early(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    durable = shared_target(kind, request, tmp_path, "durable")
+    fast = str(tmp_path / "nvme")
+    for step in (1, 2):
+        await ckptstore.save(fast, tree(step), step=step)
+    fast_backend, durable_backend = ckptstore.open_backend(fast), open_target(durable)
+    objects = {i.key: i.size async for i in fast_backend.list() if "COMMITTED" not in i.key}
+    rng = random.Random(kind)
+    kills = 0
+    while kills < 6:
+        landed = {i.key: i.size async for i in durable_backend.list()}
+        remaining = sum(landed.get(k) != size for k, size in objects.items())
+        k = rng.randint(1, remaining) if remaining else 0  # 0: at a commit marker
+        proc = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", KILLED_PROMOTER, fast, durable, str(k)],
+            cwd=Path(__file__).parents[1],
+            capture_output=True,
+            timeout=120,
+        )
+        assert proc.returncode == -signal.SIGKILL, (k, proc.stdout, proc.stderr[-2000:])
+        kills += 1
+        listed = await ckptstore.list_steps(durable)
+        for step in listed:  # whatever is listed is whole
+            assert (await ckptstore.verify(durable, step=step)).ok
+        assert len(listed) < 2  # killed before the last marker
+        if not remaining:
+            break
+    await durable_backend.close()
+    done = await ckptstore.promote(ckptstore.Tiered(fast, durable))
+    assert sum(p.copied for p in done) < len(objects)  # resumed: landed objects not re-sent
+    assert await ckptstore.list_steps(durable) == [1, 2]
+    for step in (1, 2):
+        assert_tree(await ckptstore.restore(durable, step=step), step)
+
+
+def test_cli_promote_from_a_tiers_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fast, durable = tmp_path / "nvme", tmp_path / "bucket"
+    ckptstore.save_sync(str(fast), tree(7), step=7)
+    profile = tmp_path / "tiered.toml"
+    profile.write_text(f'[tiers]\nfast = "{fast}"\ndurable = "{durable}"\n')
+    assert main(["promote", str(profile), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "step 7: copied" in out and "durable now: [7]" in out
+    assert main(["promote", str(profile), "--no-progress"]) == 0
+    assert "durable now: [7]" in capsys.readouterr().out
+    with pytest.raises(ckptstore.ConfigError, match="two tiers"):
+        ckptstore.open_backend(profile=str(profile))
