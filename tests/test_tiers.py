@@ -189,3 +189,24 @@ def test_cli_promote_from_a_tiers_profile(
     assert "durable now: [7]" in capsys.readouterr().out
     with pytest.raises(ckptstore.ConfigError, match="two tiers"):
         ckptstore.open_backend(profile=str(profile))
+
+
+def test_manager_saves_fast_and_promotes_in_the_background(tiered: ckptstore.Tiered) -> None:
+    tiers_ = ckptstore.Tiered(tiered.fast, tiered.durable, keep_fast=1)
+    opts = ckptstore.ManagerOptions(handle_sigterm=False)
+    keep = ckptstore.policies.KeepLatest(2)
+    with ckptstore.CheckpointManager(tiers_, keep_policy=keep, options=opts) as mgr:
+        for step in range(1, 5):
+            handle = mgr.save(step, tree(step))
+            assert handle is not None
+            handle.wait()  # committed on the fast tier
+            assert step in ckptstore.list_steps_sync(tiers_.fast)
+        mgr.wait_until_finished()  # and promoted, and the keep policies applied
+        assert ckptstore.list_steps_sync(tiers_.durable) == [3, 4]
+        assert ckptstore.list_steps_sync(tiers_.fast) == [4]
+        assert mgr.all_steps() == [3, 4]
+        assert_tree(mgr.restore(3), 3)  # from the durable tier: the fast one dropped it
+    shutil.rmtree(tiers_.fast)  # a restart on new machines
+    with ckptstore.CheckpointManager(tiers_, keep_policy=keep, options=opts) as mgr:
+        assert mgr.latest_step() == 4
+        assert_tree(mgr.restore(), 4)

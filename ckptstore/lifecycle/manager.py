@@ -35,8 +35,10 @@ from ckptstore.checkpoint.save import save_items
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.lifecycle import policies as P
+from ckptstore.lifecycle import tiers
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
+from ckptstore.lifecycle.tiers import Tiered, promote_step, trim_fast
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
@@ -96,7 +98,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        target: Target,
+        target: Target | Tiered,
         *,
         save_policy: P.SavePolicy | None = None,
         keep_policy: P.KeepPolicy | None = None,
@@ -113,8 +115,16 @@ class CheckpointManager:
             target=self._loop.run_forever, name="ckptstore-manager", daemon=True
         )
         self._thread.start()
-        self._owns_backend = not isinstance(target, Backend)
-        self.backend = open_target(target)
+        #: With a `Tiered` target (or a profile with a [tiers] table), saves go to the fast
+        #: tier and each committed step is promoted to the durable one in the background.
+        self.tiered = _tiered(target)
+        fast = self.tiered.fast if self.tiered is not None else target
+        assert not isinstance(fast, Tiered)
+        self._owns_backend = not isinstance(fast, Backend)
+        self.backend = open_target(fast)
+        self.durable: Backend | None = None
+        if self.tiered is not None:
+            self.durable = open_target(self.tiered.durable)
         self._stager = Stager(max_bytes=options.max_staging_bytes)
         self._inflight: SaveHandle | None = None
         self._retention: concurrent.futures.Future[None] | None = None  # after the last save
@@ -124,7 +134,7 @@ class CheckpointManager:
         self._previous_handler: Any = None
         self.stats: list[SaveStats] = []  # every save this manager committed, in order
         try:
-            steps = self._call(committed_steps(self.backend))
+            steps = self._call(self._all_steps())
             self._last_step: int | None = steps[-1] if steps else None
             if options.gc_on_start and self._me == 0:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
@@ -241,14 +251,26 @@ class CheckpointManager:
         return stats
 
     async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
-        """Process 0 applies the keep policy; every process waits until it has."""
+        """Process 0 promotes the step (tiered) and applies the keep policy; every process
+        waits until it has."""
         if previous is not None:
             await asyncio.wrap_future(previous)  # its failure is this one's too
+        if self.durable is not None:
+            promotion = Handoff(f"manager/promote/{step}", self.options.timeout)
+            await promotion.primary(lambda: self._promote(step))
         handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
         seconds = await handoff.primary(self._apply_keep_policy)
         log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
 
+    async def _promote(self, step: int) -> None:
+        assert self.durable is not None and self.tiered is not None
+        await promote_step(self.backend, self.durable, step)
+        if self.tiered.keep_fast is not None:
+            await trim_fast(self.backend, self.durable, self.tiered.keep_fast)
+
     async def _apply_keep_policy(self) -> float:
+        """Keep policy over the durable tier's steps (tiered) or the target's; a dropped step
+        goes from every tier."""
         start = time.perf_counter()
         records = await self._step_records()
         if not records:
@@ -257,17 +279,20 @@ class CheckpointManager:
         keep.add(max(r.step for r in records))  # never the latest committed step
         for record in records:
             if record.step not in keep:
-                await delete_step(self.backend, record.step)
+                for backend in (self.durable, self.backend):
+                    if backend is not None and record.step in await committed_steps(backend):
+                        await delete_step(backend, record.step)
                 self._records.pop(record.step, None)
         return time.perf_counter() - start
 
     async def _step_records(self) -> list[P.StepRecord]:
         """Every committed step with its time and metrics (manifests read once, cached)."""
-        steps = await committed_steps(self.backend)
+        backend = self.durable or self.backend
+        steps = await committed_steps(backend)
         for step in steps:
             if step not in self._records:
                 try:
-                    manifest = await load_committed(self.backend, step)
+                    manifest = await load_committed(backend, step)
                 except CorruptCheckpointError as exc:  # never deleted on a guess
                     log.warning("ckptstore: step %d is unreadable, kept: %s", step, exc)
                     continue
@@ -338,8 +363,20 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return self._call(committed_steps(self.backend))
+        """Committed steps (on either tier), ascending."""
+        return self._call(self._all_steps())
+
+    async def _all_steps(self) -> list[int]:
+        steps = set(await committed_steps(self.backend))
+        if self.durable is not None:
+            steps |= set(await committed_steps(self.durable))
+        return sorted(steps)
+
+    def _restore(self, step: int | None, like: Any, **kwargs: Any) -> Any:
+        """From the target, or from the nearest tier with a good copy."""
+        if self.durable is None:
+            return self._call(restore(self.backend, step, like, **kwargs))
+        return self._call(tiers.restore(Tiered(self.backend, self.durable), step, like, **kwargs))
 
     def restore(
         self,
@@ -358,23 +395,21 @@ class CheckpointManager:
         """
         if items is None:
             name = item or self.options.item
-            return self._call(
-                restore(self.backend, step, like, item=name, partial=partial, cast=cast)
-            )
+            return self._restore(step, like, item=name, partial=partial, cast=cast)
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise CkptStoreError(f"no committed checkpoint in {self.backend.url}")
-        out = {}
-        for name, item_like in items.items():
-            out[name] = self._call(
-                restore(self.backend, step, item_like, item=name, partial=partial, cast=cast)
-            )
-        return out
+        return {
+            name: self._restore(step, item_like, item=name, partial=partial, cast=cast)
+            for name, item_like in items.items()
+        }
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics saved with ``step``."""
-        manifest = self._call(load_committed(self.backend, step))
+        on_fast = step in self._call(committed_steps(self.backend))
+        backend = self.backend if on_fast or self.durable is None else self.durable
+        manifest = self._call(load_committed(backend, step))
         metrics = manifest.metadata.get("metrics", {})
         return dict(metrics) if isinstance(metrics, dict) else {}
 
@@ -397,6 +432,9 @@ class CheckpointManager:
         if self._loop.is_running():
             if self._owns_backend:
                 self._call(self.backend.close())
+            if self.durable is not None and self.tiered is not None:
+                if not isinstance(self.tiered.durable, Backend):
+                    self._call(self.durable.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
@@ -438,8 +476,20 @@ def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[st
     return trees
 
 
-def _options_from_profile(target: Target) -> ManagerOptions:
+def _tiered(target: Target | Tiered) -> Tiered | None:
+    """``target`` as tiers: a `Tiered`, or a profile with a [tiers] table; else None."""
+    if isinstance(target, Tiered):
+        return target
     if isinstance(target, Backend):
+        return None
+    path = os.fspath(target)
+    if path.endswith(".toml") and os.path.isfile(path) and "tiers" in load_profile(path):
+        return Tiered.from_profile(path)
+    return None
+
+
+def _options_from_profile(target: Target | Tiered) -> ManagerOptions:
+    if isinstance(target, (Backend, Tiered)):
         return ManagerOptions()
     path = os.fspath(target)
     if path.endswith(".toml") and os.path.isfile(path):

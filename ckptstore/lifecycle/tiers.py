@@ -156,7 +156,7 @@ async def promote(
             steps = [layout.check_step(step)]
         done = [await promote_step(fast, durable, s, max_bytes_in_flight, progress) for s in steps]
         if tiered.keep_fast is not None:
-            await _trim_fast(fast, durable, tiered.keep_fast)
+            await trim_fast(fast, durable, tiered.keep_fast)
         return done
 
 
@@ -243,7 +243,7 @@ async def _attempt_objects(fast: Backend, marker: Marker) -> list[ObjectInfo]:
     ]
 
 
-async def _trim_fast(fast: Backend, durable: Backend, keep: int) -> None:
+async def trim_fast(fast: Backend, durable: Backend, keep: int) -> None:
     """Delete from the fast tier the promoted steps beyond the latest ``keep``."""
     on_fast = await committed_steps(fast)
     on_durable = set(await committed_steps(durable))
