@@ -74,7 +74,10 @@ def test_memory_url() -> None:
     assert backend.concurrency == 4
 
 
-@pytest.mark.parametrize("profile", sorted(PROFILES.glob("*.toml")), ids=lambda p: p.name)
+BACKEND_PROFILES = [p for p in sorted(PROFILES.glob("*.toml")) if "tiers" not in load_profile(p)]
+
+
+@pytest.mark.parametrize("profile", BACKEND_PROFILES, ids=lambda p: p.name)
 def test_example_profiles_load_and_open(profile: Path) -> None:
     loaded = load_profile(profile)
     backend = ckptstore.open_backend(profile=profile)
@@ -86,7 +89,21 @@ def test_example_profiles_load_and_open(profile: Path) -> None:
 
 def test_example_profiles_cover_each_environment() -> None:
     names = {p.stem for p in PROFILES.glob("*.toml")}
-    assert {"local", "nvme-scratch", "s3", "gcs", "moto"} <= names
+    assert {"local", "nvme-scratch", "s3", "gcs", "moto", "nvme-s3-tiered"} <= names
+
+
+def test_the_tiered_example_profile_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiered = ckptstore.Tiered.from_profile(PROFILES / "nvme-s3-tiered.toml")
+    assert tiered.keep_fast == 2
+    assert tiered.fast == str(PROFILES / "nvme-scratch.toml")
+    assert ckptstore.open_backend(profile=tiered.durable).kind == "s3"
+    monkeypatch.setenv("CKPTSTORE_NVME_ROOT", str(tmp_path / "nvme"))
+    assert ckptstore.open_backend(profile=tiered.fast).kind == "local"
+    options = ckptstore.ManagerOptions.from_table(
+        load_profile(PROFILES / "nvme-s3-tiered.toml")["manager"]
+    )
+    assert isinstance(options.save_policy, ckptstore.policies.AnyOf)
+    assert isinstance(options.keep_policy, ckptstore.policies.KeepLatest)
 
 
 def test_profile_env_expansion_and_override(
