@@ -1,6 +1,7 @@
 """The ``ckptstore`` command: what is in a checkpoint, and is it intact.
 
-    ckptstore ls TARGET [--all]          committed steps (--all: uncommitted attempts too)
+    ckptstore ls TARGET [--all]          committed steps (--all: uncommitted attempts too;
+                                         a [tiers] profile: each step's tiers, promotion lag)
     ckptstore info TARGET [--step N]     the tree: leaves, shapes, dtypes, bytes, shardings
     ckptstore verify TARGET [--step N]   check marker, manifest, coverage and every chunk
     ckptstore rm TARGET --step N         delete one committed step
@@ -19,11 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest, load_committed
 from ckptstore.checkpoint.manifest import Manifest
@@ -48,6 +51,8 @@ def when(timestamp: float) -> str:
 
 
 async def cmd_ls(target: str, as_json: bool, show_all: bool) -> int:
+    if target.endswith(".toml") and os.path.isfile(target) and "tiers" in load_profile(target):
+        return await cmd_ls_tiers(target, as_json)
     if show_all:
         return await cmd_ls_all(target, as_json)
     async with opened(target) as backend:
@@ -89,6 +94,42 @@ async def cmd_ls(target: str, as_json: bool, show_all: bool) -> int:
             f"{when(r['created'])}  {','.join(r['items'])}"
         )
     return status
+
+
+_TIER_TEXT = {
+    "fast": "fast only (not promoted yet)",
+    "both": "fast + durable",
+    "durable": "durable",
+}
+
+
+async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
+    """Each committed step's tiers, and how far promotion lags behind."""
+    tiered = Tiered.from_profile(profile)
+    where = (await status(tiered)).steps
+    lagging = [s for s, w in where.items() if w == "fast"]
+    oldest = None
+    if lagging:
+        async with opened(tiered.fast) as fast:
+            oldest = (await load_committed(fast, min(lagging))).created
+    if as_json:
+        lag = None if oldest is None else time.time() - oldest
+        print(json.dumps({"steps": where, "unpromoted": lagging, "lag_seconds": lag}, indent=1))
+        return 0
+    if not where:
+        print(f"no committed checkpoints on either tier of {profile}")
+        return 0
+    print(f"{'STEP':>10}  TIERS")
+    for step, w in where.items():
+        print(f"{step:>10}  {_TIER_TEXT[w]}")
+    if oldest is None:
+        print("promotion lag: none")
+    else:
+        print(
+            f"promotion lag: {len(lagging)} step(s), the oldest saved "
+            f"{duration_text(time.time() - oldest)} ago"
+        )
+    return 0
 
 
 async def cmd_ls_all(target: str, as_json: bool) -> int:

@@ -192,6 +192,12 @@ def test_cli_promote_from_a_tiers_profile(
     assert "step 7: copied" in out and "durable now: [7]" in out
     assert main(["promote", str(profile), "--no-progress"]) == 0
     assert "durable now: [7]" in capsys.readouterr().out
+    ckptstore.save_sync(str(fast), tree(8), step=8)
+    assert main(["ls", str(profile)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:3]] == ["7", "8"]
+    assert "fast + durable" in lines[1] and "not promoted yet" in lines[2]
+    assert lines[3].startswith("promotion lag: 1 step(s), the oldest saved")
     with pytest.raises(ckptstore.ConfigError, match="two tiers"):
         ckptstore.open_backend(profile=str(profile))
 
