@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/save_restore.py
 	$(PY) benchmarks/partial.py
 	$(PY) benchmarks/training_loop.py
+	$(PY) benchmarks/tiered.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

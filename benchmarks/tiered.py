@@ -1,0 +1,216 @@
+"""Tiered benchmark: saves on local disk (the NVMe tier) promoted to S3 (moto, in a child process).
+
+Workload: 4 float32 leaves sharded over a (4, 2) mesh of 8 CPU devices plus 50 small
+leaves, ~256 MiB. Per repetition (the order of the first pair alternates):
+
+- save return: ``ckptstore.save(local, tree)`` vs a ``CheckpointManager`` on
+  ``Tiered(local, s3)``: ``save(...).wait()`` (committed on the fast tier); then
+  ``wait_until_finished()`` (promoted and committed on S3), reported as save to durable;
+- promotion: ``ckptstore.lifecycle.tiers.promote_step`` of one committed step to a fresh
+  S3 prefix vs ``s3fs`` ``put`` of the same attempt directory (recursive), same bytes.
+
+Floors: save return with tiering <= 1.1x the local-only save; promotion >= 0.8x s3fs.
+
+    python benchmarks/tiered.py            # ~256 MiB, 5 reps
+    python benchmarks/tiered.py --quick    # 32 MiB, 2 reps (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ckptstore
+from benchmarks.common import (
+    RESULTS,
+    MiB,
+    MotoProcess,
+    machine_info,
+    markdown_table,
+    scratch_dir,
+    utc_timestamp,
+    write_results,
+)
+from benchmarks.storage import moto_environment
+from ckptstore.backends.s3 import S3Backend
+from ckptstore.lifecycle.tiers import promote_step
+from ckptstore.testing.servers import MOTO_KEY, unique_bucket_name
+
+PACKAGES = ["ckptstore", "jax", "tensorstore", "numpy", "s3fs", "aiobotocore", "moto"]
+
+
+def make_tree(total: int) -> dict[str, Any]:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    rng = np.random.default_rng(0)
+    rows = max(8, (total // 4) // (4 * 1024) // 8 * 8)
+    big = {
+        f"w{i}": jax.device_put(
+            rng.standard_normal((rows, 1024), dtype=np.float32), NamedSharding(mesh, P("x", "y"))
+        )
+        for i in range(4)
+    }
+    small = {f"b{i}": rng.standard_normal(1024).astype(np.float32) for i in range(50)}
+    return {"params": big, "norms": small}
+
+
+def timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def one_rep(
+    rep: int,
+    tree: Any,
+    mgr: ckptstore.CheckpointManager,
+    fs: Any,
+    bucket: str,
+    endpoint: str,
+    scratch: Path,
+    runs: dict[str, list[float]],
+) -> None:
+    """One repetition: local vs tiered save (then durable), promotion vs s3fs put."""
+    local = str(scratch / f"local{rep}")
+
+    def tiered_save() -> None:
+        handle = mgr.save(rep, tree)
+        assert handle is not None
+        handle.wait()  # committed on the fast tier
+
+    saves = [("local", lambda: ckptstore.save_sync(local, tree, step=rep)), ("tiered", tiered_save)]
+    for name, fn in saves if rep % 2 else saves[::-1]:
+        start = time.perf_counter()
+        fn()
+        runs[name].append(time.perf_counter() - start)
+        if name == "tiered":
+            mgr.wait_until_finished()  # promoted, committed on S3, keep policy applied
+            runs["durable"].append(time.perf_counter() - start)
+
+    fast = mgr.backend
+    target = S3Backend(bucket, f"promote{rep}", endpoint_url=endpoint, credentials="env")
+
+    async def promote() -> None:
+        await promote_step(fast, target, rep)
+        await target.close()
+
+    def put() -> None:
+        fs.put(str(scratch / "nvme" / str(rep)), f"{bucket}/s3fs{rep}/", recursive=True)
+
+    pair = [("promote", lambda: mgr._call(promote())), ("s3fs", put)]
+    for name, fn in pair if rep % 2 else pair[::-1]:
+        runs[name].append(timed(fn))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int)
+    parser.add_argument("--no-write-results", action="store_true")
+    args = parser.parse_args()
+    reps = args.reps or (2 if args.quick else 5)
+    tree = make_tree((32 if args.quick else 256) * MiB)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
+    runs: dict[str, list[float]] = {
+        k: [] for k in ("local", "tiered", "durable", "promote", "s3fs")
+    }
+    import s3fs
+
+    with scratch_dir("ckptstore-bench-tiered-") as scratch, moto_environment():
+        print(f"scratch directory: {scratch}")
+        with MotoProcess(scratch / "moto-tmp") as server:
+            fs = s3fs.S3FileSystem(endpoint_url=server.endpoint, key=MOTO_KEY, secret=MOTO_KEY)
+            bucket = unique_bucket_name("bench")
+            fs.mkdir(bucket)
+            durable = S3Backend(bucket, "run", endpoint_url=server.endpoint, credentials="env")
+            tiered = ckptstore.Tiered(str(scratch / "nvme"), durable)
+            opts = ckptstore.ManagerOptions(handle_sigterm=False, gc_on_start=False)
+            keep = ckptstore.policies.KeepLatest(1)
+            with ckptstore.CheckpointManager(tiered, keep_policy=keep, options=opts) as mgr:
+                mgr.save(0, tree).wait()  # first-save costs untimed
+                mgr.wait_until_finished()
+                for rep in range(1, reps + 1):
+                    one_rep(rep, tree, mgr, fs, bucket, server.endpoint, scratch, runs)
+                    print(f"rep {rep}/{reps} done", flush=True)
+            asyncio.run(durable.close())
+
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    rows, failed = [], []
+
+    def row(
+        what: str,
+        value: float,
+        base: str,
+        base_value: float,
+        ratio: float,
+        floor: str,
+        ok: bool | None,
+    ) -> None:
+        verdict = "info" if ok is None else ("PASS" if ok else "FAIL")
+        if ok is False:
+            failed.append(what)
+        rows.append(
+            [what, f"{value:.3f} s", base, f"{base_value:.3f} s", f"{ratio:.2f}x", floor, verdict]
+        )
+
+    r = med["tiered"] / med["local"]
+    row(
+        "save return (tiered)",
+        med["tiered"],
+        "local-only save",
+        med["local"],
+        r,
+        "<= 1.1x",
+        r <= 1.1,
+    )
+    r = med["s3fs"] / med["promote"]
+    row("promotion", med["promote"], "s3fs put", med["s3fs"], r, ">= 0.8x", r >= 0.8)
+    row(
+        "save to durable (tiered)",
+        med["durable"],
+        "local-only save",
+        med["local"],
+        med["durable"] / med["local"],
+        "-",
+        None,
+    )
+    table = markdown_table(
+        ["measure", "value", "baseline", "baseline value", "ratio", "floor", "verdict"], rows
+    )
+    print(f"\ntree {nbytes / MiB:.0f} MiB, {reps} reps, medians\n")
+    print(table)
+    print("\nruns (s):", {k: [round(x, 3) for x in v] for k, v in runs.items()})
+    print("floors:", "all pass" if not failed else "FAILED: " + ", ".join(failed))
+    if not args.no_write_results:
+        write_results(
+            RESULTS / "tiered.json",
+            {
+                "benchmark": "tiered",
+                "when": utc_timestamp(),
+                "machine": machine_info(PACKAGES),
+                "tree_bytes": nbytes,
+                "reps": reps,
+                "runs_s": runs,
+                "medians_s": med,
+                "table": table,
+                "failed_floors": failed,
+            },
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
