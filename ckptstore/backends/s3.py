@@ -105,7 +105,7 @@ class S3Backend(Backend):
         profile: str | None = None,
         concurrency: int = 32,
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, immutable
-        multipart_threshold: int = 64 * MiB,
+        multipart_threshold: int = 100 * MiB,  # AWS: consider multipart from ~100 MB
         part_size: int = 32 * MiB,
     ):
         super().__init__(retry=retry, concurrency=concurrency)
