@@ -1,4 +1,4 @@
-"""`benchmarks/tiered.py --quick` runs end to end (64 MiB, no result file)."""
+"""The training-loop and tiered benchmarks run end to end with ``--quick`` (no result file)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
+ROWS = {
+    "training_loop.py": ["pause per save", "save to durable", "loop time lost per save"],
+    "tiered.py": ["save return (tiered)", "promotion", "save to durable (tiered)"],
+}
 
-def test_tiered_benchmark_quick_run() -> None:
-    script = REPO / "benchmarks" / "tiered.py"
+
+@pytest.mark.parametrize("script", sorted(ROWS))
+def test_benchmark_quick_run(script: str) -> None:
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--no-write-results"],
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--no-write-results"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -21,7 +28,7 @@ def test_tiered_benchmark_quick_run() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    for row in ("save return (tiered)", "promotion", "save to durable (tiered)"):
+    for row in ROWS[script]:
         assert row in out, out
     assert "floors:" in out
     scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
