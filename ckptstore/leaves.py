@@ -153,7 +153,7 @@ def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES)
             sharding=sharding_json(value.sharding),
         )
     python_type = None
-    if isinstance(value, (bool, int, float, complex)):
+    if type(value) in (bool, int, float, complex):  # np.float64 is a float too: not this
         python_type = type(value).__name__
         if type(value) is int and not -(2**63) <= value < 2**63:
             raise UnsupportedLeafError(f"leaf {name!r}: int {value} does not fit in int64")

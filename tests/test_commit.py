@@ -311,3 +311,62 @@ async def test_v1_tampering_is_still_caught(v1_root: Path) -> None:
     (v1_root / "7" / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ckptstore.CorruptCheckpointError, match="describes step 9"):
         await ckptstore.restore(str(v1_root), step=7)
+
+
+async def resign(backend: Backend, step: int, manifest: bytes) -> None:
+    """Replace a committed step's manifest and fix its marker's digest: a forger's edit."""
+    marker = json.loads(await backend.read(f"{step}/COMMITTED"))
+    await backend.write(f"{await committed_root(backend, step)}/manifest.json", manifest)
+    marker["manifest_digest"] = digest(manifest)
+    await backend.write(f"{step}/COMMITTED", json.dumps(marker).encode())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda doc: doc["items"]["state"]["leaves"]["x"].update(shape=[10**400]),
+        lambda doc: doc.update(step=float("inf")),
+        lambda doc: doc["items"]["state"].update(structure="NESTED"),
+        lambda doc: doc["items"]["state"]["leaves"]["x"].update(dtype="float128"),
+        lambda doc: doc["items"]["state"]["leaves"]["x"].update(python_type="str"),
+        lambda doc: doc["items"].update({"../up": doc["items"]["state"]}),
+    ],
+    ids=["huge shape", "infinite step", "500 deep", "bad dtype", "bad python type", "bad item"],
+)
+async def test_hostile_manifests_are_corrupt_not_tracebacks(tmp_path: Path, edit: Any) -> None:
+    """A manifest re-signed after a hostile edit still fails the reader's own checks."""
+    root = str(tmp_path / "ckpt")
+    await ckptstore.save(root, {"x": np.arange(4.0)}, step=1)
+    backend = ckptstore.open_backend(root)
+    where = await committed_root(backend, 1)
+    doc = json.loads(await backend.read(f"{where}/manifest.json"))
+    edit(doc)
+    deep = '{"t":"list","items":[' * 500 + '{"t":"leaf","name":"x"}' + "]}" * 500
+    await resign(backend, 1, json.dumps(doc).replace('"NESTED"', deep).encode())
+    with pytest.raises(ckptstore.CorruptCheckpointError):
+        await ckptstore.restore(root)
+    assert not (await ckptstore.verify(root)).ok
+
+
+async def test_numpy_scalar_leaves_restore_with_like(any_backend: Backend) -> None:
+    tree = {"f": np.float64(1.5), "c": np.complex128(2 + 1j), "i": np.int32(3), "p": 2.5}
+    await ckptstore.save(any_backend, tree, step=1)
+    out = await ckptstore.restore(any_backend, like=tree)
+    assert out == tree and all(type(out[k]) is type(v) for k, v in tree.items())
+    plain = await ckptstore.restore(any_backend)  # without like: numpy scalars stay numpy
+    assert plain == tree and all(type(plain[k]) is type(v) for k, v in tree.items())
+
+
+async def test_numpy_scalars_recorded_as_python_numbers_earlier_still_restore(
+    tmp_path: Path,
+) -> None:
+    """Before the fix, np.float64 leaves were recorded with python_type "float64"."""
+    root = str(tmp_path / "ckpt")
+    await ckptstore.save(root, {"f": np.float64(1.5), "g": 0.5}, step=1)
+    backend = ckptstore.open_backend(root)
+    where = await committed_root(backend, 1)
+    doc = json.loads(await backend.read(f"{where}/manifest.json"))
+    doc["items"]["state"]["leaves"]["f"]["python_type"] = "float64"  # as the old code wrote
+    await resign(backend, 1, json.dumps(doc).encode())
+    out = await ckptstore.restore(root)
+    assert out == {"f": 1.5, "g": 0.5} and type(out["f"]) is np.float64 and type(out["g"]) is float

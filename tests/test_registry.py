@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import ckptstore
@@ -146,3 +148,24 @@ def test_nothing_given(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CKPTSTORE_PROFILE", raising=False)
     with pytest.raises(InvalidURLError, match="CKPTSTORE_PROFILE"):
         ckptstore.open_backend()
+
+
+@pytest.mark.parametrize("concurrency", [0, -1, True, 2.5])
+@pytest.mark.parametrize("url", ["/tmp/ckptstore-never", "memory://conc", "s3://bucket/p"])
+def test_bad_concurrency_is_refused_not_a_hang(url: str, concurrency: Any) -> None:
+    with pytest.raises(ckptstore.ConfigError, match="concurrency"):
+        ckptstore.open_backend(url, concurrency=concurrency)
+
+
+def test_memory_urls_need_a_name() -> None:
+    with pytest.raises(ckptstore.InvalidURLError, match="names no store"):
+        ckptstore.open_backend("memory://")
+    ckptstore.save_sync("memory://named-store", {"x": np.arange(3)}, step=1)
+    assert ckptstore.list_steps_sync("memory://named-store") == [1]
+
+
+def test_a_missing_profile_is_an_error_not_a_new_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "prod.toml"
+    with pytest.raises(ckptstore.ConfigError, match="does not exist"):
+        ckptstore.save_sync(str(missing), {"x": np.arange(3)}, step=1)
+    assert not missing.exists()

@@ -21,7 +21,7 @@ import tensorstore as ts
 
 from ckptstore.backends.keys import validate_key, validate_prefix
 from ckptstore.backends.retry import NO_RETRY, RetryPolicy, retry_async
-from ckptstore.errors import AlreadyExistsError, NotFoundError
+from ckptstore.errors import AlreadyExistsError, ConfigError, NotFoundError
 
 T = TypeVar("T")
 
@@ -69,6 +69,8 @@ class Backend(ABC):
     capabilities: Capabilities
 
     def __init__(self, *, retry: RetryPolicy = NO_RETRY, concurrency: int = 32):
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError(f"concurrency must be an integer >= 1, got {concurrency!r}")
         self.retry = retry
         self.concurrency = concurrency
         self._semaphore: asyncio.Semaphore | None = None

@@ -96,8 +96,6 @@ class GcsBackend(Backend):
         super().__init__(retry=retry, concurrency=concurrency)
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid GCS bucket name {bucket!r}")
-        if concurrency < 1:
-            raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
         if chunk_size <= 0 or chunk_size % CHUNK_ALIGN:
             raise ConfigError(
                 f"GCS chunk_size must be a positive multiple of 256 KiB: {chunk_size}"

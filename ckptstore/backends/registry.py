@@ -97,7 +97,13 @@ def parse_url(url: str) -> tuple[str, tuple[str, str]]:
     if "@" in parts.netloc or ":" in parts.netloc:
         raise InvalidURLError(f"{scheme}:// URLs take no credentials or ports; use options")
     if kind == "memory":
-        return kind, (parts.netloc + parts.path.rstrip("/"), "")
+        name = parts.netloc + parts.path.rstrip("/")
+        if not name:
+            raise InvalidURLError(
+                f"{shown!r} names no store: use memory://NAME (an unnamed memory store belongs "
+                "to one Backend object, so nothing saved through this URL could be read back)"
+            )
+        return kind, (name, "")
     bucket = parts.netloc
     if not bucket:
         raise InvalidURLError(f"{shown!r} names no bucket")

@@ -122,8 +122,6 @@ class S3Backend(Backend):
             raise ConfigError(f"S3 part_size must be >= {MIN_PART_SIZE} (5 MiB), got {part_size}")
         if multipart_threshold < MIN_PART_SIZE:
             raise ConfigError(f"S3 multipart_threshold must be >= {MIN_PART_SIZE} (5 MiB)")
-        if concurrency < 1:
-            raise ConfigError(f"concurrency must be >= 1, got {concurrency}")
         self.bucket = bucket
         self.root = validate_prefix(prefix)
         # AWS convention: the service-specific variable, then the general one. Resolved here

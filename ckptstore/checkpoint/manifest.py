@@ -164,6 +164,11 @@ def _parse_leaf(name: str, d: Any) -> LeafInfo:
     dtype_of(d["dtype"])  # raises for dtypes TensorStore cannot hold
     _expect(d["kind"] in KINDS, f"leaf {name!r}: bad kind {d['kind']!r}")
     python_type = d.get("python_type")
+    if python_type == d["dtype"] and d["kind"] == "scalar":
+        # Written before numpy scalars (np.float64 is a Python float too) were told apart
+        # from Python numbers: it was a numpy scalar of that dtype, and comes back as one.
+        d = {**d, "python_type": None}
+        python_type = None
     _expect(python_type in PYTHON_TYPES, f"leaf {name!r}: bad python type {python_type!r}")
     _expect(python_type is None or shape == [], f"leaf {name!r}: a Python number with a shape")
     sharding = d.get("sharding")

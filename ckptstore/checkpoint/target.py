@@ -9,6 +9,7 @@ from typing import Union
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
+from ckptstore.errors import ConfigError
 
 #: A URL or path, a ``.toml`` profile file, or an open `Backend`.
 Target = Union[str, "os.PathLike[str]", Backend]
@@ -19,7 +20,9 @@ def open_target(target: Target) -> Backend:
     if isinstance(target, Backend):
         return target
     path = os.fspath(target)
-    if path.endswith(".toml") and os.path.isfile(path):
+    if path.endswith(".toml"):  # a profile, never a directory named like one
+        if not os.path.isfile(path):
+            raise ConfigError(f"profile {path} does not exist")
         return open_backend(profile=path)
     return open_backend(path)
 
