@@ -382,3 +382,12 @@ async def test_usable_from_async_code(root: str) -> None:
         stats = await handle
         assert stats.step == 1
     assert await ckptstore.list_steps(root) == [1]
+
+
+def test_a_bad_target_fails_before_any_thread_starts(tmp_path: Path) -> None:
+    import threading
+
+    before = threading.active_count()
+    with pytest.raises(ckptstore.ConfigError, match="does not exist"):
+        ckptstore.CheckpointManager(str(tmp_path / "typo.toml"))
+    assert threading.active_count() == before

@@ -110,21 +110,21 @@ class CheckpointManager:
         self.save_policy: P.SavePolicy = save_policy or options.save_policy or P.EveryNSteps(1)
         self.keep_policy: P.KeepPolicy = keep_policy or options.keep_policy or P.KeepAll()
         self._me, self._count = distributed.process_index(), distributed.process_count()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="ckptstore-manager", daemon=True
-        )
-        self._thread.start()
         #: With a `Tiered` target (or a profile with a [tiers] table), saves go to the fast
         #: tier and each committed step is promoted to the durable one in the background.
         self.tiered = _tiered(target)
         fast = self.tiered.fast if self.tiered is not None else target
         assert not isinstance(fast, Tiered)
         self._owns_backend = not isinstance(fast, Backend)
-        self.backend = open_target(fast)
+        self.backend = open_target(fast)  # bad targets fail here, before any thread starts
         self.durable: Backend | None = None
         if self.tiered is not None:
             self.durable = open_target(self.tiered.durable)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="ckptstore-manager", daemon=True
+        )
+        self._thread.start()
         self._stager = Stager(max_bytes=options.max_staging_bytes)
         self._inflight: SaveHandle | None = None
         self._retention: concurrent.futures.Future[None] | None = None  # after the last save
