@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
@@ -141,6 +142,11 @@ class HostShards:
 
 def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES) -> LeafInfo:
     """The `LeafInfo` for one leaf value."""
+    if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+        raise UnsupportedLeafError(
+            f"leaf {name!r} is a typed PRNG key ({value.dtype}); save "
+            "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data"
+        )
     if isinstance(value, (jax.Array, HostShards)):
         dtype = dtype_name(value.dtype)
         shard_shape = value.sharding.shard_shape(value.shape)

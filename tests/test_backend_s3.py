@@ -331,3 +331,13 @@ async def test_the_standard_endpoint_variable_reaches_bytes_and_arrays(
     restored = await asyncio.wait_for(ckptstore.restore(url), 120)
     np.testing.assert_array_equal(restored["w"], np.arange(64.0))
     assert (await ckptstore.verify(url)).ok
+
+
+@pytest.mark.parametrize("password", ["pa/ss", "p@ss", "p?ss#x", "plain"])
+def test_endpoint_passwords_never_show(password: str) -> None:
+    backend = S3Backend(
+        "bucket", endpoint_url=f"http://user:{password}@127.0.0.1:9", credentials="env"
+    )
+    for text in (repr(backend), str(backend.url)):
+        assert password not in text and "user" not in text
+    assert "127.0.0.1:9" in repr(backend)

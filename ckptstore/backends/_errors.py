@@ -10,9 +10,9 @@ shared "fail fast" for their concurrent part uploads and deletes.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -106,11 +106,17 @@ def transport_error(exc: BaseException, *, op: str, backend: str, key: str | Non
 
 
 def redact_url(url: str) -> str:
-    """``url`` without any ``user:password@`` part, fit for messages and reprs."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
+    """``url`` without any ``user:password@`` part, fit for messages and reprs.
+
+    Everything between ``scheme://`` and the last ``@`` goes: a password may itself hold
+    ``/``, ``?``, ``#`` or ``@``, which would end a parsed netloc early and leak the rest.
+    """
+    if "@" not in url:
         return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    return _USERINFO.sub(r"\1", url)
+
+
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://).*@", re.S)
 
 
 def already_exists(*, backend: str, key: str) -> AlreadyExistsError:
