@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 import textwrap
@@ -199,3 +200,54 @@ def test_peak_memory_is_bounded_by_batch_not_model(tmp_path: Path) -> None:
     added = float(proc.stdout.split()[-1])
     # largest tensor (8 MiB) + batch (16 MiB) + TensorStore's working buffers; the model is 256.
     assert added < 96, f"import added {added:.0f} MiB of peak RSS for a 256 MiB model"
+
+
+def hand_made(path: Path, header: str, data: bytes = bytes(64)) -> Path:
+    """A safetensors file with exactly this JSON header (as an attacker would write it)."""
+    raw = header.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "why"),
+    [
+        ('{"a": {"dtype": "F32", "shape": [-1, -4], "data_offsets": [0, 16]}}', "bad shape"),
+        (
+            '{"a": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 0]}}',
+            "inconsistent",
+        ),
+        ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}}', "bad data offsets"),
+        ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [true, 9]}}', "bad data offsets"),
+        ('{"a": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}}', "bad shape"),
+        (
+            '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+            '"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}',
+            "twice",
+        ),
+        (
+            '{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+            '"b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}',
+            "overlap",
+        ),
+        ('{"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}', "unsupported dtype"),
+        ('{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}', "bad data offsets"),
+        ("[" * 100000 + "]" * 100000, "not JSON"),
+    ],
+    ids=[
+        "negative",
+        "overflow",
+        "float offsets",
+        "bool offset",
+        "float dim",
+        "duplicate",
+        "overlap",
+        "dtype list",
+        "one offset",
+        "deep",
+    ],
+)
+def test_hostile_headers_are_refused_by_name(tmp_path: Path, header: str, why: str) -> None:
+    file = hand_made(tmp_path / "evil.safetensors", header)
+    with pytest.raises(SafetensorsError, match=why):
+        find_tensors(file)

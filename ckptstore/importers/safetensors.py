@@ -12,7 +12,9 @@ raw little-endian data): no code from the file is ever run.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import struct
@@ -96,8 +98,8 @@ def read_header(file: Path) -> list[TensorRef]:
         if length > min(_MAX_HEADER, size - 8):
             raise SafetensorsError(f"{file}: header length {length} is impossible")
         try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            header = json.loads(f.read(length), object_pairs_hook=_refuse_duplicates)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise SafetensorsError(f"{file}: header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise SafetensorsError(f"{file}: header is not a JSON object")
@@ -107,16 +109,38 @@ def read_header(file: Path) -> list[TensorRef]:
         if name == "__metadata__":
             continue
         try:
-            code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
+            code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError) as exc:
             raise SafetensorsError(f"{file}: bad header entry for {name!r}") from exc
-        if code not in DTYPES:
-            raise SafetensorsError(f"{file}: tensor {name!r} has unsupported dtype {code}")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[code]).itemsize
-        if not (0 <= begin <= end <= size - base) or end - begin != expected:
+        if not isinstance(code, str) or code not in DTYPES:
+            raise SafetensorsError(f"{file}: tensor {name!r} has unsupported dtype {code!r}")
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            raise SafetensorsError(f"{file}: tensor {name!r} has a bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise SafetensorsError(f"{file}: tensor {name!r} has bad data offsets {offsets!r}")
+        begin, end = offsets
+        expected = math.prod(shape) * np.dtype(DTYPES[code]).itemsize  # exact: Python ints
+        if not (begin <= end <= size - base) or end - begin != expected:
             raise SafetensorsError(f"{file}: tensor {name!r} has inconsistent data offsets")
         refs.append(TensorRef(name, file, code, tuple(shape), base + begin, end - begin))
-    return sorted(refs, key=lambda r: r.offset)
+    refs.sort(key=lambda r: r.offset)
+    for a, b in itertools.pairwise(refs):
+        if a.offset + a.nbytes > b.offset:
+            raise SafetensorsError(f"{file}: tensors {a.name!r} and {b.name!r} overlap")
+    return refs
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise SafetensorsError(f"the header names {dup!r} twice")
+    return dict(pairs)
+
+
+def _is_count(x: Any) -> bool:
+    """A non-negative integer (not a bool, not a float)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def find_tensors(source: str | os.PathLike[str]) -> list[TensorRef]:
