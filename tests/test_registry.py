@@ -169,3 +169,16 @@ def test_a_missing_profile_is_an_error_not_a_new_directory(tmp_path: Path) -> No
     with pytest.raises(ckptstore.ConfigError, match="does not exist"):
         ckptstore.save_sync(str(missing), {"x": np.arange(3)}, step=1)
     assert not missing.exists()
+
+
+@pytest.mark.parametrize(
+    "url, secret",
+    [
+        ("s3://bucket/p", "AKIAXXXXSECRETXXXX"),
+        ("gs://bucket/p", '{"type": "service_account", "private_key": "SECRET"}'),
+    ],
+)
+def test_a_secret_passed_as_credentials_is_not_echoed(url: str, secret: str) -> None:
+    with pytest.raises(ckptstore.ConfigError) as info:
+        ckptstore.open_backend(url, credentials=secret)
+    assert "SECRET" not in str(info.value)

@@ -101,9 +101,11 @@ class GcsBackend(Backend):
                 f"GCS chunk_size must be a positive multiple of 256 KiB: {chunk_size}"
             )
         if credentials not in ("default", "anonymous") and not os.path.isfile(credentials):
+            looks_like_path = "/" in credentials and not set('{}\n"') & set(credentials)
+            shown = repr(credentials) if looks_like_path else "(not shown: it may be a secret)"
             raise ConfigError(
                 "GCS credentials must be 'default', 'anonymous' or the path of a "
-                f"service-account JSON file; no such file: {credentials!r}"
+                f"service-account JSON file; no such file: {shown}"
             )
         self.bucket = bucket
         self.root = validate_prefix(prefix)

@@ -113,8 +113,9 @@ class S3Backend(Backend):
             raise ConfigError(f"invalid S3 bucket name {bucket!r}")
         if credentials not in CREDENTIAL_SOURCES:
             raise ConfigError(
-                f"S3 credentials must be one of {', '.join(CREDENTIAL_SOURCES)}; "
-                f"got {credentials!r} (pass the source, never the secret)"
+                f"S3 credentials must be one of {', '.join(CREDENTIAL_SOURCES)}; got "
+                "something else, not shown in case it is a secret (pass the source, never "
+                "the secret)"
             )
         if (credentials == "profile") != (profile is not None):
             raise ConfigError("S3 profile= is given exactly when credentials='profile'")
