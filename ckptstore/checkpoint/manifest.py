@@ -164,7 +164,7 @@ def _parse_leaf(name: str, d: Any) -> LeafInfo:
     dtype_of(d["dtype"])  # raises for dtypes TensorStore cannot hold
     _expect(d["kind"] in KINDS, f"leaf {name!r}: bad kind {d['kind']!r}")
     python_type = d.get("python_type")
-    if python_type == d["dtype"] and d["kind"] == "scalar":
+    if python_type not in PYTHON_TYPES and python_type == d["dtype"] and d["kind"] == "scalar":
         # Written before numpy scalars (np.float64 is a Python float too) were told apart
         # from Python numbers: it was a numpy scalar of that dtype, and comes back as one.
         d = {**d, "python_type": None}
