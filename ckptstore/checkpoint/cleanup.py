@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.commit import Marker, load_manifest, read_marker
+from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest, read_marker
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
@@ -71,13 +72,17 @@ async def scan(backend: Backend) -> list[StepScan]:
     return list(await asyncio.gather(*(scan_step(backend, s) for s in steps)))
 
 
-async def scan_step(backend: Backend, step: int) -> StepScan:
-    marker: Marker | None = None
-    error = None
+async def scan_marker(backend: Backend, step: int) -> StepScan:
+    """``step``'s marker (or why it cannot be read), without listing its entries."""
     try:
-        marker = await read_marker(backend, step)
+        return StepScan(step, await read_marker(backend, step), None, [])
     except CorruptCheckpointError as exc:
-        error = str(exc)
+        return StepScan(step, None, str(exc), [])
+
+
+async def scan_step(backend: Backend, step: int) -> StepScan:
+    head = await scan_marker(backend, step)
+    marker, error = head.marker, head.marker_error
     groups: dict[str, list[ObjectInfo]] = defaultdict(list)
     async for info in backend.list(layout.step_dir(step)):
         name = info.key.split("/")[1]
@@ -118,7 +123,7 @@ async def _remove(backend: Backend, key: str, objects: list[ObjectInfo]) -> None
         await backend.delete_prefix(key)
 
 
-async def _referenced(backend: Backend, scans: list[StepScan]) -> set[tuple[int, str]]:
+async def _referenced(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[int, str]]:
     """(step, attempt) pairs some committed attempt references (besides its own)."""
     out: set[tuple[int, str]] = set()
     for s in scans:
@@ -150,8 +155,10 @@ async def delete_step(target: Target, step: int) -> Removal:
             )
         keep: set[tuple[int, str]] = set()
         if scanned.marker is not None and scanned.marker.attempt is not None:
-            others = [s for s in await scan(backend) if s.step != step and s.committed]
-            keep = await _referenced(backend, others)
+            others = [s for s in await committed_steps(backend) if s != step]
+            keep = await _referenced(
+                backend, await asyncio.gather(*(scan_marker(backend, s) for s in others))
+            )
         removal = Removal()
         await backend.delete(layout.commit_key(step))  # from here on, the step is gone
         removal.entries.append(layout.commit_key(step))

@@ -232,8 +232,9 @@ class CheckpointManager:
         # The step is committed: the handle completes now. The keep policy runs after it,
         # beside the next save if there is one (it only ever deletes committed steps), and
         # after the previous keep-policy run.
-        previous, self._retention = self._retention, None
-        self._retention = asyncio.run_coroutine_threadsafe(self._retain(step, previous), self._loop)
+        self._retention = asyncio.run_coroutine_threadsafe(
+            self._retain(step, self._retention), self._loop
+        )
         stats = SaveStats(
             step=step,
             attempt=result.attempt,
@@ -277,10 +278,12 @@ class CheckpointManager:
             return 0.0
         keep = self.keep_policy.keep(records, time.time())
         keep.add(max(r.step for r in records))  # never the latest committed step
+        tiers = [b for b in (self.durable, self.backend) if b is not None]
+        committed = {id(b): set(await committed_steps(b)) for b in tiers}
         for record in records:
             if record.step not in keep:
-                for backend in (self.durable, self.backend):
-                    if backend is not None and record.step in await committed_steps(backend):
+                for backend in tiers:
+                    if record.step in committed[id(backend)]:
                         await delete_step(backend, record.step)
                 self._records.pop(record.step, None)
         return time.perf_counter() - start
