@@ -10,6 +10,7 @@ looks like (`LeafInfo`, chunking) is the schema in `ckptstore.leaves`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from collections.abc import Sequence
@@ -20,8 +21,10 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from ckptstore import smallleaves
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
-from ckptstore.leaves import HostShards, Index, LeafInfo, host_array
+from ckptstore.futures import wait_all
+from ckptstore.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
@@ -49,28 +52,6 @@ class WriteStats:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 6),
         }
-
-
-def zarr_spec(kvstore: dict[str, Any], info: LeafInfo) -> dict[str, Any]:
-    """The TensorStore spec of one leaf's zarr3 array below ``kvstore``."""
-    return {
-        "driver": "zarr3",
-        "kvstore": {**kvstore, "path": kvstore.get("path", "") + info.name + "/"},
-        "metadata": {
-            "shape": list(info.shape),
-            "data_type": info.dtype,
-            "chunk_grid": {
-                "name": "regular",
-                "configuration": {"chunk_shape": list(info.chunk_shape)},
-            },
-            "codecs": [
-                {"name": "bytes", "configuration": {"endian": "little"}},
-                {"name": "crc32c"},
-            ],
-        },
-        # Write every chunk, even all-zero ones, so validation can demand each chunk exists.
-        "store_data_equal_to_fill_value": True,
-    }
 
 
 def ocdbt_spec(base: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +117,24 @@ async def write_leaves(
             stats.leaves.append(info.name)
         await asyncio.gather(*(write_piece(arr, *piece) for piece in pieces))
 
+    async def small_leaves(group: list[tuple[LeafInfo, Any]]) -> None:
+        # Each is one chunk, so at most one piece (the whole array); no TensorStore opens.
+        owned = [(info, owned_slices(value, process)) for info, value in group]
+        nbytes = sum(info.nbytes for info, pieces in owned if pieces)
+        async with budget.hold(nbytes):  # the encoded copies live until written
+            writes = []
+            for info, pieces in owned:
+                if write_metadata:
+                    key = smallleaves.metadata_key(info)
+                    writes.append(kv.write(key, smallleaves.encode_metadata(info)))
+                for _, data, _ in pieces:
+                    chunk = smallleaves.encode_chunk(info, np.asarray(data))
+                    writes.append(kv.write(smallleaves.chunk_key(info), chunk))
+                    stats.leaves.append(info.name)
+                    stats.shards += 1
+                    stats.bytes += info.nbytes
+            await wait_all(writes)
+
     async def write_piece(arr: ts.TensorStore, index: Index, data: Any, private: bool) -> None:
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
@@ -149,7 +148,13 @@ async def write_leaves(
         stats.shards += 1
         stats.bytes += nbytes
 
-    await asyncio.gather(*(one_leaf(info, value) for info, value in leaves))
+    small = [(info, value) for info, value in leaves if smallleaves.eligible(info)]
+    kv = await ts.KvStore.open(store, context=context)
+    groups = smallleaves.groups(small, max_inflight_bytes // 4)
+    await asyncio.gather(
+        *(one_leaf(info, value) for info, value in leaves if not smallleaves.eligible(info)),
+        *(small_leaves(group) for group in groups),
+    )
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -178,15 +183,46 @@ class ByteBudget:
     """An async semaphore counted in bytes; one piece larger than the budget may pass alone.
 
     ``async with budget.hold(nbytes): ...`` (the save's shard copies, promotion's objects).
+    Waiters are admitted first come, first served, and a release wakes only those that
+    now fit, so thousands of small waiters cost no more than a few large ones.
     """
 
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
-        self._cond = asyncio.Condition()
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     def hold(self, nbytes: int) -> _Hold:
         return _Hold(self, nbytes)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.used == 0 or self.used + nbytes <= self.limit
+
+    async def _acquire(self, nbytes: int) -> None:
+        if not self._waiters and self._fits(nbytes):
+            self.used += nbytes
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append((nbytes, waiter))
+        try:
+            await waiter  # _wake counted our bytes in before resolving it
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # admitted, then cancelled
+                self._release(nbytes)
+            else:
+                self._waiters.remove((nbytes, waiter))
+                self._wake()
+            raise
+
+    def _release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            nbytes, waiter = self._waiters.popleft()
+            self.used += nbytes
+            waiter.set_result(None)
 
 
 class _Hold:
@@ -194,16 +230,10 @@ class _Hold:
         self.budget, self.nbytes = budget, nbytes
 
     async def __aenter__(self) -> None:
-        b = self.budget
-        async with b._cond:
-            await b._cond.wait_for(lambda: b.used == 0 or b.used + self.nbytes <= b.limit)
-            b.used += self.nbytes
+        await self.budget._acquire(self.nbytes)
 
     async def __aexit__(self, *exc: object) -> None:
-        b = self.budget
-        async with b._cond:
-            b.used -= self.nbytes
-            b._cond.notify_all()
+        self.budget._release(self.nbytes)
 
 
 # ---- reading ----

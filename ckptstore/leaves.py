@@ -68,6 +68,28 @@ class LeafInfo:
         )
 
 
+def zarr_spec(kvstore: dict[str, Any], info: LeafInfo) -> dict[str, Any]:
+    """The TensorStore spec of one leaf's zarr3 array below ``kvstore``."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {**kvstore, "path": kvstore.get("path", "") + info.name + "/"},
+        "metadata": {
+            "shape": list(info.shape),
+            "data_type": info.dtype,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": list(info.chunk_shape)},
+            },
+            "codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "crc32c"},
+            ],
+        },
+        # Write every chunk, even all-zero ones, so validation can demand each chunk exists.
+        "store_data_equal_to_fill_value": True,
+    }
+
+
 # ---- dtypes and chunking ----
 
 

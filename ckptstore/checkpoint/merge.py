@@ -24,6 +24,7 @@ import tensorstore as ts
 from ckptstore.arrays import ocdbt_spec
 from ckptstore.backends.base import Backend
 from ckptstore.errors import IncompleteCheckpointError
+from ckptstore.futures import wait_all
 from ckptstore.leaves import LeafInfo
 
 
@@ -134,7 +135,7 @@ async def validate(
     batch = ts.Batch()  # one batch lets OCDBT share B-tree node reads between the lookups
     reads = [view.read(f"{info.name}/zarr.json", batch=batch) for info in complete]
     batch.submit()
-    metas = await asyncio.gather(*reads)
+    metas = await wait_all(reads)
     for info, meta_read in zip(complete, metas, strict=True):
         try:
             meta = json.loads(meta_read.value)

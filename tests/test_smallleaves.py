@@ -1,0 +1,161 @@
+"""Small leaves written as raw zarr3 keys are exactly what TensorStore writes and reads."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import ckptstore
+from ckptstore import smallleaves
+from ckptstore.arrays import ByteBudget, open_leaf, read_slice
+from ckptstore.errors import CorruptCheckpointError
+from ckptstore.leaves import LeafInfo, describe_leaf, zarr_spec
+
+DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "bool", "complex64", "int8", "uint64"]
+SHAPES = [(), (3,), (2, 5), (1, 1, 7)]
+
+
+def _value(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray[Any, Any]:
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.random(shape) < 0.5
+    if dtype == "complex64":
+        return (rng.random(shape) + 1j * rng.random(shape)).astype(np.complex64)
+    np_dtype = getattr(ml_dtypes, dtype, None) or np.dtype(dtype)
+    return (rng.random(shape) * 100).astype(np_dtype)
+
+
+def _written_by_tensorstore(info: LeafInfo, value: np.ndarray[Any, Any]) -> dict[str, bytes]:
+    ctx = ts.Context()
+    arr = ts.open(zarr_spec({"driver": "memory"}, info), create=True, context=ctx).result()
+    arr.write(value).result()
+    kv = ts.KvStore.open({"driver": "memory"}, context=ctx).result()
+    return {k.decode(): kv.read(k).result().value for k in kv.list().result()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_keys_and_bytes_are_what_tensorstore_writes(dtype: str, shape: tuple[int, ...]) -> None:
+    value = _value(dtype, shape)
+    info = describe_leaf("a/b", value)
+    assert smallleaves.eligible(info)
+    want = _written_by_tensorstore(info, value)
+    got = {
+        smallleaves.metadata_key(info): smallleaves.encode_metadata(info),
+        smallleaves.chunk_key(info): smallleaves.encode_chunk(info, value),
+    }
+    assert got == want
+    back = smallleaves.decode_chunk(info, got[smallleaves.chunk_key(info)])
+    assert back.dtype == value.dtype and back.shape == value.shape
+    assert back.tobytes() == value.tobytes()
+    assert back.flags.writeable
+
+
+def test_non_contiguous_and_big_endian_inputs_encode_as_little_endian_c_order() -> None:
+    base = np.arange(24, dtype=">i4").reshape(4, 6)
+    value = base[:, ::2]  # neither contiguous nor native
+    info = describe_leaf("x", np.ascontiguousarray(value, dtype="<i4"))
+    chunk = smallleaves.encode_chunk(info, value)
+    want = _written_by_tensorstore(info, value.astype("<i4"))
+    assert chunk == want[smallleaves.chunk_key(info)]
+
+
+def test_which_leaves_take_the_raw_key_path() -> None:
+    small = describe_leaf("s", np.zeros((256, 256), np.float32))
+    assert smallleaves.eligible(small)
+    big = describe_leaf("b", np.zeros((2048, 1024), np.float32))  # 8 MiB
+    assert not smallleaves.eligible(big)
+    empty = describe_leaf("e", np.zeros((0, 4), np.float32))
+    assert not smallleaves.eligible(empty)
+    chunked = describe_leaf("c", np.zeros((64, 64), np.float32), target_chunk=4096)
+    assert chunked.chunk_shape != chunked.shape and not smallleaves.eligible(chunked)
+
+
+def test_damaged_chunks_are_corruption_naming_the_leaf() -> None:
+    value = np.arange(10, dtype=np.float32)
+    info = describe_leaf("layer/w", value)
+    chunk = bytearray(smallleaves.encode_chunk(info, value))
+    chunk[3] ^= 1
+    with pytest.raises(CorruptCheckpointError, match="checksum") as err:
+        smallleaves.decode_chunk(info, bytes(chunk))
+    assert "layer/w" in str(err.value)
+    with pytest.raises(CorruptCheckpointError, match="holds 43 bytes, 44 expected"):
+        smallleaves.decode_chunk(info, bytes(chunk[:-1]))
+
+
+def test_groups_bound_bytes_and_count() -> None:
+    infos = [
+        (describe_leaf(f"x{i}", np.zeros(n, np.uint8)), i) for i, n in enumerate([5, 5, 20, 1])
+    ]
+    grouped = smallleaves.groups(infos, max_bytes=10, max_count=3)
+    assert [[v for _, v in g] for g in grouped] == [[0, 1], [2], [3]]
+    assert [[v for _, v in g] for g in smallleaves.groups(infos, 100, max_count=2)] == [
+        [0, 1],
+        [2, 3],
+    ]
+
+
+async def test_saved_small_leaves_read_back_through_tensorstore(tmp_path: Any) -> None:
+    tree = {d: {str(i): _value(d, s, i) for i, s in enumerate(SHAPES)} for d in DTYPES}
+    result = await ckptstore.save(str(tmp_path), tree, step=1)
+    manifest = await ckptstore.read_manifest(str(tmp_path), 1)
+    from ckptstore.backends.registry import open_backend
+    from ckptstore.checkpoint.restore import item_store
+
+    backend = open_backend(str(tmp_path))
+    try:
+        store = item_store(backend, manifest, "state")
+        for name, info in manifest.items["state"].leaves.items():
+            arr = await open_leaf(store, backend.ts_context, info)  # TensorStore's own reader
+            dtype, index = name.split("/")
+            got = await read_slice(arr, (), name)
+            assert got.tobytes() == tree[dtype][index].tobytes(), name
+    finally:
+        await backend.close()
+    assert result.bytes_written == sum(v.nbytes for g in tree.values() for v in g.values())
+
+
+# ---- the byte budget that bounds a save's (and promotion's) copies ----
+
+
+async def test_budget_admits_in_order_and_never_exceeds_its_limit() -> None:
+    budget = ByteBudget(10)
+    order: list[int] = []
+    peak = 0
+
+    async def use(i: int, nbytes: int) -> None:
+        nonlocal peak
+        async with budget.hold(nbytes):
+            order.append(i)
+            peak = max(peak, budget.used)
+            await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(use(i, n) for i, n in enumerate([6, 6, 3, 25, 1])))
+    assert order == [0, 1, 2, 3, 4]  # first come, first served: 1 byte waits behind 25
+    assert budget.used == 0
+    assert peak <= 25  # only a piece larger than the budget passes, and alone
+
+
+async def test_cancelled_waiters_give_their_place_back() -> None:
+    budget = ByteBudget(10)
+    async with budget.hold(8):
+        waiting = asyncio.create_task(_hold(budget, 5))
+        behind = asyncio.create_task(_hold(budget, 2))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and not behind.done()
+        waiting.cancel()
+        await asyncio.sleep(0.01)
+        assert behind.done()  # 8 + 2 fit once the 5 left the queue
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert budget.used == 0
+
+
+async def _hold(budget: ByteBudget, nbytes: int) -> None:
+    async with budget.hold(nbytes):
+        pass
