@@ -8,24 +8,22 @@ be asked for. All disagreements are reported together in one
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import numpy as np
+import tensorstore as ts
 
 from ckptstore.arrays import ocdbt_spec, open_leaf, read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
 from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.stored import StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
 from ckptstore.leaves import LeafInfo
-
-T = TypeVar("T")
 
 
 async def list_steps(target: Target) -> list[int]:
@@ -56,47 +54,51 @@ async def restore(
     jax arrays laid out that way, each process reading only its slices.
     """
     async with opened(target) as backend:
-        manifest = await latest_manifest(backend, step)
-        if item not in manifest.items:
-            raise CheckpointNotFoundError(
-                f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
-                backend=backend.url,
-            )
-        saved = manifest.items[item]
-        store = item_store(backend, manifest, item)
-        ctx = backend.ts_context
+        stored = await open_stored(backend, step, item)
+        return await restore_stored(stored, like, partial=partial, cast=cast)
 
-        async def load(info: LeafInfo, want: Any) -> Any:
-            arr = await open_leaf(store, ctx, info)
-            return await _materialize(arr, info, want, cast)
 
-        if like is None:
-            names = list(saved.leaves)
-            values = await settle(load(saved.leaves[n], None) for n in names)
-            loaded = dict(zip(names, values, strict=True))
-            return rebuild(saved.structure, loaded.__getitem__)
+async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:
+    """The item to restore from a committed step."""
+    manifest = await latest_manifest(backend, step)
+    if item not in manifest.items:
+        raise CheckpointNotFoundError(
+            f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
+            backend=backend.url,
+        )
+    store = item_store(backend, manifest, item)
+    ctx = backend.ts_context
 
-        paths, treedef = jax.tree_util.tree_flatten_with_path(like)
-        wanted = [(path_name(path), leaf) for path, leaf in paths]
-        _check(wanted, saved.leaves, partial=partial, cast=cast)
-        values = await settle(load(saved.leaves[n], w) for n, w in wanted)
-        return jax.tree_util.tree_unflatten(treedef, values)
+    async def open_native(info: LeafInfo) -> ts.TensorStore:
+        return await open_leaf(store, ctx, info)
+
+    saved = manifest.items[item]
+    return StoredItem(saved.leaves, saved.structure, open_native)
+
+
+async def restore_stored(stored: StoredItem, like: Any, *, partial: bool, cast: bool) -> Any:
+    """Build the tree ``like`` asks for (the saved one when None) from ``stored``."""
+
+    async def load(info: LeafInfo, want: Any) -> Any:
+        return await _materialize(await stored.open(info), info, want, cast)
+
+    if like is None:
+        names = list(stored.leaves)
+        values = await settle(load(stored.leaves[n], None) for n in names)
+        loaded = dict(zip(names, values, strict=True))
+        return rebuild(stored.structure, loaded.__getitem__)
+
+    paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    wanted = [(path_name(path), leaf) for path, leaf in paths]
+    _check(wanted, stored.leaves, partial=partial, cast=cast)
+    values = await settle(load(stored.leaves[n], w) for n, w in wanted)
+    return jax.tree_util.tree_unflatten(treedef, values)
 
 
 def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any]:
     """The TensorStore spec of one item's merged store in the attempt ``manifest`` describes."""
     where = layout.AttemptDir(manifest.step, manifest.attempt)
     return ocdbt_spec(backend.kvstore_spec(where.item(item)))
-
-
-async def settle(coros: Iterable[Awaitable[T]]) -> list[T]:
-    """Like `asyncio.gather`, but every read finishes before the first error is raised,
-    so no TensorStore future completes after the caller (or its event loop) is gone."""
-    results = await asyncio.gather(*coros, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results  # type: ignore[return-value]
 
 
 def _check(

@@ -1,0 +1,40 @@
+"""One stored item as restore sees it, whatever format wrote it.
+
+A native ckptstore step and an Orbax checkpoint differ in where their leaves
+live and how the tree is described; once both are a `StoredItem` (leaf schema,
+tree structure, a way to open each leaf as a TensorStore array), restore checks,
+reshards and casts them the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import tensorstore as ts
+
+from ckptstore.leaves import LeafInfo
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """The leaves of one item, the JSON tree structure (`ckptstore.checkpoint.tree`
+    format) that names them, and ``open(info)``: the leaf's array, ready to read."""
+
+    leaves: dict[str, LeafInfo]
+    structure: dict[str, Any]
+    open: Callable[[LeafInfo], Awaitable[ts.TensorStore]]
+
+
+async def settle(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Like `asyncio.gather`, but every read finishes before the first error is raised,
+    so no TensorStore future completes after the caller (or its event loop) is gone."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
