@@ -16,7 +16,7 @@ import tensorstore as ts
 
 from ckptstore.arrays import ocdbt_spec, open_leaf, read_slice
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
+from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.stored import StoredItem, settle
@@ -27,9 +27,13 @@ from ckptstore.leaves import LeafInfo
 
 
 async def list_steps(target: Target) -> list[int]:
-    """Committed steps, ascending. Steps without a commit marker are ignored."""
+    """Committed steps, ascending. Steps without a commit marker are ignored.
+
+    Where there is no committed step, the finalized steps of an Orbax
+    `CheckpointManager` root at ``target`` (never its temporary directories).
+    """
     async with opened(target) as backend:
-        return await committed_steps(backend)
+        return await committed_steps(backend) or await orbax.finalized_steps(backend)
 
 
 async def read_manifest(target: Target, step: int | None = None) -> Manifest:
@@ -52,6 +56,10 @@ async def restore(
     ``like`` describes what to build: ``None`` gives the saved tree with numpy
     arrays; a tree of `jax.ShapeDtypeStruct` (or arrays) with shardings gives
     jax arrays laid out that way, each process reading only its slices.
+
+    Where ``target`` has no such committed step but holds an Orbax checkpoint (a
+    `StandardCheckpointer` directory, or a `CheckpointManager` root with a finalized
+    ``step``), that is read instead, with the same semantics.
     """
     async with opened(target) as backend:
         stored = await open_stored(backend, step, item)
@@ -59,8 +67,14 @@ async def restore(
 
 
 async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:
-    """The item to restore from a committed step."""
-    manifest = await latest_manifest(backend, step)
+    """The item to restore: from a committed ckptstore step, else from an Orbax checkpoint."""
+    try:
+        manifest = await latest_manifest(backend, step)
+    except CheckpointNotFoundError:
+        where = await orbax.locate(backend, step)
+        if where is None:
+            raise
+        return await orbax.open_item(backend, where, item, default_item=layout.DEFAULT_ITEM)
     if item not in manifest.items:
         raise CheckpointNotFoundError(
             f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",

@@ -1,0 +1,408 @@
+"""Reading Orbax 0.12.x checkpoints in place: no conversion, and no Orbax import.
+
+Two layouts are recognized, on any backend:
+
+- a `StandardCheckpointer` (or `PyTreeCheckpointer`) directory: ``_METADATA`` (the
+  tree: key paths and value types), ``_CHECKPOINT_METADATA``, and the arrays, either in
+  one OCDBT store (``manifest.ocdbt``, ``d/``, ``ocdbt.process_<i>/``) or as plain zarr
+  directories (``use_ocdbt=False``);
+- a `CheckpointManager` root: step directories ``<step>/`` holding one such directory
+  per item (``default/`` or named items). A step counts once it is finalized: it holds
+  ``commit_success.txt``, or (where rename is atomic, as Orbax renames
+  ``<step>.orbax-checkpoint-tmp-*`` into place) ``_CHECKPOINT_METADATA``. Temporary
+  directories are never steps.
+
+Each array is zarr v2 (Orbax's default) or zarr3 under its dot-joined key path
+(``params.w/.zarray``). ``_METADATA`` is parsed strictly: anything malformed is a
+`CorruptCheckpointError` naming what is wrong. Nothing is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.stored import StoredItem, settle
+from ckptstore.checkpoint.tree import MAX_DEPTH, TreeError, check_structure, path_name
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
+from ckptstore.leaves import LeafInfo, UnsupportedLeafError, dtype_of
+
+TREE_METADATA = "_METADATA"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+COMMIT_SUCCESS = "commit_success.txt"
+
+SEQUENCE, DICT = 1, 2  # Orbax's KeyType values
+#: Orbax value types stored as arrays, and the leaf kind each becomes.
+ARRAY_KINDS = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "scalar"}
+#: Orbax value types that store nothing: empty containers and None. Like Orbax
+#: itself without rich types, an empty named tuple comes back as None.
+EMPTY_NODES: dict[str, dict[str, Any]] = {
+    "None": {"t": "none"},
+    "NamedTuple": {"t": "none"},
+    "Dict": {"t": "dict", "keys": [], "items": []},
+    "List": {"t": "list", "items": []},
+    "Tuple": {"t": "tuple", "items": []},
+}
+#: Orbax value types ckptstore knows but does not restore (strings live in ``_strings.json``).
+UNSUPPORTED = {"string"}
+_PYTHON_TYPES = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
+
+
+# ---- finding Orbax checkpoints ----
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+async def is_finalized(backend: Backend, step: int) -> bool:
+    """Whether ``<step>/`` is a finalized Orbax step (see the module docstring)."""
+    names = set(await backend.list_dir(layout.step_dir(step)))
+    if COMMIT_SUCCESS in names:
+        return True
+    return backend.capabilities.atomic_rename and CHECKPOINT_METADATA in names
+
+
+async def finalized_steps(backend: Backend) -> list[int]:
+    """The finalized steps of an Orbax `CheckpointManager` root, ascending."""
+    steps = sorted(s for s in map(layout.parse_step, await backend.list_dir()) if s is not None)
+    flags = await asyncio.gather(*(is_finalized(backend, s) for s in steps))
+    return [s for s, ok in zip(steps, flags, strict=True) if ok]
+
+
+async def locate(backend: Backend, step: int | None) -> str | None:
+    """The Orbax directory to read ("" for a `StandardCheckpointer` root, else the step's),
+    or None when the backend holds no such Orbax checkpoint."""
+    if step is None:
+        if await backend.exists(TREE_METADATA):
+            return ""
+        steps = await finalized_steps(backend)
+        return layout.step_dir(steps[-1]) if steps else None
+    if await is_finalized(backend, layout.check_step(step)):
+        return layout.step_dir(step)
+    return None
+
+
+async def item_names(backend: Backend, where: str) -> list[str]:
+    """The tree items (directories with ``_METADATA``) of an Orbax step directory."""
+    names = await backend.list_dir(where)
+    flags = await asyncio.gather(
+        *(backend.exists(_join(where, n, TREE_METADATA)) for n in names if _plain(n))
+    )
+    return [n for n, ok in zip([n for n in names if _plain(n)], flags, strict=True) if ok]
+
+
+def _plain(name: str) -> bool:
+    try:
+        layout.check_item(name)
+    except CkptStoreError:
+        return False
+    return True
+
+
+# ---- _METADATA ----
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One leaf of Orbax's tree metadata: its key path and what is stored there."""
+
+    keys: tuple[tuple[str, int], ...]  # (name, SEQUENCE | DICT) from the root down
+    value_type: str
+
+    @property
+    def name(self) -> str:
+        """The ckptstore leaf name (the one `like` trees are matched by)."""
+        path = tuple(
+            jax.tree_util.SequenceKey(int(k)) if t == SEQUENCE else jax.tree_util.DictKey(k)
+            for k, t in self.keys
+        )
+        return path_name(path)
+
+    @property
+    def param(self) -> str:
+        """Orbax's storage name: the keys joined by dots."""
+        return ".".join(k for k, _ in self.keys)
+
+
+@dataclass(frozen=True)
+class TreeMetadata:
+    entries: list[Entry]
+    use_ocdbt: bool | None  # None: not recorded (older Orbax); decided by the files
+    use_zarr3: bool
+    every_chunk_stored: bool  # store_array_data_equal_to_fill_value: a missing chunk is damage
+
+
+def strict_json(data: bytes) -> Any:
+    """JSON with no duplicate keys and no NaN/Infinity; ValueError otherwise."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise ValueError(f"duplicate key {key[:80]!r}")
+            out[key] = value
+        return out
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(data, object_pairs_hook=pairs, parse_constant=constant)
+
+
+def parse_tree_metadata(data: bytes, where: str) -> TreeMetadata:
+    """Orbax's ``_METADATA``, checked field by field."""
+    try:
+        doc = strict_json(data)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        tree = doc.get("tree_metadata")
+        if not isinstance(tree, dict):
+            raise ValueError("'tree_metadata' is missing or not an object")
+        entries = [_entry(label, value) for label, value in tree.items()]
+        use_ocdbt = _flag(doc, "use_ocdbt", None)
+        return TreeMetadata(
+            entries=entries,
+            use_ocdbt=use_ocdbt,
+            use_zarr3=bool(_flag(doc, "use_zarr3", False)),
+            every_chunk_stored=bool(_flag(doc, "store_array_data_equal_to_fill_value", False)),
+        )
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"unreadable Orbax tree metadata {where}: {exc}") from exc
+
+
+def _flag(doc: dict[str, Any], key: str, default: bool | None) -> bool | None:
+    value = doc.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{key!r} is {str(value)[:40]!r}, not true or false")
+    return value
+
+
+def _entry(label: str, value: Any) -> Entry:
+    if not isinstance(value, dict):
+        raise ValueError(f"entry {label[:80]!r} is not an object")
+    keys = value.get("key_metadata")
+    if not isinstance(keys, list) or not keys:
+        raise ValueError(f"entry {label[:80]!r} has no key path")
+    if len(keys) > MAX_DEPTH:
+        raise ValueError(f"entry {label[:80]!r} is nested deeper than {MAX_DEPTH} levels")
+    path = []
+    for key in keys:
+        if not isinstance(key, dict):
+            raise ValueError(f"entry {label[:80]!r}: a key is not an object")
+        name, kind = key.get("key"), key.get("key_type")
+        if not isinstance(name, str) or type(kind) is not int or kind not in (SEQUENCE, DICT):
+            raise ValueError(f"entry {label[:80]!r}: bad key {str(key)[:80]}")
+        if kind == SEQUENCE and layout.parse_step(name) is None:  # a plain decimal index
+            raise ValueError(f"entry {label[:80]!r}: sequence index {name[:40]!r}")
+        path.append((name, kind))
+    meta = value.get("value_metadata")
+    if not isinstance(meta, dict):
+        raise ValueError(f"entry {label[:80]!r} has no value metadata")
+    value_type = meta.get("value_type")
+    if not isinstance(value_type, str):
+        raise ValueError(f"entry {label[:80]!r} has no value type")
+    if value_type not in {*ARRAY_KINDS, *EMPTY_NODES, *UNSUPPORTED}:
+        raise ValueError(f"entry {label[:80]!r} has unknown value type {value_type[:40]!r}")
+    if not isinstance(meta.get("skip_deserialize", False), bool):
+        raise ValueError(f"entry {label[:80]!r}: skip_deserialize is not true or false")
+    return Entry(tuple(path), value_type)
+
+
+# ---- the tree structure ----
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.key_type: int | None = None
+        self.children: dict[str, _Node] = {}
+        self.value: dict[str, Any] | None = None
+
+
+def build_structure(entries: list[Entry]) -> dict[str, Any]:
+    """The tree structure (`ckptstore.checkpoint.tree` format) the entries describe.
+
+    Orbax records sequences without saying list or tuple; they come back as lists,
+    as from Orbax itself. Dict keys come back as strings.
+    """
+    root = _Node()
+    for entry in entries:
+        node = root
+        for key, key_type in entry.keys:
+            if node.value is not None:
+                raise ValueError(f"{entry.name!r} lies below a stored value")
+            if node.key_type not in (None, key_type):
+                raise ValueError(f"{entry.name!r}: one container holds both indices and keys")
+            node.key_type = key_type
+            node = node.children.setdefault(key, _Node())
+        if node.value is not None or node.children:
+            raise ValueError(f"{entry.name!r} is described twice")
+        if entry.value_type in ARRAY_KINDS:
+            node.value = {"t": "leaf", "name": entry.name}
+        elif entry.value_type in EMPTY_NODES:
+            node.value = EMPTY_NODES[entry.value_type]
+        else:
+            raise ValueError(f"{entry.name!r} has value type {entry.value_type!r}")
+    return _describe(root)
+
+
+def _describe(node: _Node) -> dict[str, Any]:
+    if node.value is not None:
+        return node.value
+    if node.key_type == SEQUENCE:
+        if sorted(map(int, node.children)) != list(range(len(node.children))):
+            raise ValueError(f"a sequence has indices {sorted(map(int, node.children))[:20]}")
+        return {
+            "t": "list",
+            "items": [_describe(node.children[str(i)]) for i in range(len(node.children))],
+        }
+    return {
+        "t": "dict",
+        "keys": [["str", k] for k in node.children],
+        "items": [_describe(child) for child in node.children.values()],
+    }
+
+
+# ---- opening ----
+
+
+async def open_item(backend: Backend, where: str, item: str, *, default_item: str) -> StoredItem:
+    """The item ``item`` of the Orbax checkpoint at ``where`` (from `locate`).
+
+    A `StandardCheckpointer` directory is one item, read under the default item name;
+    a step with a single tree item (``default``) is read under the default name too.
+    """
+    place = f"{backend.url}/{where}" if where else backend.url
+    if await backend.exists(_join(where, TREE_METADATA)):  # the directory is the item
+        if item != default_item:
+            raise CheckpointNotFoundError(
+                f"{place} is one Orbax checkpoint without items; restore it without item=",
+                backend=backend.url,
+            )
+        chosen = ""
+    else:
+        items = await item_names(backend, where)
+        if item in items:
+            chosen = item
+        elif item == default_item and len(items) == 1:
+            chosen = items[0]
+        else:
+            raise CheckpointNotFoundError(
+                f"Orbax checkpoint {place} has no tree item {item!r} (it has {items})",
+                backend=backend.url,
+            )
+    prefix = _join(where, chosen)
+    meta_key = _join(prefix, TREE_METADATA)
+    meta_at = f"{backend.url}/{meta_key}"
+    meta = parse_tree_metadata(await backend.read(meta_key), meta_at)
+    unsupported = sorted(
+        f"{e.name} ({e.value_type})" for e in meta.entries if e.value_type in UNSUPPORTED
+    )
+    if unsupported:
+        raise UnsupportedLeafError(
+            f"Orbax checkpoint {place} holds leaves ckptstore does not restore: "
+            + ", ".join(unsupported[:10])
+        )
+    try:
+        structure = build_structure(meta.entries)
+        check_structure(structure)
+    except (ValueError, TreeError) as exc:
+        raise CorruptCheckpointError(f"Orbax tree metadata {meta_at}: {exc}") from exc
+    arrays = [e for e in meta.entries if e.value_type in ARRAY_KINDS]
+    _check_params(arrays, meta_at)
+    use_ocdbt = meta.use_ocdbt
+    if use_ocdbt is None:  # not recorded: an older Orbax
+        use_ocdbt = await backend.exists(_join(prefix, "manifest.ocdbt"))
+    elif use_ocdbt and arrays and not await backend.exists(_join(prefix, "manifest.ocdbt")):
+        raise CorruptCheckpointError(
+            f"Orbax checkpoint {place} records OCDBT but has no {_join(prefix, 'manifest.ocdbt')}"
+        )
+    reader = _Reader(backend, prefix, use_ocdbt, meta.use_zarr3, meta.every_chunk_stored)
+    opened = await settle(reader.open(entry) for entry in arrays)
+    leaves = {info.name: info for info, _ in opened}
+    stores = {info.name: arr for info, arr in opened}
+
+    async def open_leaf(info: LeafInfo) -> ts.TensorStore:
+        return stores[info.name]
+
+    return StoredItem(leaves, structure, open_leaf)
+
+
+def _check_params(entries: list[Entry], where: str) -> None:
+    seen: dict[str, str] = {}
+    for entry in entries:
+        other = seen.setdefault(entry.param, entry.name)
+        if other != entry.name:
+            raise CorruptCheckpointError(
+                f"Orbax tree metadata {where}: leaves {other!r} and {entry.name!r} "
+                f"are both stored as {entry.param!r}"
+            )
+
+
+class _Reader:
+    """Opens one Orbax item's arrays through the backend's kvstore spec and context."""
+
+    def __init__(
+        self, backend: Backend, prefix: str, ocdbt: bool, zarr3: bool, every_chunk: bool
+    ) -> None:
+        self.backend, self.prefix = backend, prefix
+        self.ocdbt, self.zarr3, self.every_chunk = ocdbt, zarr3, every_chunk
+
+    def spec(self, entry: Entry) -> dict[str, Any]:
+        if self.ocdbt:
+            base = self.backend.kvstore_spec(self.prefix)
+            kvstore = {"driver": "ocdbt", "base": base, "path": entry.param + "/"}
+        else:
+            kvstore = self.backend.kvstore_spec(_join(self.prefix, entry.param))
+        return {
+            "driver": "zarr3" if self.zarr3 else "zarr",
+            "kvstore": kvstore,
+            # Orbax writes every chunk (store_array_data_equal_to_fill_value): then a
+            # missing chunk is damage, not zeros.
+            "fill_missing_data_reads": not self.every_chunk,
+        }
+
+    async def open(self, entry: Entry) -> tuple[LeafInfo, ts.TensorStore]:
+        try:
+            arr = await ts.open(
+                self.spec(entry), open=True, read=True, context=self.backend.ts_context
+            )
+        except CkptStoreError as exc:  # a key the backend refuses (``..`` and the like)
+            raise CorruptCheckpointError(f"bad Orbax array name: {exc}", leaf=entry.name) from exc
+        except Exception as exc:  # TensorStore raises ValueError for most failures
+            raise CorruptCheckpointError(
+                f"cannot open Orbax array {entry.param!r} below "
+                f"{self.backend.url}/{self.prefix}: {str(exc)[:300]}",
+                leaf=entry.name,
+            ) from exc
+        return _leaf_info(entry, arr), arr
+
+
+def _leaf_info(entry: Entry, arr: ts.TensorStore) -> LeafInfo:
+    shape = tuple(int(d) for d in arr.shape)
+    dtype = dtype_of(arr.dtype.name)
+    kind = ARRAY_KINDS[entry.value_type]
+    python_type = None
+    if kind == "scalar":
+        if shape != ():
+            raise CorruptCheckpointError(
+                f"Orbax scalar stored with shape {list(shape)}", leaf=entry.name
+            )
+        python_type = _PYTHON_TYPES.get(dtype.kind)
+    chunk = arr.chunk_layout.read_chunk.shape or shape
+    return LeafInfo(
+        name=entry.name,
+        shape=shape,
+        dtype=np.dtype(dtype).name,
+        chunk_shape=tuple(int(c or d) for c, d in zip(chunk, shape, strict=True)),
+        kind=kind,
+        python_type=python_type,
+    )
