@@ -62,3 +62,13 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     exec(compile(code, "README quick start", "exec"), {"__name__": "readme"})
     assert ckptstore.list_steps_sync(str(tmp_path / "quickstart")) == [100]
     assert ckptstore.list_steps_sync(str(tmp_path / "quickstart-run")) == [28, 29, 30]
+
+
+def test_orbax_in_example_runs_as_written(tmp_path: Path) -> None:
+    (example,) = [b for b in blocks("interop.md", "python") if "ocp.CheckpointManager" in b]
+    code = example.replace('"/tmp/orbax-run"', repr(str(tmp_path / "orbax-run")))
+    namespace: dict[str, object] = {}
+    exec(compile(code, "interop.md Orbax in", "exec"), namespace)
+    state = namespace["state"]
+    assert isinstance(state, dict)
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.arange(32).reshape(8, 4))
