@@ -18,9 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from ckptstore.backends.s3 import S3Backend
 from ckptstore.leaves import UnsupportedLeafError
-from ckptstore.testing.servers import MotoS3Server
+from tests.conftest import make_backend
 
 
 def mesh(shape: tuple[int, int], names: tuple[str, str] = ("x", "y")) -> Mesh:
@@ -366,15 +365,16 @@ def test_string_leaves_are_refused_by_name(tmp_path: Path) -> None:
 
 
 async def upload(local: Path, backend: ckptstore.Backend) -> None:
-    """Copy an Orbax checkpoint written locally (Orbax cannot write s3://) byte for byte."""
+    """Copy an Orbax checkpoint written locally (Orbax cannot write s3://) object for object."""
     files = [p for p in local.rglob("*") if p.is_file()]
     await asyncio.gather(
         *(backend.write(p.relative_to(local).as_posix(), p.read_bytes()) for p in files)
     )
 
 
-async def test_orbax_checkpoint_on_s3(
-    tmp_path: Path, moto_server: MotoS3Server, s3_bucket: str
+@pytest.mark.parametrize("kind", ["s3", "gcs", "memory"])
+async def test_orbax_checkpoint_on_object_storage(
+    tmp_path: Path, request: pytest.FixtureRequest, kind: str
 ) -> None:
     root = tmp_path / "run"
     trees = {s: {"w": sharded(np.full((8, 4), s, np.float32), P("x")), "n": s} for s in (1, 2)}
@@ -386,11 +386,9 @@ async def test_orbax_checkpoint_on_s3(
             manager.wait_until_finished()
 
     await asyncio.to_thread(save)
-    async with S3Backend(
-        s3_bucket, "orbax", endpoint_url=moto_server.endpoint, credentials="env"
-    ) as backend:
+    async with await make_backend(kind, request, tmp_path) as backend:
         await upload(root, backend)
-        # A step still being written by Orbax on S3: no commit_success.txt yet.
+        # A step Orbax is still writing in place: no commit_success.txt yet.
         await backend.write("3/_CHECKPOINT_METADATA", b"{}")
         assert await ckptstore.list_steps(backend) == [1, 2]
         like = {
