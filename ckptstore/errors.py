@@ -14,10 +14,12 @@ class StorageError(CkptStoreError):
     """A storage operation failed.
 
     ``backend`` is a credential-free description of the backend (its URL) and
-    ``key`` the key concerned, when there is one.
+    ``key`` the key concerned, when there is one; ``message`` is the text without them
+    (for wrapping this error in another without naming them twice).
     """
 
     def __init__(self, message: str, *, backend: str | None = None, key: str | None = None):
+        self.message = message
         self.backend = backend
         self.key = key
         where = []

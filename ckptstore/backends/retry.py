@@ -60,7 +60,9 @@ async def retry_async(
                 if policy.max_attempts == 1:
                     raise
                 raise RetriesExhaustedError(
-                    f"gave up after {attempt} attempts: {exc}", backend=exc.backend, key=exc.key
+                    f"gave up after {attempt} attempts: {exc.message}",
+                    backend=exc.backend,
+                    key=exc.key,
                 ) from exc
             await asyncio.sleep(policy.delay(attempt))
             attempt += 1
