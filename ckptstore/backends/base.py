@@ -156,6 +156,18 @@ class Backend(ABC):
             raise ValueError("delete_prefix('') would delete the whole root; refused")
         return await self._run(lambda _: self._delete_prefix(norm))
 
+    async def check_root(self) -> None:
+        """Raise `NotFoundError` if the root itself (a directory, a bucket) does not exist.
+
+        An empty root is not an error. Object stores have no directories: an empty prefix
+        in an existing bucket exists, a missing bucket does not. Lets tools tell a mistyped
+        target from one that holds nothing yet (writes create a missing local root).
+        """
+        await self._run(lambda _: self._check_root())
+
+    async def _check_root(self) -> None:
+        return None  # memory: a store exists once named
+
     @abstractmethod
     def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
         """The TensorStore kvstore spec reaching the same bytes as ``prefix`` here.

@@ -45,7 +45,7 @@ from ckptstore.backends.base import (
 )
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.errors import ConfigError, PermissionDeniedError
+from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError
 
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable-upload chunks are multiples of 256 KiB
@@ -252,6 +252,16 @@ class GcsBackend(Backend):
         return dir_prefix(self.root, prefix)
 
     # ---- operations --------------------------------------------------------------------
+
+    async def _check_root(self) -> None:
+        url = f"{self._location}/storage/v1/b/{quote(self.bucket, safe='')}"
+        try:
+            await self._request("check_root", None, "GET", url)
+        except NotFoundError:
+            where = f" at {redact_url(self._location)}" if self.endpoint_url else ""
+            raise NotFoundError(
+                f"bucket {self.bucket!r} does not exist{where}", backend=self.url
+            ) from None
 
     async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
         if is_empty_range(start, end):

@@ -119,6 +119,12 @@ class LocalBackend(Backend):
 
     # ---- operations ----
 
+    async def _check_root(self) -> None:
+        if not await aiofiles.os.path.exists(self.root):
+            raise NotFoundError(f"no such directory {self.root}", backend=self.url)
+        if not await aiofiles.os.path.isdir(self.root):
+            raise NotFoundError(f"{self.root} is not a directory", backend=self.url)
+
     async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
         path = self._path(key)
         try:

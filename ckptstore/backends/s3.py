@@ -47,7 +47,7 @@ from ckptstore.backends.base import (
 )
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.errors import ConfigError, PermissionDeniedError, StorageError
+from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
@@ -222,6 +222,15 @@ class S3Backend(Backend):
                 "credential_provider", AioCredentialResolver([AioEnvProvider()])
             )
         return session
+
+    async def _check_root(self) -> None:
+        try:
+            await self._call("check_root", None, "head_bucket")
+        except NotFoundError:
+            where = f" at {redact_url(self.endpoint_url)}" if self.endpoint_url else ""
+            raise NotFoundError(
+                f"bucket {self.bucket!r} does not exist{where}", backend=self.url
+            ) from None
 
     async def _call(self, op: str, key: str | None, method: str, **kwargs: Any) -> Any:
         """Call one S3 API method on this bucket, mapping every failure to a typed error."""
