@@ -80,7 +80,10 @@ BACKEND_PROFILES = [p for p in sorted(PROFILES.glob("*.toml")) if "tiers" not in
 
 
 @pytest.mark.parametrize("profile", BACKEND_PROFILES, ids=lambda p: p.name)
-def test_example_profiles_load_and_open(profile: Path) -> None:
+def test_example_profiles_load_and_open(
+    profile: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CKPTSTORE_NVME_ROOT", str(tmp_path))  # nvme-scratch: an existing root
     loaded = load_profile(profile)
     backend = ckptstore.open_backend(profile=profile)
     kind = parse_url(loaded["url"])[0]
@@ -100,6 +103,7 @@ def test_the_tiered_example_profile_loads(tmp_path: Path, monkeypatch: pytest.Mo
     assert tiered.fast == str(PROFILES / "nvme-scratch.toml")
     assert ckptstore.open_backend(profile=tiered.durable).kind == "s3"
     monkeypatch.setenv("CKPTSTORE_NVME_ROOT", str(tmp_path / "nvme"))
+    (tmp_path / "nvme").mkdir()  # create = false: the volume must be there
     assert ckptstore.open_backend(profile=tiered.fast).kind == "local"
     options = ckptstore.ManagerOptions.from_table(
         load_profile(PROFILES / "nvme-s3-tiered.toml")["manager"]

@@ -30,6 +30,7 @@ from ckptstore.backends.keys import TEMP_MARKER, join, validate_prefix
 from ckptstore.backends.pagecache import PageCacheEvictor
 from ckptstore.errors import (
     AlreadyExistsError,
+    ConfigError,
     InvalidKeyError,
     NotFoundError,
     PermissionDeniedError,
@@ -46,7 +47,12 @@ _TS_FILE_IO_THREADS = 16
 
 
 class LocalBackend(Backend):
-    """Files under ``root`` on a POSIX filesystem."""
+    """Files under ``root`` on a POSIX filesystem.
+
+    The root is created on the first write, unless ``create`` is false: then a missing root
+    is a `ConfigError` here (say, an NVMe volume that is not mounted: writing on would fill
+    the disk below the mount point).
+    """
 
     kind = "local"
     capabilities = Capabilities(
@@ -59,10 +65,16 @@ class LocalBackend(Backend):
         *,
         fsync: bool = True,
         drop_cache: bool = True,
+        create: bool = True,
         **options: Any,
     ):
         super().__init__(**options)
         self.root = Path(os.path.abspath(root))
+        if not create and not self.root.is_dir():
+            raise ConfigError(
+                f"{self.root} does not exist (or is not a directory) and create = false "
+                "refuses to create it: mount the volume or create the directory first"
+            )
         self.fsync = fsync
         self.drop_cache = drop_cache
         self._real_root: str | None = None

@@ -15,7 +15,15 @@ A profile is a small TOML file naming a backend and its options::
     [options.retry]
     max_attempts = 8
 
-String values may use ``${VAR}`` or ``${VAR:-default}`` to read the environment.
+String values may use ``${VAR}`` or ``${VAR:-default}`` to read the environment. A relative
+path (``url = "ckpt"``, a ``[tiers]`` entry) is relative to the profile file's folder, not to
+the working directory. A local backend's ``create = false`` refuses to create a missing root
+(an unmounted volume must not quietly fill the disk below its mount point).
+
+Where a profile is asked for (``open_backend(profile=...)``, ``$CKPTSTORE_PROFILE``, the
+command line's ``--profile``), give a path or a bare name: ``moto`` is read from
+``$CKPTSTORE_PROFILES_DIR/moto.toml`` (default ``~/.config/ckptstore/profiles``). With no
+target at all, the entry points use the profile in ``$CKPTSTORE_PROFILE``.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, InvalidURLError
 
 PROFILE_ENV = "CKPTSTORE_PROFILE"
+PROFILES_DIR_ENV = "CKPTSTORE_PROFILES_DIR"
 
 _COMMON = {"concurrency", "retry"}
 _OPTIONS: dict[str, set[str]] = {
-    "local": _COMMON | {"fsync", "drop_cache"},
+    "local": _COMMON | {"fsync", "drop_cache", "create"},
     "memory": _COMMON,
     "s3": _COMMON
     | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
@@ -54,7 +63,8 @@ def open_backend(
 ) -> Backend:
     """Open the backend a URL or a profile names; explicit ``options`` override the profile's.
 
-    With neither ``url`` nor ``profile``, the profile named by ``$CKPTSTORE_PROFILE`` is used.
+    ``profile`` is a path or a name (see `resolve_profile`). With neither ``url`` nor
+    ``profile``, the profile named by ``$CKPTSTORE_PROFILE`` is used.
     """
     if url is None and profile is None:
         profile = os.environ.get(PROFILE_ENV) or None
@@ -115,10 +125,38 @@ def redact(url: str) -> str:
     return re.sub(r"://[^/@]*@", "://***@", url)
 
 
+def profiles_dir() -> Path:
+    """Where profiles given by name live: ``$CKPTSTORE_PROFILES_DIR``, else
+    ``$XDG_CONFIG_HOME/ckptstore/profiles`` (``~/.config/ckptstore/profiles``)."""
+    configured = os.environ.get(PROFILES_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join("~", ".config")
+    return Path(config).expanduser() / "ckptstore" / "profiles"
+
+
+def resolve_profile(profile: str | os.PathLike[str]) -> Path:
+    """The file a profile argument names: a path as given, or a bare name (no ``/``, no
+    ``.toml``) looked up as ``NAME.toml`` in `profiles_dir`."""
+    text = os.fspath(profile)
+    if not text:
+        raise ConfigError("empty profile name")
+    if os.sep in text or "/" in text or text.endswith(".toml"):
+        return Path(text).expanduser()
+    file = profiles_dir() / f"{text}.toml"
+    if not file.is_file():
+        raise ConfigError(
+            f"no profile named {text!r}: {file} does not exist (profiles by name live in "
+            f"${PROFILES_DIR_ENV}, default ~/.config/ckptstore/profiles)"
+        )
+    return file
+
+
 def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate a profile: ``{"url": str, "options": {...}}`` with env refs expanded
+    """Read and validate a profile (a path or a name): ``{"url": str, "options": {...}}``
+    with env refs expanded and relative paths made absolute against the profile's folder
     (plus ``"manager": {...}``, the `CheckpointManager`'s table, when the profile has one)."""
-    file = Path(path)
+    file = resolve_profile(path)
     try:
         raw = tomllib.loads(file.read_text())
     except FileNotFoundError:
@@ -131,8 +169,12 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     if "tiers" in raw:  # a tiered target (ckptstore.Tiered.from_profile): no url of its own
         if not isinstance(raw["tiers"], dict) or "url" in raw or "options" in raw:
             raise ConfigError(f"profile {file}: [tiers] is a table and replaces url/[options]")
+        tiers = _expand(raw["tiers"], file)
+        for tier in ("fast", "durable"):
+            if isinstance(tiers.get(tier), str):
+                tiers[tier] = _beside(file, tiers[tier])
         return {
-            "tiers": _expand(raw["tiers"], file),
+            "tiers": tiers,
             **(
                 {"manager": _expand(raw["manager"], file)}
                 if isinstance(raw.get("manager"), dict)
@@ -144,7 +186,7 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     options = raw.get("options", {})
     if not isinstance(options, dict):
         raise ConfigError(f"profile {file}: [options] must be a table")
-    profile = {"url": _expand(raw["url"], file), "options": _expand(options, file)}
+    profile = {"url": _beside(file, _expand(raw["url"], file)), "options": _expand(options, file)}
     if "manager" in raw:  # the checkpoint manager's table, passed through uninterpreted
         if not isinstance(raw["manager"], dict):
             raise ConfigError(f"profile {file}: [manager] must be a table")
@@ -152,6 +194,14 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     kind, _ = parse_url(profile["url"])
     _check_options(kind, profile["options"], source=str(file))
     return profile
+
+
+def _beside(file: Path, target: str) -> str:
+    """``target`` (a URL or path in the profile ``file``) with a relative path made absolute
+    against the profile's folder; URLs and absolute paths unchanged."""
+    if not target or "://" in target or os.path.isabs(os.path.expanduser(target)):
+        return os.path.expanduser(target)
+    return os.path.join(os.path.dirname(os.path.abspath(file)), target)
 
 
 def _expand(value: Any, file: Path) -> Any:

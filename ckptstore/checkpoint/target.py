@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Union
+from typing import Any, Union
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import open_backend
@@ -15,25 +15,43 @@ from ckptstore.errors import ConfigError
 Target = Union[str, "os.PathLike[str]", Backend]
 
 
-def open_target(target: Target) -> Backend:
-    """The backend ``target`` names (a new one, unless ``target`` is a `Backend`)."""
+def open_target(
+    target: Target | None,
+    *,
+    profile: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> Backend:
+    """The backend ``target`` names (a new one, unless ``target`` is a `Backend`).
+
+    ``None`` means the profile named by ``profile`` or, without one, by ``$CKPTSTORE_PROFILE``.
+    ``profile`` and ``options`` apply to a URL target as in `open_backend` (its options,
+    with ``options`` overriding them); a target that is itself a ``.toml`` profile takes
+    ``options`` but no second profile.
+    """
     if isinstance(target, Backend):
+        if profile is not None or options:
+            raise ConfigError(f"{target!r} is already open: a profile or options cannot apply")
         return target
+    if target is None:
+        return open_backend(profile=profile, **options)
     path = os.fspath(target)
     if path.endswith(".toml"):  # a profile, never a directory named like one
+        if profile is not None:
+            raise ConfigError(f"two profiles given ({path} and {os.fspath(profile)}): give one")
         if not os.path.isfile(path):
             raise ConfigError(f"profile {path} does not exist")
-        return open_backend(profile=path)
-    return open_backend(path)
+        return open_backend(profile=path, **options)
+    return open_backend(path, profile=profile, **options)
 
 
 @asynccontextmanager
-async def opened(target: Target) -> AsyncIterator[Backend]:
-    """Yield the backend for ``target``; backends opened here are closed afterwards."""
-    if isinstance(target, Backend):
+async def opened(target: Target | None, **options: Any) -> AsyncIterator[Backend]:
+    """Yield the backend for ``target`` (see `open_target`); backends opened here are closed
+    afterwards."""
+    if isinstance(target, Backend) and not options:
         yield target
         return
-    backend = open_target(target)
+    backend = open_target(target, **options)
     try:
         yield backend
     finally:
