@@ -1,19 +1,4 @@
-"""The ``ckptstore`` command: what is in a checkpoint, and is it intact.
-
-    ckptstore ls TARGET [--all]          committed steps (--all: uncommitted attempts too;
-                                         a [tiers] profile: each step's tiers, promotion lag)
-    ckptstore info TARGET [--step N]     the tree: leaves, shapes, dtypes, bytes, shardings
-    ckptstore verify TARGET [--step N]   check marker, manifest, coverage and every chunk
-    ckptstore rm TARGET --step N         delete one committed step
-    ckptstore gc TARGET [--older-than 6h] [--dry-run]
-                                         remove uncommitted attempts and unused parts
-    ckptstore promote TIERS [--step N]   copy committed steps from the fast tier to the
-                                         durable one (TIERS: a profile with a [tiers] table)
-    ckptstore import-safetensors SRC DST [--step N] [--map RULES]
-                                         stream a safetensors model into a checkpoint
-
-TARGET is a path, a URL (s3://, gs://, file://) or a ``.toml`` profile.
-"""
+"""The ``ckptstore`` command: what is in a checkpoint, and is it intact (``ckptstore --help``)."""
 
 from __future__ import annotations
 
@@ -21,21 +6,51 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from ckptstore.backends.registry import load_profile
+from ckptstore.backends.base import Backend
+from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
 from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest, load_committed
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import opened
+from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.checkpoint.verify import verify
-from ckptstore.errors import CkptStoreError, ConfigError, CorruptCheckpointError
+from ckptstore.errors import CkptStoreError, ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.importers.safetensors import import_safetensors
 from ckptstore.lifecycle.options import seconds
 from ckptstore.lifecycle.tiers import Tiered, promote, status
+
+DESCRIPTION = "What is in a checkpoint, and is it intact; cleanup, promotion and import."
+
+EXAMPLES = f"""\
+targets:
+  a path or file:///abs/path, s3://bucket/prefix, gs://bucket/prefix, or a .toml
+  profile (a backend's URL and options). With --profile, or ${PROFILE_ENV}, the
+  target may be omitted. A profile given by name (--profile moto) is read from
+  $CKPTSTORE_PROFILES_DIR/NAME.toml (default ~/.config/ckptstore/profiles).
+
+examples:
+  ckptstore ls /data/ckpt                      committed steps: size, leaves, date
+  ckptstore ls s3://bucket/run --all           uncommitted attempts too, with age
+  ckptstore info gs://bucket/run --step 1000   one step's leaves, shapes, shardings
+  ckptstore verify run.toml                    read and checksum every chunk
+  ckptstore --endpoint http://127.0.0.1:9000 ls s3://bucket/run
+                                               an S3-compatible server (MinIO, moto)
+  ckptstore --profile moto info                the target is the profile's URL
+  ckptstore gc /data/ckpt --older-than 1d --dry-run
+  ckptstore promote nvme-s3-tiered.toml        fast tier -> durable tier
+  ckptstore import-safetensors model/ /data/ckpt --step 0
+
+exit status: 0 fine; 1 a checkpoint is corrupt; 2 an error (a missing target,
+a bad URL or profile, a step that is not committed)."""
+
+SIGPIPE_EXIT = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 def human(nbytes: float) -> str:
@@ -46,20 +61,20 @@ def human(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def count(n: int, word: str, plural: str | None = None) -> str:
+    """``1 part``, ``2 parts``, ``3 leaves`` (with ``plural``)."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
 def when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
 
 
-async def cmd_ls(target: str, as_json: bool, show_all: bool) -> int:
-    if target.endswith(".toml") and os.path.isfile(target) and "tiers" in load_profile(target):
-        return await cmd_ls_tiers(target, as_json)
-    if show_all:
-        return await cmd_ls_all(target, as_json)
-    async with opened(target) as backend:
-        steps = await committed_steps(backend)
-        loaded = await asyncio.gather(
-            *(load_committed(backend, s) for s in steps), return_exceptions=True
-        )
+async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
+    steps = await committed_steps(backend)
+    loaded = await asyncio.gather(
+        *(load_committed(backend, s) for s in steps), return_exceptions=True
+    )
     rows: list[dict[str, Any]] = []
     for step, m in zip(steps, loaded, strict=True):
         if isinstance(m, CorruptCheckpointError):  # listed, not fatal: the others are fine
@@ -82,7 +97,7 @@ async def cmd_ls(target: str, as_json: bool, show_all: bool) -> int:
         print(json.dumps(rows, indent=1))
         return status
     if not rows:
-        print(f"no committed checkpoints in {target}")
+        print(f"no committed checkpoints in {shown}")
         return 0
     print(f"{'STEP':>10}  {'SIZE':>10}  {'LEAVES':>6}  {'CREATED':19}  ITEMS")
     for r in rows:
@@ -126,16 +141,15 @@ async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
         print("promotion lag: none")
     else:
         print(
-            f"promotion lag: {len(lagging)} step(s), the oldest saved "
+            f"promotion lag: {count(len(lagging), 'step')}, the oldest saved "
             f"{duration_text(time.time() - oldest)} ago"
         )
     return 0
 
 
-async def cmd_ls_all(target: str, as_json: bool) -> int:
+async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
     """Every entry of every step directory: committed or not, with age and stored size."""
-    async with opened(target) as backend:
-        scans = await scan(backend)
+    scans = await scan(backend)
     now = time.time()
     rows: list[dict[str, Any]] = []
     for s in scans:
@@ -158,7 +172,7 @@ async def cmd_ls_all(target: str, as_json: bool) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"nothing stored in {target}")
+        print(f"nothing stored in {shown}")
         return 0
     print(f"{'STEP':>10}  {'STATE':11}  {'SIZE':>10}  {'IDLE':>8}  ENTRY")
     for r in rows:
@@ -176,6 +190,23 @@ def _sharding_text(sharding: dict[str, Any] | None) -> str:
     return str(sharding.get("type"))
 
 
+def _per_process(manifest: Manifest) -> list[str]:
+    """One line per writing process, its parts (partial saves, imports) summed."""
+    totals: dict[Any, dict[str, float]] = {}
+    for p in manifest.processes:
+        t = totals.setdefault(p.get("process"), {"bytes": 0, "shards": 0, "seconds": 0, "n": 0})
+        t["bytes"] += p.get("bytes", 0)
+        t["shards"] += p.get("shards", 0)
+        t["seconds"] += p.get("seconds", 0)
+        t["n"] += 1
+    return [
+        f"  process {proc}: wrote {human(t['bytes'])} in {count(int(t['shards']), 'shard')}"
+        + (f" ({count(int(t['n']), 'part')})" if t["n"] > 1 else "")
+        + f", {t['seconds']:.2f} s"
+        for proc, t in totals.items()
+    ]
+
+
 def _print_info(manifest: Manifest) -> None:
     print(f"step {manifest.step}, created {when(manifest.created)}, {human(manifest.nbytes)}")
     if manifest.attempt:
@@ -183,14 +214,13 @@ def _print_info(manifest: Manifest) -> None:
     if manifest.timings:
         phases = ", ".join(f"{k} {v:.3f} s" for k, v in manifest.timings.items())
         print(f"  timings: {phases}")
-    for p in manifest.processes:
-        print(
-            f"  process {p.get('process')}: wrote {human(p.get('bytes', 0))} in "
-            f"{p.get('shards', 0)} shards, {p.get('seconds', 0):.2f} s"
-        )
+    for line in _per_process(manifest):
+        print(line)
     for name, item in manifest.items.items():
-        print(f"item {name!r}: {len(item.leaves)} leaves, {human(item.nbytes)}")
-        width = max((len(n) for n in item.leaves), default=4)
+        leaves = count(len(item.leaves), "leaf", "leaves")
+        print(f"item {name!r}: {leaves}, {human(item.nbytes)}")
+        width = max((len(n) for n in item.leaves), default=0)
+        width = max(width, len("LEAF"))
         print(f"  {'LEAF':{width}}  {'DTYPE':>12}  {'SHAPE':>18}  {'BYTES':>10}  SHARDING")
         for leaf in sorted(item.leaves.values(), key=lambda i: i.name):
             shape = "x".join(map(str, leaf.shape)) or "scalar"
@@ -200,9 +230,8 @@ def _print_info(manifest: Manifest) -> None:
             )
 
 
-async def cmd_info(target: str, step: int | None, as_json: bool) -> int:
-    async with opened(target) as backend:
-        manifest = await latest_manifest(backend, step)
+async def cmd_info(backend: Backend, step: int | None, as_json: bool) -> int:
+    manifest = await latest_manifest(backend, step)
     if as_json:
         print(manifest.to_bytes().decode())
     else:
@@ -210,9 +239,9 @@ async def cmd_info(target: str, step: int | None, as_json: bool) -> int:
     return 0
 
 
-async def cmd_verify(target: str, step: int | None, as_json: bool) -> int:
+async def cmd_verify(backend: Backend, step: int | None, as_json: bool) -> int:
     """Exit 0 only if a restore of the step would return exactly what was saved."""
-    report = await verify(target, step)
+    report = await verify(backend, step)
     if as_json:
         doc = {
             "step": report.step,
@@ -226,10 +255,10 @@ async def cmd_verify(target: str, step: int | None, as_json: bool) -> int:
         return 0 if report.ok else 1
     for what, why in sorted(report.problems.items()):
         print(f"CORRUPT {what}: {why}")
-    bad = len(report.problems)
-    verdict = "intact" if report.ok else f"CORRUPT ({bad} problem(s))"
+    problems = count(len(report.problems), "problem")
+    verdict = "intact" if report.ok else f"CORRUPT ({problems})"
     print(
-        f"step {report.step}: {verdict}; {report.leaves} leaves, "
+        f"step {report.step}: {verdict}; {count(report.leaves, 'leaf', 'leaves')}, "
         f"{human(report.bytes)} read and checksummed"
     )
     return 0 if report.ok else 1
@@ -241,7 +270,8 @@ def _print_removal(removal: Removal, verb: str) -> None:
     for key in removal.kept_young:
         print(f"kept {key} (written to within the grace period)")
     print(
-        f"{verb} {len(removal.entries)} entries, {removal.objects} objects, {human(removal.bytes)}"
+        f"{verb} {count(len(removal.entries), 'entry', 'entries')}, "
+        f"{count(removal.objects, 'object')}, {human(removal.bytes)}"
     )
 
 
@@ -259,7 +289,8 @@ async def cmd_promote(profile: str, step: int | None, show_progress: bool) -> in
             "already durable"
             if p.already
             else (
-                f"copied {p.copied} of {p.objects} objects, {human(p.bytes)} in {p.seconds:.1f} s"
+                f"copied {p.copied} of {count(p.objects, 'object')}, {human(p.bytes)} "
+                f"in {p.seconds:.1f} s"
             )
         )
         print(f"step {p.step}: {what}")
@@ -268,13 +299,13 @@ async def cmd_promote(profile: str, step: int | None, show_progress: bool) -> in
     return 0
 
 
-async def cmd_rm(target: str, step: int) -> int:
-    _print_removal(await delete_step(target, step), "removed")
+async def cmd_rm(backend: Backend, step: int) -> int:
+    _print_removal(await delete_step(backend, step), "removed")
     return 0
 
 
-async def cmd_gc(target: str, older_than: float, dry_run: bool) -> int:
-    removal = await gc(target, older_than=older_than, dry_run=dry_run)
+async def cmd_gc(backend: Backend, older_than: float, dry_run: bool) -> int:
+    removal = await gc(backend, older_than=older_than, dry_run=dry_run)
     _print_removal(removal, "would remove" if dry_run else "removed")
     return 0
 
@@ -294,42 +325,74 @@ def duration_text(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-async def cmd_import(args: argparse.Namespace) -> int:
+async def cmd_import(args: argparse.Namespace, dst: Backend) -> int:
     result = await import_safetensors(
         args.src,
-        args.dst,
+        dst,
         step=args.step,
         rules=args.map,
         batch_bytes=args.batch_mib << 20,
         progress=not args.no_progress,
     )
     print(
-        f"imported {result.tensors} tensors ({human(result.bytes)}) in {result.parts} parts "
-        f"as step {result.save.step}; skipped {result.skipped}"
+        f"imported {count(result.tensors, 'tensor')} ({human(result.bytes)}) in "
+        f"{count(result.parts, 'part')} as step {result.save.step}; skipped {result.skipped}"
     )
     return 0
 
 
+def _package_version() -> str:
+    try:
+        return version("ckptstore")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptstore", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("ls", help="list committed steps")
-    ls.add_argument("target")
+    # The global options are accepted before or after the command; SUPPRESS keeps a
+    # subcommand's unset copy from overwriting one given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--profile",
+        default=argparse.SUPPRESS,
+        help=f"a .toml profile, or a profile's name (default: ${PROFILE_ENV})",
+    )
+    common.add_argument(
+        "--endpoint",
+        default=argparse.SUPPRESS,
+        help="the S3 or GCS endpoint URL (overrides the profile's and $AWS_ENDPOINT_URL)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="ckptstore",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"ckptstore {_package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, parents=[common])
+
+    target_help = "a path, URL or .toml profile (default: the profile's URL)"
+    ls = command("ls", "list committed steps")
+    ls.add_argument("target", nargs="?", help=target_help)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.add_argument("--all", action="store_true", help="uncommitted attempts too, with age")
-    info = sub.add_parser("info", help="describe one step's tree (latest by default)")
-    info.add_argument("target")
+    info = command("info", "describe one step's tree (latest by default)")
+    info.add_argument("target", nargs="?", help=target_help)
     info.add_argument("--step", type=int)
     info.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    verify = sub.add_parser("verify", help="read every chunk and check its checksum")
-    verify.add_argument("target")
+    verify = command("verify", "read every chunk and check its checksum")
+    verify.add_argument("target", nargs="?", help=target_help)
     verify.add_argument("--step", type=int)
     verify.add_argument("--json", action="store_true", help="machine-readable report")
-    rm = sub.add_parser("rm", help="delete one committed step (its marker first)")
-    rm.add_argument("target")
+    rm = command("rm", "delete one committed step (its marker first)")
+    rm.add_argument("target", nargs="?", help=target_help)
     rm.add_argument("--step", type=int, required=True)
-    collect = sub.add_parser("gc", help="remove uncommitted attempts and unused parts")
-    collect.add_argument("target")
+    collect = command("gc", "remove uncommitted attempts and unused parts")
+    collect.add_argument("target", nargs="?", help=target_help)
     collect.add_argument(
         "--older-than",
         type=parse_duration,
@@ -337,11 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="only what nobody wrote to for this long (default 6h; 0 = regardless of age)",
     )
     collect.add_argument("--dry-run", action="store_true", help="show, remove nothing")
-    prom = sub.add_parser("promote", help="copy committed steps from the fast to the durable tier")
+    prom = command("promote", "copy committed steps from the fast to the durable tier")
     prom.add_argument("tiers", help="a .toml profile with a [tiers] table (fast, durable)")
     prom.add_argument("--step", type=int, help="only this step (default: every unpromoted one)")
     prom.add_argument("--no-progress", action="store_true")
-    imp = sub.add_parser("import-safetensors", help="stream a safetensors model into a checkpoint")
+    imp = command("import-safetensors", "stream a safetensors model into a checkpoint")
     imp.add_argument("src", help="a .safetensors file, a model folder, or its index.json")
     imp.add_argument("dst", help="checkpoint target (path, URL or .toml profile)")
     imp.add_argument("--step", type=int, default=0)
@@ -351,25 +414,86 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tiers_profile(args: argparse.Namespace) -> str | None:
+    """The profile ``ls`` was given, when it describes tiers rather than one backend."""
+    target: str | None = args.target
+    profile: str | None = getattr(args, "profile", None)
+    if target is None:
+        profile = profile or os.environ.get(PROFILE_ENV) or None
+    elif target.endswith(".toml") and profile is None:
+        profile = target
+    else:
+        return None
+    if profile is None:
+        return None
+    path = resolve_profile(profile)
+    if not path.is_file() or "tiers" not in load_profile(path):
+        return None
+    if getattr(args, "endpoint", None):
+        raise ConfigError(f"--endpoint does not apply to the tiers of {path}")
+    return str(path)
+
+
+async def _on_target(
+    args: argparse.Namespace,
+    target: str | None,
+    run: Callable[[Backend, str], Awaitable[int]],
+    *,
+    must_exist: bool = True,
+) -> int:
+    """Open the target (with --profile and --endpoint), check it exists, run, close it."""
+    options = {"endpoint": args.endpoint} if getattr(args, "endpoint", None) else {}
+    backend = open_target(target, profile=getattr(args, "profile", None), **options)
+    shown = target or backend.url
+    try:
+        if must_exist:
+            try:
+                await backend.check_root()
+            except NotFoundError as exc:
+                hint = ""
+                if isinstance(backend, LocalBackend) and target and ":/" in target:
+                    hint = " (a URL is written scheme://bucket/prefix)"
+                raise NotFoundError(f"{exc.message}{hint}") from None
+        return await run(backend, shown)
+    finally:
+        await backend.close()
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "promote":
+        return asyncio.run(cmd_promote(args.tiers, args.step, not args.no_progress))
+    if args.command == "import-safetensors":
+        return asyncio.run(
+            _on_target(args, args.dst, lambda b, _: cmd_import(args, b), must_exist=False)
+        )
+    if args.command == "ls" and (tiers := _tiers_profile(args)) is not None:
+        return asyncio.run(cmd_ls_tiers(tiers, args.json))
+    commands: dict[str, Callable[[Backend, str], Awaitable[int]]] = {
+        "ls": lambda b, shown: (cmd_ls_all if args.all else cmd_ls)(b, shown, args.json),
+        "info": lambda b, _: cmd_info(b, args.step, args.json),
+        "verify": lambda b, _: cmd_verify(b, args.step, args.json),
+        "rm": lambda b, _: cmd_rm(b, args.step),
+        "gc": lambda b, _: cmd_gc(b, args.older_than, args.dry_run),
+    }
+    return asyncio.run(_on_target(args, args.target, commands[args.command]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (see ``ckptstore --help``)."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "ls":
-            return asyncio.run(cmd_ls(args.target, args.json, args.all))
-        if args.command == "info":
-            return asyncio.run(cmd_info(args.target, args.step, args.json))
-        if args.command == "import-safetensors":
-            return asyncio.run(cmd_import(args))
-        if args.command == "rm":
-            return asyncio.run(cmd_rm(args.target, args.step))
-        if args.command == "promote":
-            return asyncio.run(cmd_promote(args.tiers, args.step, not args.no_progress))
-        if args.command == "gc":
-            return asyncio.run(cmd_gc(args.target, args.older_than, args.dry_run))
-        return asyncio.run(cmd_verify(args.target, args.step, args.json))
+        status = _dispatch(args)
+        sys.stdout.flush()  # a closed pipe shows up here at the latest, not at exit
+        return status
     except CkptStoreError as exc:
         print(f"ckptstore: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`ckptstore info X | head`): stop quietly, as a command
+        # killed by SIGPIPE would; the interpreter's final flush goes to /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return SIGPIPE_EXIT
 
 
 if __name__ == "__main__":

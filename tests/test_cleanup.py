@@ -188,7 +188,7 @@ def test_cli_rm_gc_and_ls_all(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert sorted((r[0], r[1], r[-1]) for r in rows) == sorted(expected)
     assert main(["gc", root, "--dry-run", "--older-than", "0"]) == 0
     out = capsys.readouterr().out
-    assert f"would remove {dead.root}" in out and "would remove 1 entries, 2 objects" in out
+    assert f"would remove {dead.root}" in out and "would remove 1 entry, 2 objects" in out
     assert main(["gc", root]) == 0  # default grace: too young
     assert f"kept {dead.root}" in capsys.readouterr().out
     assert main(["rm", root, "--step", "1"]) == 0

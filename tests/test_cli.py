@@ -43,7 +43,8 @@ def test_ls_json_and_empty(root: str, tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["ls", root, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["bytes"], r["leaves"]) for r in rows] == [(7, 136, 2), (9, 4096, 1)]
-    assert main(["ls", str(tmp_path / "nothing")]) == 0
+    (tmp_path / "empty").mkdir()
+    assert main(["ls", str(tmp_path / "empty")]) == 0
     assert "no committed checkpoints" in capsys.readouterr().out
 
 
@@ -60,7 +61,7 @@ def test_info(root: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_verify_catches_corruption(root: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", root, "--step", "9"]) == 0
-    assert "step 9: intact; 1 leaves, 4.0 KiB read" in capsys.readouterr().out
+    assert "step 9: intact; 1 leaf, 4.0 KiB read" in capsys.readouterr().out
     (attempt,) = (Path(root) / "9").glob("attempt-*")
     data_dir = attempt / "state" / "ocdbt.process_0" / "d"
     victim = max(data_dir.iterdir(), key=lambda p: p.stat().st_size)
@@ -69,7 +70,7 @@ def test_verify_catches_corruption(root: str, capsys: pytest.CaptureFixture[str]
     victim.write_bytes(bytes(blob))
     assert main(["verify", root, "--step", "9"]) == 1
     out = capsys.readouterr().out
-    assert "CORRUPT state/only" in out and "step 9: CORRUPT (1 problem(s))" in out
+    assert "CORRUPT state/only" in out and "step 9: CORRUPT (1 problem)" in out
 
 
 def test_errors_are_reported_not_raised(root: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -197,7 +197,7 @@ def test_cli_promote_from_a_tiers_profile(
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[1:3]] == ["7", "8"]
     assert "fast + durable" in lines[1] and "not promoted yet" in lines[2]
-    assert lines[3].startswith("promotion lag: 1 step(s), the oldest saved")
+    assert lines[3].startswith("promotion lag: 1 step, the oldest saved")
     with pytest.raises(ckptstore.ConfigError, match="two tiers"):
         ckptstore.open_backend(profile=str(profile))
 
