@@ -14,17 +14,17 @@ The public API on one screen:
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
+
+Importing ``ckptstore`` is cheap: the names below load their modules (and with them JAX
+and TensorStore) on first use, so a ``conftest.py`` or a launcher can still configure JAX
+after ``import ckptstore`` (the pytest plugin relies on this).
 """
 
-from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
-from ckptstore.backends.registry import load_profile, open_backend
-from ckptstore.backends.retry import RetryPolicy
-from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync, verify_sync
-from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
-from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
-from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
-from ckptstore.checkpoint.save import SaveResult, save
-from ckptstore.checkpoint.verify import VerifyReport, verify
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -42,10 +42,72 @@ from ckptstore.errors import (
     TransientStorageError,
     TreeMismatchError,
 )
-from ckptstore.lifecycle import policies
-from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
-from ckptstore.lifecycle.options import ManagerOptions
-from ckptstore.lifecycle.tiers import Promotion, Tiered, promote
+
+if TYPE_CHECKING:
+    from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
+    from ckptstore.backends.registry import load_profile, open_backend
+    from ckptstore.backends.retry import RetryPolicy
+    from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync, verify_sync
+    from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
+    from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
+    from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
+    from ckptstore.checkpoint.save import SaveResult, save
+    from ckptstore.checkpoint.verify import VerifyReport, verify
+    from ckptstore.lifecycle import policies
+    from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
+    from ckptstore.lifecycle.options import ManagerOptions
+    from ckptstore.lifecycle.tiers import Promotion, Tiered, promote
+
+#: Each lazily loaded public name and the module that defines it.
+_LAZY = {
+    "Backend": "ckptstore.backends.base",
+    "Capabilities": "ckptstore.backends.base",
+    "ObjectInfo": "ckptstore.backends.base",
+    "load_profile": "ckptstore.backends.registry",
+    "open_backend": "ckptstore.backends.registry",
+    "RetryPolicy": "ckptstore.backends.retry",
+    "list_steps_sync": "ckptstore.checkpoint.blocking",
+    "restore_sync": "ckptstore.checkpoint.blocking",
+    "save_sync": "ckptstore.checkpoint.blocking",
+    "verify_sync": "ckptstore.checkpoint.blocking",
+    "Removal": "ckptstore.checkpoint.cleanup",
+    "delete_step": "ckptstore.checkpoint.cleanup",
+    "gc": "ckptstore.checkpoint.cleanup",
+    "DuplicateLeafError": "ckptstore.checkpoint.partial",
+    "Part": "ckptstore.checkpoint.partial",
+    "PartialSave": "ckptstore.checkpoint.partial",
+    "partial_save": "ckptstore.checkpoint.partial",
+    "list_steps": "ckptstore.checkpoint.restore",
+    "read_manifest": "ckptstore.checkpoint.restore",
+    "restore": "ckptstore.checkpoint.restore",
+    "SaveResult": "ckptstore.checkpoint.save",
+    "save": "ckptstore.checkpoint.save",
+    "VerifyReport": "ckptstore.checkpoint.verify",
+    "verify": "ckptstore.checkpoint.verify",
+    "policies": "ckptstore.lifecycle.policies",  # a module
+    "CheckpointManager": "ckptstore.lifecycle.manager",
+    "SaveHandle": "ckptstore.lifecycle.manager",
+    "SaveStats": "ckptstore.lifecycle.manager",
+    "ManagerOptions": "ckptstore.lifecycle.options",
+    "Promotion": "ckptstore.lifecycle.tiers",
+    "Tiered": "ckptstore.lifecycle.tiers",
+    "promote": "ckptstore.lifecycle.tiers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
+    loaded = importlib.import_module(module)
+    value: Any = loaded if name == "policies" else getattr(loaded, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AlreadyExistsError",
