@@ -320,6 +320,8 @@ async def test_the_standard_endpoint_variable_reaches_bytes_and_arrays(
 
     import ckptstore
 
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):  # s3_bucket sets one of them
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, moto_server.endpoint)
     url = f"s3://{s3_bucket}/run"
     backend = ckptstore.open_backend(url, credentials="env")
