@@ -28,6 +28,7 @@ target at all, the entry points use the profile in ``$CKPTSTORE_PROFILE``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import tomllib
@@ -51,6 +52,8 @@ _OPTIONS: dict[str, set[str]] = {
     | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
     "gcs": _COMMON | {"endpoint", "project", "credentials", "resumable_threshold", "chunk_size"},
 }
+#: The packages each object-store backend needs, installed by the extra of the same name.
+_EXTRAS = {"s3": ("s3fs",), "gcs": ("gcsfs",)}
 _SCHEMES = {"file": "local", "memory": "memory", "s3": "s3", "gs": "gcs", "gcs": "gcs"}
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -246,8 +249,20 @@ def _retry(value: Any, source: str) -> RetryPolicy:
     raise ConfigError(f"{source}: retry must be a RetryPolicy, an int or a table")
 
 
+def require_extra(kind: str) -> None:
+    """Raise `ConfigError` naming the extra to install if a ``kind`` backend's packages are
+    missing (s3fs and gcsfs are optional: ``pip install 'ckptstore[s3]'``)."""
+    missing = [m for m in _EXTRAS.get(kind, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            f"{kind} backends need {', '.join(missing)}, which is not installed: "
+            f"pip install 'ckptstore[{kind}]'"
+        )
+
+
 def _build(kind: str, location: tuple[str, str], options: dict[str, Any], source: str) -> Backend:
     _check_options(kind, options, source=source)
+    require_extra(kind)
     opts = dict(options)
     if "retry" in opts:
         opts["retry"] = _retry(opts["retry"], source)
