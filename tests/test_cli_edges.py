@@ -174,3 +174,19 @@ def test_profile_by_name_before_or_after_the_command(
     assert "step 5" in capsys.readouterr().out
     assert main(["--profile", "other", "ls"]) == 2
     assert "no profile named 'other'" in capsys.readouterr().err
+
+
+def test_a_tiers_profile_by_name_lists_both_tiers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "tiers.toml").write_text('[tiers]\nfast = "../nvme"\ndurable = "../bucket"\n')
+    ckptstore.save_sync(str(tmp_path / "nvme"), {"x": np.arange(2)}, step=4)
+    monkeypatch.setenv("CKPTSTORE_PROFILES_DIR", str(profiles))
+    monkeypatch.chdir("/")
+    assert main(["--profile", "tiers", "ls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[0] == "4" and "not promoted yet" in lines[1]
+    assert main(["--profile", "tiers", "--endpoint", "http://127.0.0.1:1", "ls"]) == 2
+    assert "--endpoint does not apply to the tiers of" in capsys.readouterr().err
