@@ -7,7 +7,8 @@ point, so these fixtures are available without any ``conftest.py``:
   ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` to ``testing``, ``AWS_REGION`` /
   ``AWS_DEFAULT_REGION`` to ``us-east-1``, points ``AWS_CONFIG_FILE`` and
   ``AWS_SHARED_CREDENTIALS_FILE`` at empty files (your own AWS configuration stays out),
-  disables the EC2 metadata service and unsets ``AWS_PROFILE`` / ``AWS_SESSION_TOKEN``.
+  disables the EC2 metadata service and unsets ``AWS_PROFILE``, ``AWS_SESSION_TOKEN`` and
+  any ``AWS_ENDPOINT_URL(_S3)`` of your own.
 - ``fake_gcs_server`` (session): a `FakeGcsServer`. Sets ``STORAGE_EMULATOR_HOST`` (gcsfs,
   google-cloud-storage) and ``TENSORSTORE_GCS_HTTP_URL`` (TensorStore) to its endpoint.
 - ``s3_bucket`` / ``gcs_bucket`` (function): a freshly created, empty bucket on the
@@ -128,8 +129,8 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3Serv
         env.setenv("AWS_CONFIG_FILE", str(empty))
         env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(empty))
         env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        env.delenv("AWS_SESSION_TOKEN", raising=False)
-        env.delenv("AWS_PROFILE", raising=False)
+        for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            env.delenv(name, raising=False)
         with MotoS3Server() as server:
             yield server
 
