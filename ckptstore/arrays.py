@@ -190,6 +190,7 @@ class ByteBudget:
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
+        self.peak = 0  # the most bytes ever held at once
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     def hold(self, nbytes: int) -> _Hold:
@@ -200,7 +201,7 @@ class ByteBudget:
 
     async def _acquire(self, nbytes: int) -> None:
         if not self._waiters and self._fits(nbytes):
-            self.used += nbytes
+            self._take(nbytes)
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append((nbytes, waiter))
@@ -221,8 +222,12 @@ class ByteBudget:
     def _wake(self) -> None:
         while self._waiters and self._fits(self._waiters[0][0]):
             nbytes, waiter = self._waiters.popleft()
-            self.used += nbytes
+            self._take(nbytes)
             waiter.set_result(None)
+
+    def _take(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
 
 
 class _Hold:
@@ -255,6 +260,40 @@ async def open_leaf(store: dict[str, Any], context: ts.Context, info: LeafInfo) 
         return await ts.open(spec, open=True, read=True, context=context)
     except Exception as exc:  # TensorStore raises ValueError for most failures
         raise _read_error(exc, info.name) from exc
+
+
+async def read_small_leaves(
+    store: dict[str, Any], context: ts.Context, infos: Sequence[LeafInfo]
+) -> list[np.ndarray[Any, Any]]:
+    """Small single-chunk leaves (`smallleaves.eligible`) read whole, in one batch.
+
+    A leaf whose ``zarr.json`` is exactly what a save writes and whose chunk is
+    present is decoded here (its checksum checked); any other goes through
+    TensorStore's reader (`open_leaf`), which decides what is wrong with it.
+    """
+    kv = await ts.KvStore.open(store, context=context)
+    batch = ts.Batch()  # lets OCDBT share B-tree node reads between the lookups
+    reads = [
+        kv.read(key, batch=batch)
+        for info in infos
+        for key in (smallleaves.metadata_key(info), smallleaves.chunk_key(info))
+    ]
+    batch.submit()
+    try:
+        found = await wait_all(reads)
+    except Exception as exc:
+        raise _read_error(exc, infos[0].name if len(infos) == 1 else "(a batch)") from exc
+    out = []
+    for info, meta, chunk in zip(infos, found[::2], found[1::2], strict=True):
+        if (
+            meta.state == "value"
+            and chunk.state == "value"
+            and meta.value == smallleaves.encode_metadata(info)
+        ):
+            out.append(smallleaves.decode_chunk(info, chunk.value))
+        else:
+            out.append(await read_slice(await open_leaf(store, context, info), (), info.name))
+    return out
 
 
 async def read_slice(arr: ts.TensorStore, index: Index, name: str) -> np.ndarray[Any, Any]:

@@ -8,13 +8,17 @@ be asked for. All disagreements are reported together in one
 
 from __future__ import annotations
 
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.arrays import ocdbt_spec, open_leaf, read_slice
+from ckptstore import smallleaves
+from ckptstore.arrays import ByteBudget, ocdbt_spec, open_leaf, read_slice, read_small_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
@@ -23,7 +27,11 @@ from ckptstore.checkpoint.stored import StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
-from ckptstore.leaves import LeafInfo
+from ckptstore.leaves import Index, LeafInfo, dtype_of
+
+#: Bytes of stored data a restore reads ahead of handing it to the devices (or the
+#: caller): a restore needs about this plus its largest shard over the restored state.
+MAX_INFLIGHT_BYTES = 256 << 20
 
 
 async def list_steps(target: Target) -> list[int]:
@@ -50,6 +58,7 @@ async def restore(
     item: str = layout.DEFAULT_ITEM,
     partial: bool = False,
     cast: bool = False,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
 ) -> Any:
     """Restore a committed step (the latest by default).
 
@@ -60,10 +69,14 @@ async def restore(
     Where ``target`` has no such committed step but holds an Orbax checkpoint (a
     `StandardCheckpointer` directory, or a `CheckpointManager` root with a finalized
     ``step``), that is read instead, with the same semantics.
+
+    At most ``max_inflight_bytes`` of read data wait for their devices at a time
+    (one slice larger than that is read alone).
     """
     async with opened(target) as backend:
         stored = await open_stored(backend, step, item)
-        return await restore_stored(stored, like, partial=partial, cast=cast)
+        budget = ByteBudget(max_inflight_bytes)
+        return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
 
 async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:
@@ -86,27 +99,82 @@ async def open_stored(backend: Backend, step: int | None, item: str) -> StoredIt
     async def open_native(info: LeafInfo) -> ts.TensorStore:
         return await open_leaf(store, ctx, info)
 
+    async def read_small(infos: Sequence[LeafInfo]) -> list[np.ndarray[Any, Any]]:
+        return await read_small_leaves(store, ctx, infos)
+
     saved = manifest.items[item]
-    return StoredItem(saved.leaves, saved.structure, open_native)
+    return StoredItem(saved.leaves, saved.structure, open_native, read_small)
 
 
-async def restore_stored(stored: StoredItem, like: Any, *, partial: bool, cast: bool) -> Any:
+async def restore_stored(
+    stored: StoredItem,
+    like: Any,
+    *,
+    partial: bool,
+    cast: bool,
+    budget: ByteBudget | None = None,
+) -> Any:
     """Build the tree ``like`` asks for (the saved one when None) from ``stored``."""
-
-    async def load(info: LeafInfo, want: Any) -> Any:
-        return await _materialize(await stored.open(info), info, want, cast)
-
+    budget = budget or ByteBudget(MAX_INFLIGHT_BYTES)
     if like is None:
         names = list(stored.leaves)
-        values = await settle(load(stored.leaves[n], None) for n in names)
+        values = await _load(stored, [(stored.leaves[n], None) for n in names], cast, budget)
         loaded = dict(zip(names, values, strict=True))
         return rebuild(stored.structure, loaded.__getitem__)
 
     paths, treedef = jax.tree_util.tree_flatten_with_path(like)
     wanted = [(path_name(path), leaf) for path, leaf in paths]
     _check(wanted, stored.leaves, partial=partial, cast=cast)
-    values = await settle(load(stored.leaves[n], w) for n, w in wanted)
+    values = await _load(stored, [(stored.leaves[n], w) for n, w in wanted], cast, budget)
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+async def _load(
+    stored: StoredItem, wanted: list[tuple[LeafInfo, Any]], cast: bool, budget: ByteBudget
+) -> list[Any]:
+    """The value of each (stored leaf, requested form) pair, in order.
+
+    Small single-chunk leaves are read in batches where the format allows it
+    (`StoredItem.read_small`); every other leaf through its TensorStore array.
+    """
+    out: list[Any] = [None] * len(wanted)
+    batched = stored.read_small is not None
+    small = [
+        (info, k) for k, (info, _) in enumerate(wanted) if batched and smallleaves.eligible(info)
+    ]
+    in_batches = {k for _, k in small}
+
+    async def one(k: int) -> None:
+        info, want = wanted[k]
+        arr = await stored.open(info)
+
+        async def read(index: Index) -> np.ndarray[Any, Any]:
+            return await read_slice(arr, index, info.name)
+
+        out[k] = await _materialize(read, info, want, cast, budget)
+
+    async def batch(group: list[tuple[LeafInfo, int]]) -> None:
+        assert stored.read_small is not None
+        async with budget.hold(sum(info.nbytes for info, _ in group)):
+            wholes = await stored.read_small([info for info, _ in group])
+            for (info, k), whole in zip(group, wholes, strict=True):
+                out[k] = await _materialize(_in_memory(whole), info, wanted[k][1], cast, None)
+
+    groups = smallleaves.groups(small, budget.limit // 4)
+    await settle(
+        [*(one(k) for k in range(len(wanted)) if k not in in_batches), *map(batch, groups)]
+    )
+    return out
+
+
+Read = Callable[[Index], Awaitable[np.ndarray[Any, Any]]]
+
+
+def _in_memory(whole: np.ndarray[Any, Any]) -> Read:
+    async def read(index: Index) -> np.ndarray[Any, Any]:
+        return whole[index]
+
+    return read
 
 
 def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any]:
@@ -156,12 +224,19 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (bool, int, float, complex))
 
 
-async def _materialize(arr: Any, info: LeafInfo, want: Any, cast: bool) -> Any:
+async def _materialize(
+    read: Read, info: LeafInfo, want: Any, cast: bool, budget: ByteBudget | None
+) -> Any:
+    """The leaf in the form ``want`` asks for, from ``read`` (slices of the stored array).
+
+    ``budget`` (None: the data is already in memory) bounds what is read ahead.
+    """
     dtype = _dtype_of(want)
     sharding = getattr(want, "sharding", None)
     if isinstance(sharding, jax.sharding.Sharding):
-        return await _read_sharded(arr, info, sharding, dtype if cast else None)
-    whole = await read_slice(arr, (), info.name)
+        return await _read_sharded(read, info, sharding, dtype if cast else None, budget)
+    async with _holding(budget, info.nbytes):
+        whole = await read(())
     if cast and dtype is not None:
         whole = whole.astype(dtype)
     if want is None:
@@ -174,26 +249,61 @@ async def _materialize(arr: Any, info: LeafInfo, want: Any, cast: bool) -> Any:
 
 
 _PYTHON_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "complex": complex}
+#: Slices at least this big go to their devices from a worker thread, off the event loop.
+_THREAD_BYTES = 1 << 20
 
 
 async def _read_sharded(
-    arr: Any, info: LeafInfo, sharding: jax.sharding.Sharding, dtype: np.dtype[Any] | None
+    read: Read,
+    info: LeafInfo,
+    sharding: jax.sharding.Sharding,
+    dtype: np.dtype[Any] | None,
+    budget: ByteBudget | None,
 ) -> jax.Array:
-    """Read only the slices this process's devices hold, once per distinct slice."""
+    """Read only the slices this process's devices hold, each distinct slice once, and
+    hand each to its devices as soon as it is read."""
     index_map = sharding.addressable_devices_indices_map(info.shape)
-    distinct: dict[tuple[tuple[int, int], ...], tuple[slice, ...]] = {}
-    for index in index_map.values():
-        distinct.setdefault(_key(index, info.shape), tuple(index or ()))
-    keys = list(distinct)
-    datas = await settle(read_slice(arr, distinct[k], info.name) for k in keys)
-    by_key = dict(zip(keys, datas, strict=True))
-    shards = []
+    devices_of: dict[tuple[tuple[int, int], ...], tuple[Index, list[Any]]] = {}
     for device, index in index_map.items():
-        data = by_key[_key(index, info.shape)]
-        if dtype is not None:
-            data = data.astype(dtype)
-        shards.append(jax.device_put(data, device))
+        devices_of.setdefault(_key(index, info.shape), (tuple(index or ()), []))[1].append(device)
+    itemsize = (dtype if dtype is not None else dtype_of(info.dtype)).itemsize
+
+    async def place(index: Index, devices: list[Any]) -> list[jax.Array]:
+        nbytes = math.prod(_key_shape(_key(index, info.shape))) * itemsize
+        async with _holding(budget, nbytes):
+            data = await read(index)
+            if dtype is not None:
+                data = data.astype(dtype)
+            copies = [data] * len(devices)
+            if nbytes < _THREAD_BYTES:
+                placed: list[jax.Array] = jax.device_put(copies, devices)
+            else:
+                placed = await asyncio.to_thread(jax.device_put, copies, devices)
+            return placed
+
+    groups = list(devices_of.values())
+    placed = await settle(place(index, devices) for index, devices in groups)
+    on: dict[Any, jax.Array] = {}
+    for (_, devices), arrays in zip(groups, placed, strict=True):
+        on.update(zip(devices, arrays, strict=True))
+    shards = [on[device] for device in index_map]
     return jax.make_array_from_single_device_arrays(info.shape, sharding, shards)
+
+
+class _Nothing:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+def _holding(budget: ByteBudget | None, nbytes: int) -> Any:
+    return budget.hold(nbytes) if budget is not None else _Nothing()
+
+
+def _key_shape(key: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in key)
 
 
 def _key(index: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -9,10 +9,11 @@ reshards and casts them the same way.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import tensorstore as ts
 
 from ckptstore.leaves import LeafInfo
@@ -23,11 +24,16 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class StoredItem:
     """The leaves of one item, the JSON tree structure (`ckptstore.checkpoint.tree`
-    format) that names them, and ``open(info)``: the leaf's array, ready to read."""
+    format) that names them, and ``open(info)``: the leaf's array, ready to read.
+
+    ``read_small(infos)``, where the format has it, reads many small single-chunk
+    leaves (`ckptstore.smallleaves.eligible`) whole, in one batch.
+    """
 
     leaves: dict[str, LeafInfo]
     structure: dict[str, Any]
     open: Callable[[LeafInfo], Awaitable[ts.TensorStore]]
+    read_small: Callable[[Sequence[LeafInfo]], Awaitable[list[np.ndarray[Any, Any]]]] | None = None
 
 
 async def settle(coros: Iterable[Awaitable[T]]) -> list[T]:
