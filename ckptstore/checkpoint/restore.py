@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore import smallleaves
-from ckptstore.arrays import ByteBudget, ocdbt_spec, open_leaf, read_slice, read_small_leaves
+from ckptstore import chunks
+from ckptstore.arrays import (
+    ByteBudget,
+    RawLeaf,
+    ocdbt_spec,
+    open_leaf,
+    read_slice,
+    read_small_leaves,
+)
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.stored import StoredItem, settle
+from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
@@ -102,8 +109,14 @@ async def open_stored(backend: Backend, step: int | None, item: str) -> StoredIt
     async def read_small(infos: Sequence[LeafInfo]) -> list[np.ndarray[Any, Any]]:
         return await read_small_leaves(store, ctx, infos)
 
+    kv = await ts.KvStore.open(store, context=ctx)
+
+    async def open_raw(info: LeafInfo) -> Read | None:
+        leaf = await RawLeaf.open(kv, info)
+        return leaf.read if leaf is not None else None
+
     saved = manifest.items[item]
-    return StoredItem(saved.leaves, saved.structure, open_native, read_small)
+    return StoredItem(saved.leaves, saved.structure, open_native, read_small, open_raw)
 
 
 async def restore_stored(
@@ -139,17 +152,17 @@ async def _load(
     """
     out: list[Any] = [None] * len(wanted)
     batched = stored.read_small is not None
-    small = [
-        (info, k) for k, (info, _) in enumerate(wanted) if batched and smallleaves.eligible(info)
-    ]
+    small = [(info, k) for k, (info, _) in enumerate(wanted) if batched and chunks.small(info)]
     in_batches = {k for _, k in small}
 
     async def one(k: int) -> None:
         info, want = wanted[k]
-        arr = await stored.open(info)
+        read = await stored.open_raw(info) if stored.open_raw is not None else None
+        if read is None:
+            arr = await stored.open(info)
 
-        async def read(index: Index) -> np.ndarray[Any, Any]:
-            return await read_slice(arr, index, info.name)
+            async def read(index: Index) -> np.ndarray[Any, Any]:
+                return await read_slice(arr, index, info.name)
 
         out[k] = await _materialize(read, info, want, cast, budget)
 
@@ -160,14 +173,11 @@ async def _load(
             for (info, k), whole in zip(group, wholes, strict=True):
                 out[k] = await _materialize(_in_memory(whole), info, wanted[k][1], cast, None)
 
-    groups = smallleaves.groups(small, budget.limit // 4)
+    groups = chunks.groups(small, budget.limit // 4)
     await settle(
         [*(one(k) for k in range(len(wanted)) if k not in in_batches), *map(batch, groups)]
     )
     return out
-
-
-Read = Callable[[Index], Awaitable[np.ndarray[Any, Any]]]
 
 
 def _in_memory(whole: np.ndarray[Any, Any]) -> Read:
@@ -239,6 +249,8 @@ async def _materialize(
         whole = await read(())
     if cast and dtype is not None:
         whole = whole.astype(dtype)
+    elif not whole.flags.writeable:  # a view of stored bytes: the caller gets its own array
+        whole = whole.copy()
     if want is None:
         if info.python_type:
             return _PYTHON_TYPES[info.python_type](whole[()])

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.leaves import LeafInfo
+from ckptstore.leaves import Index, LeafInfo
 
 T = TypeVar("T")
 
@@ -26,14 +26,19 @@ class StoredItem:
     """The leaves of one item, the JSON tree structure (`ckptstore.checkpoint.tree`
     format) that names them, and ``open(info)``: the leaf's array, ready to read.
 
-    ``read_small(infos)``, where the format has it, reads many small single-chunk
-    leaves (`ckptstore.smallleaves.eligible`) whole, in one batch.
+    Where the format has them: ``read_small(infos)`` reads many small single-chunk
+    leaves (`ckptstore.chunks.small`) whole, in one batch; ``open_raw(info)`` gives
+    a faster reader of the leaf's regions than its TensorStore array, or None.
     """
 
     leaves: dict[str, LeafInfo]
     structure: dict[str, Any]
     open: Callable[[LeafInfo], Awaitable[ts.TensorStore]]
     read_small: Callable[[Sequence[LeafInfo]], Awaitable[list[np.ndarray[Any, Any]]]] | None = None
+    open_raw: Callable[[LeafInfo], Awaitable[Read | None]] | None = None
+
+
+Read = Callable[[Index], Awaitable[np.ndarray[Any, Any]]]
 
 
 async def settle(coros: Iterable[Awaitable[T]]) -> list[T]:

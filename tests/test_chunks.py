@@ -11,7 +11,7 @@ import pytest
 import tensorstore as ts
 
 import ckptstore
-from ckptstore import smallleaves
+from ckptstore import chunks
 from ckptstore.arrays import ByteBudget, open_leaf, read_slice
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.leaves import LeafInfo, describe_leaf, zarr_spec
@@ -43,14 +43,14 @@ def _written_by_tensorstore(info: LeafInfo, value: np.ndarray[Any, Any]) -> dict
 def test_keys_and_bytes_are_what_tensorstore_writes(dtype: str, shape: tuple[int, ...]) -> None:
     value = _value(dtype, shape)
     info = describe_leaf("a/b", value)
-    assert smallleaves.eligible(info)
+    assert chunks.small(info)
     want = _written_by_tensorstore(info, value)
     got = {
-        smallleaves.metadata_key(info): smallleaves.encode_metadata(info),
-        smallleaves.chunk_key(info): smallleaves.encode_chunk(info, value),
+        chunks.metadata_key(info): chunks.encode_metadata(info),
+        chunks.chunk_key(info): chunks.encode_chunk(info, value),
     }
     assert got == want
-    back = smallleaves.decode_chunk(info, got[smallleaves.chunk_key(info)])
+    back = chunks.decode_chunk(info, got[chunks.chunk_key(info)])
     assert back.dtype == value.dtype and back.shape == value.shape
     assert back.tobytes() == value.tobytes()
     assert back.flags.writeable
@@ -60,41 +60,41 @@ def test_non_contiguous_and_big_endian_inputs_encode_as_little_endian_c_order() 
     base = np.arange(24, dtype=">i4").reshape(4, 6)
     value = base[:, ::2]  # neither contiguous nor native
     info = describe_leaf("x", np.ascontiguousarray(value, dtype="<i4"))
-    chunk = smallleaves.encode_chunk(info, value)
+    chunk = chunks.encode_chunk(info, value)
     want = _written_by_tensorstore(info, value.astype("<i4"))
-    assert chunk == want[smallleaves.chunk_key(info)]
+    assert chunk == want[chunks.chunk_key(info)]
 
 
 def test_which_leaves_take_the_raw_key_path() -> None:
     small = describe_leaf("s", np.zeros((256, 256), np.float32))
-    assert smallleaves.eligible(small)
+    assert chunks.small(small)
     big = describe_leaf("b", np.zeros((2048, 1024), np.float32))  # 8 MiB
-    assert not smallleaves.eligible(big)
+    assert not chunks.small(big)
     empty = describe_leaf("e", np.zeros((0, 4), np.float32))
-    assert not smallleaves.eligible(empty)
+    assert not chunks.small(empty)
     chunked = describe_leaf("c", np.zeros((64, 64), np.float32), target_chunk=4096)
-    assert chunked.chunk_shape != chunked.shape and not smallleaves.eligible(chunked)
+    assert chunked.chunk_shape != chunked.shape and not chunks.small(chunked)
 
 
 def test_damaged_chunks_are_corruption_naming_the_leaf() -> None:
     value = np.arange(10, dtype=np.float32)
     info = describe_leaf("layer/w", value)
-    chunk = bytearray(smallleaves.encode_chunk(info, value))
+    chunk = bytearray(chunks.encode_chunk(info, value))
     chunk[3] ^= 1
     with pytest.raises(CorruptCheckpointError, match="checksum") as err:
-        smallleaves.decode_chunk(info, bytes(chunk))
+        chunks.decode_chunk(info, bytes(chunk))
     assert "layer/w" in str(err.value)
     with pytest.raises(CorruptCheckpointError, match="holds 43 bytes, 44 expected"):
-        smallleaves.decode_chunk(info, bytes(chunk[:-1]))
+        chunks.decode_chunk(info, bytes(chunk[:-1]))
 
 
 def test_groups_bound_bytes_and_count() -> None:
     infos = [
         (describe_leaf(f"x{i}", np.zeros(n, np.uint8)), i) for i, n in enumerate([5, 5, 20, 1])
     ]
-    grouped = smallleaves.groups(infos, max_bytes=10, max_count=3)
+    grouped = chunks.groups(infos, max_bytes=10, max_count=3)
     assert [[v for _, v in g] for g in grouped] == [[0, 1], [2], [3]]
-    assert [[v for _, v in g] for g in smallleaves.groups(infos, 100, max_count=2)] == [
+    assert [[v for _, v in g] for g in chunks.groups(infos, 100, max_count=2)] == [
         [0, 1],
         [2, 3],
     ]
@@ -218,10 +218,55 @@ async def test_an_unusual_small_leaf_is_read_by_tensorstore_and_damage_is_named(
         assert got["small"]["3"].tobytes() == tree["small"]["3"].tobytes()
 
         info = manifest.items["state"].leaves["small/5"]
-        chunk = bytearray((await kv.read(smallleaves.chunk_key(info))).value)
+        chunk = bytearray((await kv.read(chunks.chunk_key(info))).value)
         chunk[0] ^= 0xFF
-        await kv.write(smallleaves.chunk_key(info), bytes(chunk))
+        await kv.write(chunks.chunk_key(info), bytes(chunk))
         with pytest.raises(CorruptCheckpointError, match="small/5"):
             await ckptstore.restore(str(tmp_path), 1)
     finally:
         await backend.close()
+
+
+# ---- restores read chunks raw (RawLeaf), checksums checked by google-crc32c ----
+
+
+async def _stored_leaf(info: LeafInfo, value: np.ndarray[Any, Any]) -> ts.KvStore:
+    ctx = ts.Context()
+    arr = await ts.open(zarr_spec({"driver": "memory"}, info), create=True, context=ctx)
+    await arr.write(value)
+    return await ts.KvStore.open({"driver": "memory"}, context=ctx)
+
+
+@pytest.mark.parametrize("chunk_shape", [(10, 12), (5, 4), (3, 5), (1, 12)])
+async def test_raw_regions_equal_numpy_slices(chunk_shape: tuple[int, int]) -> None:
+    from ckptstore.arrays import RawLeaf
+
+    value = np.arange(120, dtype=np.int32).reshape(10, 12)
+    info = LeafInfo("w", (10, 12), "int32", chunk_shape, "numpy")
+    leaf = await RawLeaf.open(await _stored_leaf(info, value), info)
+    assert leaf is not None
+    rng = np.random.default_rng(1)
+    regions: list[tuple[slice, ...]] = [(), (slice(None),), (slice(0, 5), slice(4, 8))]
+    for _ in range(20):
+        a, b = sorted(rng.integers(0, 11, 2))
+        c, d = sorted(rng.integers(0, 13, 2))
+        regions.append((slice(int(a), int(b)), slice(int(c), int(d))))
+    for region in regions:
+        got = await leaf.read(region)
+        assert got.shape == value[region].shape and (got == value[region]).all(), region
+
+
+async def test_raw_reads_refuse_what_they_cannot_trust() -> None:
+    from ckptstore.arrays import RawLeaf
+
+    value = np.arange(120, dtype=np.float32).reshape(10, 12)
+    info = LeafInfo("w", (10, 12), "float32", (5, 12), "numpy")
+    kv = await _stored_leaf(info, value)
+    other = LeafInfo("w", (10, 12), "float32", (10, 12), "numpy")  # not the stored grid
+    assert await RawLeaf.open(kv, other) is None
+    leaf = await RawLeaf.open(kv, info)
+    assert leaf is not None
+    await kv.write(chunks.chunk_key(info, (1, 0)), None)  # deletes the key
+    assert (await leaf.read((slice(0, 5),)) == value[:5]).all()
+    with pytest.raises(CorruptCheckpointError, match="w/c/1/0 is missing"):
+        await leaf.read(())
