@@ -270,3 +270,13 @@ async def test_raw_reads_refuse_what_they_cannot_trust() -> None:
     assert (await leaf.read((slice(0, 5),)) == value[:5]).all()
     with pytest.raises(CorruptCheckpointError, match="w/c/1/0 is missing"):
         await leaf.read(())
+
+
+async def test_zero_dimensional_leaves_keep_their_kind(tmp_path: Any) -> None:
+    tree = {"arr0d": np.array(1.5, np.float16), "scalar": np.float16(2.5), "py": 3.0}
+    await ckptstore.save(str(tmp_path), tree, step=1)
+    got = await ckptstore.restore(str(tmp_path), 1)
+    assert type(got["arr0d"]) is np.ndarray and got["arr0d"].shape == ()
+    assert type(got["scalar"]) is np.float16 and got["scalar"] == 2.5
+    assert type(got["py"]) is float and got["py"] == 3.0
+    assert got["arr0d"].flags.writeable

@@ -182,7 +182,7 @@ async def _load(
 
 def _in_memory(whole: np.ndarray[Any, Any]) -> Read:
     async def read(index: Index) -> np.ndarray[Any, Any]:
-        return whole[index]
+        return whole[index] if index else whole  # a 0-d array[()] would be a scalar
 
     return read
 
