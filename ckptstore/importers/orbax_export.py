@@ -1,0 +1,329 @@
+"""Orbax out: a committed ckptstore step as a checkpoint Orbax 0.12 restores.
+
+Why an export rather than files written beside the step: Orbax reads a tree from
+one OCDBT store whose keys are its dot-joined names, and an OCDBT store can only
+reference data files below its own directory (measured: a copy from a sibling
+store raises ``NotImplementedError: CopyRange not supported``). A
+`CheckpointManager` step keeps its tree in ``<step>/default/``, a sibling of
+ckptstore's attempt, so no view inside a ckptstore root can serve it; and a view
+there would outlive `delete_step` and be collected by `gc`. So the export writes a
+new directory and never touches the source:
+
+```
+DST/                                   (or DST/<step>/default/ with manager=True)
+  ckptstore.<item>/                    the step's stores, hard-linked (local disk,
+                                       same filesystem) or copied object by object
+  manifest.ocdbt, d/                   an OCDBT store keyed by Orbax's names: B-tree
+                                       references to the data above, no data
+  _METADATA, _CHECKPOINT_METADATA      what Orbax needs to rebuild the tree
+  commit_success.txt                   last
+```
+
+On local disk everything is written in ``DST.orbax-checkpoint-tmp-<ns>`` and
+renamed into place (Orbax's own convention), so DST never looks finished early;
+elsewhere ``commit_success.txt`` is written last. Copies are bounded by a byte
+budget; hard links share the source's immutable data files and add no bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tensorstore as ts
+
+from ckptstore.arrays import ByteBudget, ocdbt_spec
+from ckptstore.backends.base import Backend, ObjectInfo
+from ckptstore.backends.local import LocalBackend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import latest_manifest
+from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.checkpoint.target import Target, open_target, opened
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from ckptstore.importers.orbax_format import (
+    DEFAULT_ITEM,
+    OrbaxEntry,
+    checkpoint_metadata,
+    entries,
+    tree_metadata,
+)
+from ckptstore.importers.progress import Progress
+
+#: Bytes of copied objects held in memory at once (one larger object may pass alone).
+COPY_BUDGET = 256 << 20
+TMP_MARK = ".orbax-checkpoint-tmp-"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    step: int
+    path: str  # the Orbax directory to restore (the step directory with manager=True)
+    leaves: int
+    bytes: int  # the leaves' bytes
+    linked: int  # objects hard-linked (no bytes written)
+    copied: int  # objects copied
+    copied_bytes: int
+
+
+async def export_orbax(
+    source: Target,
+    destination: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    item: str = layout.DEFAULT_ITEM,
+    manager: bool = False,
+    link: bool = True,
+    progress: bool | Progress = False,
+) -> ExportResult:
+    """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
+
+    ``manager=False``: ``destination`` becomes a `StandardCheckpointer` directory,
+    ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:
+    ``destination`` is (or becomes) a `CheckpointManager` root and the step is added
+    as ``destination/<step>/``, ``ocp.CheckpointManager(destination).restore(step)``.
+    ``link=False`` copies even where hard links would do. An existing destination
+    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``.
+    """
+    started = time.time()
+    async with opened(source) as src:
+        manifest = await latest_manifest(src, step)
+        if item not in manifest.items:
+            raise CheckpointNotFoundError(
+                f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
+                backend=src.url,
+            )
+        saved = manifest.items[item]
+        found = entries(saved.structure, saved.leaves)  # refuse before writing anything
+        where = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+        objects = await _objects_to_copy(src, where, saved.parts)
+        out = await _Destination.open(destination, manifest.step, manager)
+        try:
+            bar = (
+                progress
+                if isinstance(progress, Progress)
+                else Progress(
+                    len(objects), sum(o.size for o in objects), enabled=progress, label="objects"
+                )
+            )
+            dst, item_dir, step_dir = out.backend, out.item_dir, out.step_dir
+            mirror = _join(item_dir, f"ckptstore.{item}")
+            counts = await _mirror(src, where, objects, dst, mirror, link=link, bar=bar)
+            bar.close()
+            await _build_view(dst, mirror, item_dir, found)
+            await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
+            if manager:
+                await dst.write(_join(item_dir, COMMIT_SUCCESS), _success(out.final))
+            doc = checkpoint_metadata(manager=manager, started=started)
+            await dst.write(_join(step_dir, CHECKPOINT_METADATA), doc)
+            await dst.write(_join(step_dir, COMMIT_SUCCESS), _success(out.final))  # last
+        except BaseException:
+            await out.discard()
+            raise
+        await out.finish()
+    return ExportResult(
+        step=manifest.step,
+        path=out.final,
+        leaves=len(saved.leaves),
+        bytes=saved.nbytes,
+        linked=counts[0],
+        copied=counts[1],
+        copied_bytes=counts[2],
+    )
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def _success(final: str) -> bytes:
+    return f"Checkpoint commit was successful to {final}".encode()
+
+
+async def _objects_to_copy(src: Backend, where: str, parts: list[str]) -> list[ObjectInfo]:
+    """The merged store's own objects and those of every store it merged; nothing else."""
+    out = []
+    stores = tuple(f"{where}/{p}/" for p in parts)
+    async for info in src.list(where):
+        rel = info.key[len(where) + 1 :]
+        if rel == "manifest.ocdbt" or rel.startswith("d/") or info.key.startswith(stores):
+            out.append(info)
+    if not any(o.key == f"{where}/manifest.ocdbt" for o in out):
+        raise CorruptCheckpointError(f"{src.url}/{where} has no merged store (manifest.ocdbt)")
+    return out
+
+
+class _Destination:
+    """Where the export is written: a temporary directory renamed into place on local
+    disk, else the destination itself (finished by ``commit_success.txt``)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        final: str,
+        step_dir: str,
+        item_dir: str,
+        tmp: Path | None,
+        rename_to: Path | None,
+    ):
+        self.backend, self.final = backend, final
+        self.step_dir, self.item_dir = step_dir, item_dir
+        self.tmp, self.rename_to = tmp, rename_to
+
+    @classmethod
+    async def open(
+        cls, destination: str | os.PathLike[str], step: int, manager: bool
+    ) -> _Destination:
+        backend = open_target(destination)
+        if isinstance(backend, LocalBackend):
+            await backend.close()
+            final = backend.root / str(step) if manager else backend.root
+            if final.exists() and (not final.is_dir() or any(final.iterdir())):
+                raise AlreadyExistsError(f"{final} already exists", backend=backend.url)
+            tmp = final.with_name(f"{final.name}{TMP_MARK}{time.time_ns()}")
+            tmp.mkdir(parents=True)
+            item_dir = DEFAULT_ITEM if manager else ""
+            return cls(LocalBackend(tmp), os.fspath(final), "", item_dir, tmp, final)
+        step_dir = str(step) if manager else ""
+        taken = _join(step_dir, TREE_METADATA if not manager else "")
+        if (
+            (await backend.exists(_join(step_dir, COMMIT_SUCCESS)))
+            or (not manager and await backend.exists(taken))
+            or (manager and await backend.list_dir(step_dir))
+        ):
+            await backend.close()
+            raise AlreadyExistsError(
+                f"{backend.url}/{step_dir} already holds a checkpoint", backend=backend.url
+            )
+        return cls(
+            backend,
+            _join(backend.url, step_dir),
+            step_dir,
+            _join(step_dir, DEFAULT_ITEM if manager else ""),
+            None,
+            None,
+        )
+
+    async def finish(self) -> None:
+        await self.backend.close()
+        if self.tmp is not None and self.rename_to is not None:
+            _fsync_tree(self.tmp)
+            if self.rename_to.is_dir():  # empty (checked at open): the rename replaces it
+                self.rename_to.rmdir()
+            os.rename(self.tmp, self.rename_to)
+            _fsync_dir(self.rename_to.parent)
+
+    async def discard(self) -> None:
+        """Remove a local temporary directory; elsewhere leave the unfinished export (it
+        has no ``commit_success.txt``) for the caller to inspect or delete."""
+        await self.backend.close()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every directory below ``root`` (hard links are directory entries)."""
+    for path, _, _ in os.walk(root):
+        _fsync_dir(Path(path))
+
+
+async def _mirror(
+    src: Backend,
+    where: str,
+    objects: list[ObjectInfo],
+    dst: Backend,
+    mirror: str,
+    *,
+    link: bool,
+    bar: Progress,
+) -> tuple[int, int, int]:
+    """Put every object below ``dst/mirror`` under its path relative to ``where``:
+    a hard link where both sides are one local filesystem, else a copy.
+    Returns (linked, copied, copied bytes)."""
+    budget = ByteBudget(COPY_BUDGET)
+    linked = copied = copied_bytes = 0
+    can_link = link and isinstance(src, LocalBackend) and isinstance(dst, LocalBackend)
+
+    async def one(info: ObjectInfo) -> None:
+        nonlocal linked, copied, copied_bytes, can_link
+        rel = info.key[len(where) + 1 :]
+        key = f"{mirror}/{rel}"
+        if can_link:
+            assert isinstance(src, LocalBackend) and isinstance(dst, LocalBackend)
+            target = dst.root / key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src.root / info.key, target)
+                linked += 1
+                bar.advance(1, info.size)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                    raise
+                can_link = False  # another filesystem, or links refused: copy from here on
+        async with budget.hold(info.size):
+            data = await src.read(info.key)
+            if len(data) != info.size:
+                raise CorruptCheckpointError(
+                    f"{src.url}/{info.key} changed size while being copied "
+                    f"({info.size} -> {len(data)} bytes)"
+                )
+            await dst.write(key, data)
+            del data
+        copied += 1
+        copied_bytes += info.size
+        bar.advance(1, info.size)
+
+    await asyncio.gather(*(one(o) for o in objects))
+    return linked, copied, copied_bytes
+
+
+async def _build_view(dst: Backend, mirror: str, item_dir: str, found: list[OrbaxEntry]) -> None:
+    """One atomic OCDBT transaction: every leaf's keys copied by reference from the
+    mirrored store (``name/...``) to Orbax's names (``param/...``), then checked."""
+    ctx = dst.ts_context
+    source = ocdbt_spec(dst.kvstore_spec(mirror))
+    view = ocdbt_spec(dst.kvstore_spec(item_dir))
+    leaves = [e for e in found if e.leaf is not None]
+    txn = ts.Transaction(atomic=True)
+    copies = []
+    for e in leaves:
+        child = await ts.KvStore.open({**source, "path": f"{e.leaf}/"}, context=ctx)
+        dest = await ts.KvStore.open({**view, "path": f"{e.param}/"}, context=ctx)
+        copies.append(child.experimental_copy_range_to(dest.with_transaction(txn)))
+    await asyncio.gather(*copies)
+    await txn.commit_async()
+    # The view must hold exactly the source's keys, renamed: nothing lost, nothing extra.
+    src_keys = await (await ts.KvStore.open(source, context=ctx)).list()
+    got = set(await (await ts.KvStore.open(view, context=ctx)).list())
+    problems = {}
+    for e in leaves:
+        head, into = f"{e.leaf}/".encode(), f"{e.param}/".encode()
+        want = {into + k[len(head) :] for k in src_keys if k.startswith(head)}
+        have = {k for k in got if k.startswith(into)}
+        if not want or want != have:
+            problems[e.leaf or e.param] = (
+                f"{len(want)} keys in the checkpoint, {len(have)} under {e.param!r} in the view"
+            )
+    if problems:
+        raise IncompleteCheckpointError(
+            f"the Orbax view at {dst.url}/{item_dir} does not match the checkpoint",
+            leaves=problems,
+        )
