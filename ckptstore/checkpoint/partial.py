@@ -36,7 +36,7 @@ from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.checkpoint.tree import TreeError, describe, flatten
+from ckptstore.checkpoint.tree import TreeError, check_structure, describe, flatten
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -345,17 +345,24 @@ class PartialSave:
         self.parts = []
         await self.close()
 
-    async def finalize(self, *, metadata: dict[str, Any] | None = None) -> SaveResult:
+    async def finalize(
+        self, *, metadata: dict[str, Any] | None = None, structure: dict[str, Any] | None = None
+    ) -> SaveResult:
         """Merge every part by reference, validate, and commit the step.
 
-        Raises `AlreadyExistsError` if another attempt committed the step meanwhile.
+        ``structure`` (`ckptstore.checkpoint.tree` format) replaces the one the parts'
+        subtrees describe, so lists and tuples can span parts (the parts merge as
+        dicts); it must name exactly the session's leaves. Raises `AlreadyExistsError`
+        if another attempt committed the step meanwhile.
         """
         self._check_open()
         if not self.parts:
             raise CkptStoreError(f"step {self.step}: nothing to finalize (no parts were added)")
+        if structure is not None and check_structure(structure) != set(self.leaves):
+            raise TreeError("the structure given to finalize does not name the parts' leaves")
         start = time.perf_counter()
         handoff = Handoff(f"partial/{self.step}/finalize", self.timeout)
-        merge_seconds = await handoff.primary(lambda: self._merge_and_commit(metadata))
+        merge_seconds = await handoff.primary(lambda: self._merge_and_commit(metadata, structure))
         self._done = "finalized"
         leaves = self.leaves
         await self.close()
@@ -368,7 +375,9 @@ class PartialSave:
             merge_seconds=merge_seconds or 0.0,
         )
 
-    async def _merge_and_commit(self, metadata: dict[str, Any] | None) -> float:
+    async def _merge_and_commit(
+        self, metadata: dict[str, Any] | None, given: dict[str, Any] | None
+    ) -> float:
         await ensure_uncommitted(self.backend, self.step)
         item, where = self.item, self.where
         stores: list[str] = []
@@ -385,6 +394,7 @@ class PartialSave:
             seen |= set(part.leaves)
             structure = merge_structures(structure, part.structure)
             processes += [{"part": part.index, **p} for p in part.processes]
+        structure = given or structure
         leaves = self.leaves
         merged = await merge(self.backend, where.item(item), stores, list(leaves.values()), clear)
         manifest = Manifest(

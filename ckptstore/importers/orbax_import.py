@@ -1,0 +1,145 @@
+"""``import-orbax``: an Orbax 0.12 checkpoint converted into a committed ckptstore step.
+
+The Orbax checkpoint is read by the in-place reader (`ckptstore.checkpoint.orbax`,
+strict ``_METADATA`` parsing, every chunk required) and written through a partial
+save: leaves are read a bounded batch at a time, each batch becomes one part, and the
+part is freed before the next batch is read, so peak memory is about the batch size
+(or the largest leaf). The parts are merged by reference and committed once, with
+the Orbax tree's own structure (lists stay lists). An interrupted import resumes:
+leaves a recorded part already holds are not read again. The step is refused
+(`AlreadyExistsError`) if it is already committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from ckptstore.arrays import read_slice
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout, orbax
+from ckptstore.checkpoint.partial import PartialSave
+from ckptstore.checkpoint.save import SaveResult
+from ckptstore.checkpoint.stored import StoredItem, settle
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.importers.progress import Progress
+from ckptstore.leaves import LeafInfo
+
+DEFAULT_BATCH_BYTES = 256 << 20
+_PYTHON = {"int": int, "float": float, "bool": bool, "complex": complex}
+
+
+@dataclass(frozen=True)
+class OrbaxImportResult:
+    source: str  # the Orbax directory read
+    leaves: int  # imported in this run
+    skipped: int  # already held by a part of an interrupted run
+    bytes: int
+    parts: int
+    save: SaveResult
+
+
+async def open_orbax(
+    backend: Backend, step: int | None, item: str | None
+) -> tuple[str, StoredItem]:
+    """(the Orbax directory, its item) at ``backend``: a `StandardCheckpointer` directory,
+    or a `CheckpointManager` root's ``step`` (the latest finalized one by default)."""
+    where = await orbax.locate(backend, step)
+    if where is None:
+        what = "a finalized Orbax step {step}" if step is not None else "an Orbax checkpoint"
+        raise CheckpointNotFoundError(
+            f"{backend.url} holds no {what.format(step=step)}", backend=backend.url
+        )
+    chosen = item if item is not None else layout.DEFAULT_ITEM
+    stored = await orbax.open_item(backend, where, chosen, default_item=layout.DEFAULT_ITEM)
+    return where, stored
+
+
+def _batches(infos: list[LeafInfo], limit: int) -> Iterator[list[LeafInfo]]:
+    batch: list[LeafInfo] = []
+    size = 0
+    for info in infos:
+        if batch and size + info.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(info)
+        size += info.nbytes
+    if batch:
+        yield batch
+
+
+def _nest(values: dict[str, Any]) -> dict[str, Any]:
+    """Nested dicts whose flattened leaf names are exactly the keys of ``values``."""
+    tree: dict[str, Any] = {}
+    for name, value in values.items():
+        *heads, last = [unquote(s) for s in name.split("/")]
+        node = tree
+        for key in heads:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return tree
+
+
+async def _load(stored: StoredItem, info: LeafInfo) -> Any:
+    data = await read_slice(await stored.open(info), (), info.name)
+    if info.kind != "scalar":
+        return data
+    return _PYTHON[info.python_type](data[()]) if info.python_type else data[()]
+
+
+async def import_orbax(
+    source: Target,
+    target: Target,
+    *,
+    step: int | None = None,
+    item: str | None = None,
+    as_step: int | None = None,
+    as_item: str = layout.DEFAULT_ITEM,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    progress: bool | Progress = False,
+) -> OrbaxImportResult:
+    """Import an Orbax checkpoint into ``target`` as committed step ``as_step``.
+
+    ``step`` picks a `CheckpointManager` step (default: the latest finalized one) and
+    ``item`` one of its items (needed only when it has several). ``as_step`` defaults
+    to the Orbax step, or 0 for a `StandardCheckpointer` directory.
+    """
+    async with opened(source) as src:
+        where, stored = await open_orbax(src, step, item)
+        written = as_step if as_step is not None else (layout.parse_step(where) or 0)
+        place = f"{src.url}/{where}" if where else src.url
+        async with await PartialSave.open(target, written, item=as_item) as session:
+            done = set(session.leaves)
+            todo = [info for name, info in stored.leaves.items() if name not in done]
+            bar = (
+                progress
+                if isinstance(progress, Progress)
+                else Progress(
+                    len(todo), sum(i.nbytes for i in todo), enabled=progress, label="leaves"
+                )
+            )
+            parts = 0
+            for batch in _batches(todo, batch_bytes):
+                values = await settle(_load(stored, info) for info in batch)
+                subtree = _nest({i.name: v for i, v in zip(batch, values, strict=True)})
+                del values
+                await session.add(subtree)
+                del subtree
+                parts += 1
+                bar.advance(len(batch), sum(i.nbytes for i in batch))
+            result = await session.finalize(
+                metadata={"imported_from": place, "format": "orbax"},
+                structure=stored.structure,
+            )
+            bar.close()
+    return OrbaxImportResult(
+        source=place,
+        leaves=len(todo),
+        skipped=len(stored.leaves) - len(todo),
+        bytes=sum(i.nbytes for i in todo),
+        parts=parts,
+        save=result,
+    )
