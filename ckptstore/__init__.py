@@ -11,6 +11,8 @@ The public API on one screen:
   saves from a training loop that pause it only for staging; policies in `ckptstore.policies`.
 - `Tiered(fast=..., durable=...)` and `promote(tiered)`: committed steps copied from a fast
   tier to a durable one; `ckptstore.lifecycle.tiers.restore` reads the nearest good copy.
+- `export_orbax(src, dst)` and `import_orbax(src, dst)`: a committed step as an Orbax
+  0.12 checkpoint (by reference where possible), and an Orbax checkpoint as a step.
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
@@ -53,6 +55,8 @@ if TYPE_CHECKING:
     from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
     from ckptstore.checkpoint.save import SaveResult, save
     from ckptstore.checkpoint.verify import VerifyReport, verify
+    from ckptstore.importers.orbax_export import export_orbax
+    from ckptstore.importers.orbax_import import import_orbax
     from ckptstore.lifecycle import policies
     from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
     from ckptstore.lifecycle.options import ManagerOptions
@@ -84,6 +88,8 @@ _LAZY = {
     "save": "ckptstore.checkpoint.save",
     "VerifyReport": "ckptstore.checkpoint.verify",
     "verify": "ckptstore.checkpoint.verify",
+    "export_orbax": "ckptstore.importers.orbax_export",
+    "import_orbax": "ckptstore.importers.orbax_import",
     "policies": "ckptstore.lifecycle.policies",  # a module
     "CheckpointManager": "ckptstore.lifecycle.manager",
     "SaveHandle": "ckptstore.lifecycle.manager",
@@ -142,7 +148,9 @@ __all__ = [
     "TreeMismatchError",
     "VerifyReport",
     "delete_step",
+    "export_orbax",
     "gc",
+    "import_orbax",
     "list_steps",
     "list_steps_sync",
     "load_profile",
