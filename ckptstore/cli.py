@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from ckptstore import cli_orbax
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
@@ -21,7 +22,13 @@ from ckptstore.checkpoint.commit import committed_steps, latest_manifest, load_c
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.checkpoint.verify import verify
-from ckptstore.errors import CkptStoreError, ConfigError, CorruptCheckpointError, NotFoundError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
 from ckptstore.importers.safetensors import import_safetensors
 from ckptstore.lifecycle.options import seconds
 from ckptstore.lifecycle.tiers import Tiered, promote, status
@@ -92,6 +99,8 @@ async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
                     "leaves": sum(len(i.leaves) for i in m.items.values()),
                 }
             )
+    if not rows and (orbax := await cli_orbax.ls(backend, as_json, shown)) is not None:
+        return orbax
     status = 1 if any("corrupt" in r for r in rows) else 0
     if as_json:
         print(json.dumps(rows, indent=1))
@@ -231,7 +240,12 @@ def _print_info(manifest: Manifest) -> None:
 
 
 async def cmd_info(backend: Backend, step: int | None, as_json: bool) -> int:
-    manifest = await latest_manifest(backend, step)
+    try:
+        manifest = await latest_manifest(backend, step)
+    except CheckpointNotFoundError:
+        if (orbax := await cli_orbax.info(backend, step, as_json)) is not None:
+            return orbax
+        raise
     if as_json:
         print(manifest.to_bytes().decode())
     else:
@@ -241,7 +255,12 @@ async def cmd_info(backend: Backend, step: int | None, as_json: bool) -> int:
 
 async def cmd_verify(backend: Backend, step: int | None, as_json: bool) -> int:
     """Exit 0 only if a restore of the step would return exactly what was saved."""
-    report = await verify(backend, step)
+    try:
+        report = await verify(backend, step)
+    except CheckpointNotFoundError:
+        if (orbax := await cli_orbax.verify(backend, step, as_json)) is not None:
+            return orbax
+        raise
     if as_json:
         doc = {
             "step": report.step,
@@ -411,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--map", help="TOML rule file: renames, transposes, dtype casts")
     imp.add_argument("--batch-mib", type=int, default=256, help="tensor bytes per part")
     imp.add_argument("--no-progress", action="store_true")
+    cli_orbax.add_parsers(sub)
     return parser
 
 
@@ -462,6 +482,8 @@ async def _on_target(
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "promote":
         return asyncio.run(cmd_promote(args.tiers, args.step, not args.no_progress))
+    if args.command in cli_orbax.COMMANDS:
+        return asyncio.run(cli_orbax.run(args))
     if args.command == "import-safetensors":
         return asyncio.run(
             _on_target(args, args.dst, lambda b, _: cmd_import(args, b), must_exist=False)

@@ -1,0 +1,177 @@
+"""The ``ckptstore`` command's Orbax side: ``export-orbax``, ``import-orbax``, and what
+``ls``, ``info`` and ``verify`` say about an Orbax checkpoint or `CheckpointManager` root
+(`ckptstore.cli` calls `ls`, `info` and `verify` when a target holds no committed step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.importers.orbax_export import export_orbax
+from ckptstore.importers.orbax_import import DEFAULT_BATCH_BYTES, import_orbax
+from ckptstore.importers.orbax_inspect import OrbaxStep, describe_step, find, verify_orbax
+from ckptstore.leaves import LeafInfo
+
+COMMANDS = ("export-orbax", "import-orbax")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _leaf_json(info: LeafInfo) -> dict[str, Any]:
+    return {"shape": list(info.shape), "dtype": info.dtype, "kind": info.kind, "bytes": info.nbytes}
+
+
+def _step_json(s: OrbaxStep, leaves: bool) -> dict[str, Any]:
+    doc: dict[str, Any] = {"format": "orbax", "step": s.step, "path": s.where or "."}
+    if s.error is not None:
+        doc["corrupt"] = s.error
+        return doc
+    doc |= {"bytes": s.nbytes, "leaves": s.leaves, "items": sorted(s.items)}
+    if leaves:
+        doc["items"] = {
+            name: {n: _leaf_json(i) for n, i in sorted(item.items())}
+            for name, item in s.items.items()
+        }
+    return doc
+
+
+async def ls(target: Target, as_json: bool, shown: str | None = None) -> int | None:
+    """List an Orbax checkpoint's steps; None if ``target`` holds no Orbax checkpoint."""
+    async with opened(target) as backend:
+        found = await find(backend)
+        steps = [await describe_step(backend, s, w) for s, w in found]
+    if not steps:
+        return None
+    status = 1 if any(s.error for s in steps) else 0
+    if as_json:
+        print(json.dumps([_step_json(s, False) for s in steps], indent=1))
+        return status
+    kind = "directory" if steps[0].step is None else "CheckpointManager root"
+    print(f"Orbax {kind} (no ckptstore steps): {shown or target}")
+    print(f"{'STEP':>10}  {'SIZE':>10}  {'LEAVES':>6}  ITEMS")
+    for s in steps:
+        step = "-" if s.step is None else str(s.step)
+        if s.error is not None:
+            print(f"{step:>10}  CORRUPT: {s.error}")
+        else:
+            print(f"{step:>10}  {_size(s.nbytes):>10}  {s.leaves:>6}  {','.join(sorted(s.items))}")
+    return status
+
+
+async def info(target: Target, step: int | None, as_json: bool) -> int | None:
+    """Describe one Orbax checkpoint (the latest step); None if there is none."""
+    async with opened(target) as backend:
+        found = await find(backend, step)
+        if not found:
+            return None
+        s = await describe_step(backend, *found[-1])
+    if as_json:
+        print(json.dumps(_step_json(s, True), indent=1))
+        return 1 if s.error else 0
+    what = "Orbax checkpoint" if s.step is None else f"Orbax step {s.step}"
+    if s.error is not None:
+        print(f"{what}: CORRUPT: {s.error}")
+        return 1
+    print(f"{what}, {_size(s.nbytes)}, {s.leaves} leaves")
+    for name, leaves in s.items.items():
+        print(f"item {name!r}: {len(leaves)} leaves")
+        width = max((len(n) for n in leaves), default=4)
+        print(f"  {'LEAF':{width}}  {'DTYPE':>12}  {'SHAPE':>18}  {'BYTES':>10}  KIND")
+        for leaf in sorted(leaves.values(), key=lambda i: i.name):
+            shape = "x".join(map(str, leaf.shape)) or "scalar"
+            print(
+                f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
+                f"{_size(leaf.nbytes):>10}  {leaf.kind}"
+            )
+    return 0
+
+
+async def verify(target: Target, step: int | None, as_json: bool) -> int | None:
+    """Read every leaf of an Orbax checkpoint; None if there is none."""
+    async with opened(target) as backend:
+        if not await find(backend, step):
+            return None
+        report = await verify_orbax(backend, step)
+    if as_json:
+        doc = {
+            "format": "orbax",
+            "step": report.step,
+            "ok": report.ok,
+            "leaves": report.leaves,
+            "bytes": report.bytes,
+            "problems": report.problems,
+        }
+        print(json.dumps(doc, indent=1))
+        return 0 if report.ok else 1
+    for what, why in sorted(report.problems.items()):
+        print(f"CORRUPT {what}: {why}")
+    verdict = "readable" if report.ok else f"CORRUPT ({len(report.problems)} problem(s))"
+    where = "Orbax checkpoint" if report.step is None else f"Orbax step {report.step}"
+    print(
+        f"{where}: {verdict}; {report.leaves} leaves, {_size(report.bytes)} read "
+        "(Orbax zarr v2 chunks carry no checksum)"
+    )
+    return 0 if report.ok else 1
+
+
+def add_parsers(sub: Any) -> None:
+    """The ``export-orbax`` and ``import-orbax`` subcommands."""
+    exp = sub.add_parser("export-orbax", help="write a committed step as an Orbax checkpoint")
+    exp.add_argument("src", help="ckptstore target (path, URL or .toml profile)")
+    exp.add_argument("dst", help="new Orbax directory (or CheckpointManager root, --manager)")
+    exp.add_argument("--step", type=int, help="the step (default: the latest)")
+    exp.add_argument("--item", default="state", help="the ckptstore item (default: state)")
+    exp.add_argument(
+        "--manager", action="store_true", help="add the step to a CheckpointManager root DST"
+    )
+    exp.add_argument("--copy", action="store_true", help="copy data even where links would do")
+    exp.add_argument("--no-progress", action="store_true")
+    imp = sub.add_parser("import-orbax", help="convert an Orbax checkpoint into a committed step")
+    imp.add_argument("src", help="Orbax directory or CheckpointManager root")
+    imp.add_argument("dst", help="ckptstore target (path, URL or .toml profile)")
+    imp.add_argument("--step", type=int, help="the Orbax step (default: the latest finalized)")
+    imp.add_argument("--item", help="the Orbax item, when a step has several")
+    imp.add_argument("--as-step", type=int, help="the step to write (default: the Orbax step)")
+    imp.add_argument("--batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20)
+    imp.add_argument("--no-progress", action="store_true")
+
+
+async def run(args: argparse.Namespace) -> int:
+    if args.command == "export-orbax":
+        r = await export_orbax(
+            args.src,
+            args.dst,
+            step=args.step,
+            item=args.item,
+            manager=args.manager,
+            link=not args.copy,
+            progress=not args.no_progress,
+        )
+        print(
+            f"exported step {r.step} ({r.leaves} leaves, {_size(r.bytes)}) to {r.path}: "
+            f"{r.linked} objects linked, {r.copied} copied ({_size(r.copied_bytes)})"
+        )
+        return 0
+    result = await import_orbax(
+        args.src,
+        args.dst,
+        step=args.step,
+        item=args.item,
+        as_step=args.as_step,
+        batch_bytes=args.batch_mib << 20,
+        progress=not args.no_progress,
+    )
+    print(
+        f"imported {result.leaves} leaves ({_size(result.bytes)}) from {result.source} "
+        f"in {result.parts} parts as step {result.save.step}; skipped {result.skipped}"
+    )
+    return 0
