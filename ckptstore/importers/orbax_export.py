@@ -77,7 +77,7 @@ class ExportResult:
 
 async def export_orbax(
     source: Target,
-    destination: str | os.PathLike[str],
+    destination: Target,
     *,
     step: int | None = None,
     item: str = layout.DEFAULT_ITEM,
@@ -169,30 +169,31 @@ class _Destination:
     def __init__(
         self,
         backend: Backend,
+        owned: bool,
         final: str,
         step_dir: str,
         item_dir: str,
         tmp: Path | None,
         rename_to: Path | None,
     ):
-        self.backend, self.final = backend, final
+        self.backend, self.owned, self.final = backend, owned, final
         self.step_dir, self.item_dir = step_dir, item_dir
         self.tmp, self.rename_to = tmp, rename_to
 
     @classmethod
-    async def open(
-        cls, destination: str | os.PathLike[str], step: int, manager: bool
-    ) -> _Destination:
+    async def open(cls, destination: Target, step: int, manager: bool) -> _Destination:
         backend = open_target(destination)
+        owned = not isinstance(destination, Backend)
         if isinstance(backend, LocalBackend):
-            await backend.close()
+            if owned:
+                await backend.close()
             final = backend.root / str(step) if manager else backend.root
             if final.exists() and (not final.is_dir() or any(final.iterdir())):
                 raise AlreadyExistsError(f"{final} already exists", backend=backend.url)
             tmp = final.with_name(f"{final.name}{TMP_MARK}{time.time_ns()}")
             tmp.mkdir(parents=True)
             item_dir = DEFAULT_ITEM if manager else ""
-            return cls(LocalBackend(tmp), os.fspath(final), "", item_dir, tmp, final)
+            return cls(LocalBackend(tmp), True, os.fspath(final), "", item_dir, tmp, final)
         step_dir = str(step) if manager else ""
         taken = _join(step_dir, TREE_METADATA if not manager else "")
         if (
@@ -200,12 +201,14 @@ class _Destination:
             or (not manager and await backend.exists(taken))
             or (manager and await backend.list_dir(step_dir))
         ):
-            await backend.close()
+            if owned:
+                await backend.close()
             raise AlreadyExistsError(
                 f"{backend.url}/{step_dir} already holds a checkpoint", backend=backend.url
             )
         return cls(
             backend,
+            owned,
             _join(backend.url, step_dir),
             step_dir,
             _join(step_dir, DEFAULT_ITEM if manager else ""),
@@ -214,7 +217,8 @@ class _Destination:
         )
 
     async def finish(self) -> None:
-        await self.backend.close()
+        if self.owned:
+            await self.backend.close()
         if self.tmp is not None and self.rename_to is not None:
             _fsync_tree(self.tmp)
             if self.rename_to.is_dir():  # empty (checked at open): the rename replaces it
@@ -225,7 +229,8 @@ class _Destination:
     async def discard(self) -> None:
         """Remove a local temporary directory; elsewhere leave the unfinished export (it
         has no ``commit_success.txt``) for the caller to inspect or delete."""
-        await self.backend.close()
+        if self.owned:
+            await self.backend.close()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 

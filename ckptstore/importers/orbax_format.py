@@ -61,7 +61,10 @@ def entries(structure: dict[str, Any], leaves: dict[str, LeafInfo]) -> list[Orba
             if not keys:
                 raise OrbaxExportError("Orbax cannot name a tree that is a single bare leaf")
             info = leaves[node["name"]]
-            out.append(OrbaxEntry(keys, VALUE_TYPES[info.kind], info.name))
+            # Like Orbax's own save: Python numbers are "scalar", numpy scalars 0-d arrays.
+            numpy_scalar = info.kind == "scalar" and info.python_type is None
+            value_type = "np.ndarray" if numpy_scalar else VALUE_TYPES[info.kind]
+            out.append(OrbaxEntry(keys, value_type, info.name))
             continue
         if kind == "none":
             out.append(OrbaxEntry(keys, "None", None))
@@ -107,7 +110,8 @@ def tree_metadata(found: list[OrbaxEntry]) -> bytes:
     tree = {
         str(tuple(k for k, _ in e.keys)): {
             "key_metadata": [{"key": k, "key_type": t} for k, t in e.keys],
-            "value_metadata": {"value_type": e.value_type, "skip_deserialize": False},
+            # Orbax marks empty containers and None as nothing to read.
+            "value_metadata": {"value_type": e.value_type, "skip_deserialize": e.leaf is None},
         }
         for e in found
     }
