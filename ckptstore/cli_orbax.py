@@ -134,6 +134,9 @@ def add_parsers(sub: Any) -> None:
         "--manager", action="store_true", help="add the step to a CheckpointManager root DST"
     )
     exp.add_argument("--copy", action="store_true", help="copy data even where links would do")
+    exp.add_argument(
+        "--no-verify", action="store_true", help="skip reading every leaf back before finishing"
+    )
     exp.add_argument("--no-progress", action="store_true")
     imp = sub.add_parser("import-orbax", help="convert an Orbax checkpoint into a committed step")
     imp.add_argument("src", help="Orbax directory or CheckpointManager root")
@@ -154,6 +157,7 @@ async def run(args: argparse.Namespace) -> int:
             item=args.item,
             manager=args.manager,
             link=not args.copy,
+            verify=not args.no_verify,
             progress=not args.no_progress,
         )
         print(

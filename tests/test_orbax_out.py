@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -285,3 +285,30 @@ def test_cli_on_orbax_checkpoints_and_both_directions(tmp_path: Path) -> None:
     report = json.loads(bad.stdout)
     assert bad.returncode == 1 and not report["ok"], bad.stdout
     assert list(report["problems"]) == ["(tree)/w"]
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def test_odd_keys_match_orbaxs_own_naming(tmp_path: Path) -> None:
+    """Keys with slashes, int keys, named tuples: the export restores as Orbax's own save."""
+    tree = {"a/b": np.arange(3), "ids": {7: np.ones(2, np.float32)}, "nt": Pair(np.zeros(2), 1.5)}
+    ckptstore.save_sync(tmp_path / "cs", tree, step=0)
+    asyncio.run(ckptstore.export_orbax(tmp_path / "cs", tmp_path / "out"))
+    orbax_save(tmp_path / "native", tree)
+    exported = ocp.StandardCheckpointer().restore(tmp_path / "out")
+    check(exported, ocp.StandardCheckpointer().restore(tmp_path / "native"))
+    assert exported["a/b"].tolist() == [0, 1, 2] and exported["ids"]["7"].dtype == np.float32
+
+
+def test_damaged_source_fails_cleanly(tmp_path: Path) -> None:
+    ckptstore.save_sync(tmp_path / "cs", {"w": np.arange(1 << 16, dtype=np.float32)}, step=0)
+    data = [p for p in (tmp_path / "cs").rglob("ocdbt.process_0/d/*") if p.is_file()]
+    for f in data:
+        f.unlink()
+    for link in (True, False):
+        with pytest.raises(ckptstore.CorruptCheckpointError):
+            asyncio.run(ckptstore.export_orbax(tmp_path / "cs", tmp_path / "out", link=link))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cs"]  # no half export left

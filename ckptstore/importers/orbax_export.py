@@ -43,6 +43,7 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import Target, open_target, opened
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -57,7 +58,9 @@ from ckptstore.importers.orbax_format import (
     entries,
     tree_metadata,
 )
+from ckptstore.importers.orbax_inspect import read_all
 from ckptstore.importers.progress import Progress
+from ckptstore.leaves import LeafInfo
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).
 COPY_BUDGET = 256 << 20
@@ -83,6 +86,7 @@ async def export_orbax(
     item: str = layout.DEFAULT_ITEM,
     manager: bool = False,
     link: bool = True,
+    verify: bool = True,
     progress: bool | Progress = False,
 ) -> ExportResult:
     """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
@@ -91,7 +95,9 @@ async def export_orbax(
     ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:
     ``destination`` is (or becomes) a `CheckpointManager` root and the step is added
     as ``destination/<step>/``, ``ocp.CheckpointManager(destination).restore(step)``.
-    ``link=False`` copies even where hard links would do. An existing destination
+    ``link=False`` copies even where hard links would do. ``verify`` reads every leaf
+    back through the new view (each chunk's crc32c checked) before the export is
+    finished; ``verify=False`` checks only that the view holds every key. An existing destination
     (or step) is `AlreadyExistsError`; nothing is ever written to ``source``.
     """
     started = time.time()
@@ -120,6 +126,8 @@ async def export_orbax(
             counts = await _mirror(src, where, objects, dst, mirror, link=link, bar=bar)
             bar.close()
             await _build_view(dst, mirror, item_dir, found)
+            if verify:
+                await _read_back(dst, item_dir, found, saved.leaves)
             await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
             if manager:
                 await dst.write(_join(item_dir, COMMIT_SUCCESS), _success(out.final))
@@ -279,6 +287,8 @@ async def _mirror(
                 linked += 1
                 bar.advance(1, info.size)
                 return
+            except FileNotFoundError as exc:
+                raise CorruptCheckpointError(f"{src.url}/{info.key} vanished: {exc}") from exc
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                     raise
@@ -332,3 +342,25 @@ async def _build_view(dst: Backend, mirror: str, item_dir: str, found: list[Orba
             f"the Orbax view at {dst.url}/{item_dir} does not match the checkpoint",
             leaves=problems,
         )
+
+
+async def _read_back(
+    dst: Backend, item_dir: str, found: list[OrbaxEntry], leaves: dict[str, LeafInfo]
+) -> None:
+    """Read every leaf of the view as Orbax will (zarr3, crc32c checked), a slab at a time."""
+    view = ocdbt_spec(dst.kvstore_spec(item_dir))
+    limit = asyncio.Semaphore(8)
+
+    async def one(e: OrbaxEntry) -> None:
+        assert e.leaf is not None
+        async with limit:
+            spec = {"driver": "zarr3", "kvstore": {**view, "path": f"{e.param}/"}}
+            try:
+                arr = await ts.open(spec, open=True, read=True, context=dst.ts_context)
+            except Exception as exc:  # TensorStore raises ValueError for most failures
+                raise CorruptCheckpointError(
+                    f"exported array {e.param!r} cannot be opened: {str(exc)[:300]}", leaf=e.leaf
+                ) from exc
+            await read_all(arr, leaves[e.leaf])
+
+    await settle(one(e) for e in found if e.leaf is not None)
