@@ -65,10 +65,25 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
 
 
 def test_orbax_in_example_runs_as_written(tmp_path: Path) -> None:
-    (example,) = [b for b in blocks("interop.md", "python") if "ocp.CheckpointManager" in b]
+    (example,) = [b for b in blocks("interop.md", "python") if '"/tmp/orbax-run"' in b]
     code = example.replace('"/tmp/orbax-run"', repr(str(tmp_path / "orbax-run")))
     namespace: dict[str, object] = {}
     exec(compile(code, "interop.md Orbax in", "exec"), namespace)
     state = namespace["state"]
     assert isinstance(state, dict)
     np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.arange(32).reshape(8, 4))
+
+
+def test_orbax_out_example_runs_as_written(tmp_path: Path) -> None:
+    (example,) = [b for b in blocks("interop.md", "python") if "export_orbax" in b]
+    code = example
+    for name in ("/tmp/ckptstore-run", "/tmp/orbax-export-run", "/tmp/orbax-export"):
+        code = code.replace(f'"{name}"', repr(str(tmp_path / name.rsplit("/", 1)[1])))
+    assert '"/tmp/' not in code  # every path replaced
+    namespace: dict[str, object] = {}
+    exec(compile(code, "interop.md Orbax out", "exec"), namespace)
+    state, again = namespace["state"], namespace["again"]
+    assert isinstance(state, dict) and isinstance(again, dict)
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    assert np.asarray(state["params"]["w"]).tobytes() == w.tobytes()
+    assert again["step"] == 10 and np.asarray(again["params"]["w"]).tobytes() == w.tobytes()
