@@ -7,7 +7,10 @@ process 1 fails while writing; "late" saves like "save" but another writer commi
 while process 0 merges (every process must then raise `AlreadyExistsError`); "restore"
 restores step 1 on a transposed (4, 2) mesh and checks every addressable shard; "manager"
 trains 6 steps (donating the state) with a `CheckpointManager` saving every 2 steps and
-keeping 2, then restores the latest on the transposed mesh.
+keeping 2, then restores the latest on the transposed mesh. Orbax: "orbax-save" saves the
+"save" tree with Orbax's StandardCheckpointer into ROOT; "orbax-restore" restores the
+Orbax checkpoint at ROOT with Orbax onto the transposed mesh and checks every shard;
+"orbax-import" imports the Orbax checkpoint ROOT/orbax into ROOT/imported, step 1.
 """
 
 from __future__ import annotations
@@ -44,7 +47,14 @@ def main() -> None:
         run_manager(root, devices)
         jax.distributed.shutdown()
         return
-    if mode != "restore":
+    if mode == "orbax-import":
+        result = asyncio.run(
+            ckptstore.import_orbax(f"{root}/orbax", f"{root}/imported", as_step=1, batch_bytes=1)
+        )
+        print(f"imported {result.leaves} in {result.parts} parts", flush=True)
+        jax.distributed.shutdown()
+        return
+    if mode not in ("restore", "orbax-restore"):
         mesh = Mesh(devices.reshape(2, -1), ("x", "y"))
         specs = {"w": P("x", "y"), "v": P("y"), "replicated": P()}
     else:
@@ -84,6 +94,30 @@ def main() -> None:
 
         asyncio.run(build())
         print("partial ok", flush=True)
+    elif mode == "orbax-save":
+        import orbax.checkpoint as ocp
+
+        tree = {
+            k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
+            for k in SHAPES
+        }
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(root, tree)
+        checkpointer.wait_until_finished()
+        checkpointer.close()
+        print("orbax saved", flush=True)
+    elif mode == "orbax-restore":
+        import orbax.checkpoint as ocp
+
+        target = {
+            k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=shardings[k]) for k in SHAPES
+        }
+        out = ocp.StandardCheckpointer().restore(root, target)
+        for k, arr in out.items():
+            assert arr.sharding == shardings[k]
+            for shard in arr.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), expected(k)[shard.index])
+        print("orbax restored ok", flush=True)
     elif mode in ("save", "fail", "late"):
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])

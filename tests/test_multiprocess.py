@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import socket
@@ -121,3 +122,37 @@ def test_two_processes_train_with_a_checkpoint_manager(tmp_path: Path) -> None:
     outputs = run_job(tmp_path / "ckpt", "manager")
     assert outputs == ["manager ok saved [1, 2, 4, 6]\n"] * 2  # step 1: the first save (clock)
     assert ckptstore.list_steps_sync(str(tmp_path / "ckpt")) == [4, 6]
+
+
+def test_two_processes_orbax_out(tmp_path: Path) -> None:
+    """Two ckptstore processes save; the export is restored by two Orbax processes."""
+    run_job(tmp_path / "ckpt", "save")
+    result = asyncio.run(ckptstore.export_orbax(tmp_path / "ckpt", tmp_path / "export"))
+    assert result.linked > 0 and result.copied == 0
+    mirrored = tmp_path / "export" / "ckptstore.state"
+    assert sorted(p.name for p in mirrored.glob("ocdbt.process_*")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
+    outputs = run_job(tmp_path / "export", "orbax-restore")  # Gloo logs on stdout too
+    assert all(o.endswith("orbax restored ok\n") for o in outputs), outputs
+
+
+def test_two_processes_orbax_in(tmp_path: Path) -> None:
+    """Two Orbax processes save; ckptstore reads it in place, and two processes import it."""
+    root = tmp_path / "job"
+    outputs = run_job(root / "orbax", "orbax-save")
+    assert all(o.endswith("orbax saved\n") for o in outputs), outputs
+    assert sorted(p.name for p in (root / "orbax").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
+    in_place = ckptstore.restore_sync(str(root / "orbax"))
+    for k in SHAPES:
+        np.testing.assert_array_equal(in_place[k], expected(k))
+    outputs = run_job(root, "orbax-import")
+    assert all(o.endswith("imported 3 in 3 parts\n") for o in outputs), outputs
+    imported = ckptstore.restore_sync(str(root / "imported"), step=1)
+    for k in SHAPES:
+        np.testing.assert_array_equal(imported[k], expected(k))
+    assert ckptstore.verify_sync(str(root / "imported"), 1).ok
