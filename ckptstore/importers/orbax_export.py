@@ -158,9 +158,11 @@ def _success(final: str) -> bytes:
 
 
 async def _objects_to_copy(src: Backend, where: str, parts: list[str]) -> list[ObjectInfo]:
-    """The merged store's own objects and those of every store it merged; nothing else."""
+    """The merged store's own objects and those of every store it merged; nothing else.
+
+    A format-version-1 step records no parts: all of its item directory is committed."""
     out = []
-    stores = tuple(f"{where}/{p}/" for p in parts)
+    stores = tuple(f"{where}/{p}/" for p in parts) if parts else (f"{where}/",)
     async for info in src.list(where):
         rel = info.key[len(where) + 1 :]
         if rel == "manifest.ocdbt" or rel.startswith("d/") or info.key.startswith(stores):

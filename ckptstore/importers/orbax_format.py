@@ -61,8 +61,9 @@ def entries(structure: dict[str, Any], leaves: dict[str, LeafInfo]) -> list[Orba
             if not keys:
                 raise OrbaxExportError("Orbax cannot name a tree that is a single bare leaf")
             info = leaves[node["name"]]
-            # Like Orbax's own save: Python numbers are "scalar", numpy scalars 0-d arrays.
-            numpy_scalar = info.kind == "scalar" and info.python_type is None
+            # Like Orbax's own save: Python numbers are "scalar", numpy scalars 0-d arrays;
+            # Orbax's scalar handler has no complex, so a Python complex is a 0-d array.
+            numpy_scalar = info.kind == "scalar" and info.python_type in (None, "complex")
             value_type = "np.ndarray" if numpy_scalar else VALUE_TYPES[info.kind]
             out.append(OrbaxEntry(keys, value_type, info.name))
             continue
