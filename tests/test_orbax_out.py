@@ -180,6 +180,10 @@ async def test_export_from_and_to_object_storage(
         check(await ckptstore.restore(s3), saved_form(tree))
         with pytest.raises(ckptstore.AlreadyExistsError):
             await ckptstore.export_orbax(tmp_path / "local", s3, manager=True)
+        # And back: the Orbax step on S3 imported into a local ckptstore root.
+        r2 = await ckptstore.import_orbax(s3, tmp_path / "imported", step=4)
+        assert r2.save.step == 4 and r2.source.endswith("/4")
+        check(await ckptstore.restore(tmp_path / "imported"), saved_form(tree))
 
 
 # ---- Orbax -> ckptstore ----
