@@ -280,12 +280,12 @@ async def _mirror(
         nonlocal linked, copied, copied_bytes, can_link
         rel = info.key[len(where) + 1 :]
         key = f"{mirror}/{rel}"
-        if can_link:
+        if can_link and not (src.root / info.key).is_symlink():  # links: through read()
             assert isinstance(src, LocalBackend) and isinstance(dst, LocalBackend)
             target = dst.root / key
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(src.root / info.key, target)
+                os.link(src.root / info.key, target, follow_symlinks=False)
                 linked += 1
                 bar.advance(1, info.size)
                 return
