@@ -280,8 +280,12 @@ async def _mirror(
         nonlocal linked, copied, copied_bytes, can_link
         rel = info.key[len(where) + 1 :]
         key = f"{mirror}/{rel}"
-        if can_link and not (src.root / info.key).is_symlink():  # links: through read()
-            assert isinstance(src, LocalBackend) and isinstance(dst, LocalBackend)
+        if (
+            can_link
+            and isinstance(src, LocalBackend)
+            and isinstance(dst, LocalBackend)
+            and not (src.root / info.key).is_symlink()  # a symlink goes through read()
+        ):
             target = dst.root / key
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
