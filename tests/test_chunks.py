@@ -280,3 +280,14 @@ async def test_zero_dimensional_leaves_keep_their_kind(tmp_path: Any) -> None:
     assert type(got["scalar"]) is np.float16 and got["scalar"] == 2.5
     assert type(got["py"]) is float and got["py"] == 3.0
     assert got["arr0d"].flags.writeable
+
+
+async def test_verify_reads_and_counts_every_byte(tmp_path: Any) -> None:
+    tree = _mixed_tree()
+    tree["many"] = [np.full((1000 + i,), i, np.int16) for i in range(100)]
+    await ckptstore.save(str(tmp_path), tree, step=1)
+    report = await ckptstore.verify(str(tmp_path), 1)
+    manifest = await ckptstore.read_manifest(str(tmp_path), 1)
+    assert report.ok, report.problems
+    assert report.bytes == sum(i.nbytes for i in manifest.items["state"].leaves.values())
+    assert report.leaves == len(manifest.items["state"].leaves)

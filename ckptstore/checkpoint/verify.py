@@ -1,6 +1,6 @@
 """Verification: is a committed step intact, and would a restore return exactly what was saved?
 
-`verify` shares the restore's read path (`load_committed`, `open_leaf`, `read_slice`)
+`verify` shares the restore's read path (`load_committed`, `RawLeaf` or `open_leaf`)
 and the merge's coverage check (`validate`), so it fails exactly where a restore
 would fail or return something wrong: a marker, manifest or digest that does not
 check out, a manifest whose structure or types a restore cannot rebuild, a
@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ckptstore.arrays import open_leaf, read_slice
+from ckptstore.arrays import RawLeaf, open_leaf, read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import load_committed, resolve_step
@@ -26,7 +26,7 @@ from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import item_store
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
-from ckptstore.leaves import LeafInfo
+from ckptstore.leaves import Index, LeafInfo
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
 READ_BYTES = 64 << 20
@@ -93,7 +93,8 @@ async def _verify_item(
     async def check(info: LeafInfo) -> None:
         async with limit:
             try:
-                report.bytes += await _read_all(spec, ctx, info)
+                nbytes = await _read_all(spec, ctx, kv, info)
+                report.bytes += nbytes  # not `+= await`: that would add to a stale total
             except CkptStoreError as exc:
                 report.problems[f"{name}/{info.name}"] = str(exc)
 
@@ -103,14 +104,22 @@ async def _verify_item(
     report.leaves += len(item.leaves)
 
 
-async def _read_all(spec: dict[str, Any], ctx: ts.Context, info: LeafInfo) -> int:
+async def _read_all(spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, info: LeafInfo) -> int:
     """Read every byte of a leaf through the restore's path, a slab at a time."""
-    arr = await open_leaf(spec, ctx, info)
+    raw = await RawLeaf.open(kv, info)
+    if raw is not None:
+        read = raw.read
+    else:
+        arr = await open_leaf(spec, ctx, info)
+
+        async def read(index: Index) -> Any:
+            return await read_slice(arr, index, info.name)
+
     if not info.shape or info.nbytes <= READ_BYTES:
-        await read_slice(arr, (), info.name)
+        await read(())
         return info.nbytes
     rows = max(1, READ_BYTES // max(1, info.nbytes // info.shape[0]))
     rows = math.ceil(rows / info.chunk_shape[0]) * info.chunk_shape[0]  # whole chunks only
     for start in range(0, info.shape[0], rows):
-        await read_slice(arr, (slice(start, start + rows),), info.name)
+        await read((slice(start, start + rows),))
     return info.nbytes
