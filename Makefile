@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	$(PY) benchmarks/storage.py
 	$(PY) benchmarks/save_restore.py
+	$(PY) benchmarks/save_breakdown.py
 	$(PY) benchmarks/partial.py
 	$(PY) benchmarks/training_loop.py
 	$(PY) benchmarks/tiered.py
