@@ -9,8 +9,9 @@ The public API on one screen:
 - `delete_step(target, step)` and `gc(target, older_than=...)`: removing steps and garbage.
 - `CheckpointManager(target, save_policy=..., keep_policy=..., options=ManagerOptions(...))`:
   saves from a training loop that pause it only for staging; policies in `ckptstore.policies`.
-- `Tiered(fast=..., durable=...)` and `promote(tiered)`: committed steps copied from a fast
-  tier to a durable one; `ckptstore.lifecycle.tiers.restore` reads the nearest good copy.
+- `Tiered(fast=..., durable=...)`: a target like any other (save commits on the fast
+  tier, reads use the nearest good copy, `delete_step`/`gc` cover both tiers);
+  `promote(tiered)` copies committed steps from the fast tier to the durable one.
 - `export_orbax(src, dst)` and `import_orbax(src, dst)`: a committed step as an Orbax
   0.12 checkpoint (by reference where possible), and an Orbax checkpoint as a step.
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
@@ -52,15 +53,16 @@ if TYPE_CHECKING:
     from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync, verify_sync
     from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
     from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
-    from ckptstore.checkpoint.restore import list_steps, read_manifest, restore
     from ckptstore.checkpoint.save import SaveResult, save
-    from ckptstore.checkpoint.verify import VerifyReport, verify
+    from ckptstore.checkpoint.target import Tiered
+    from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
+    from ckptstore.checkpoint.verify import VerifyReport
     from ckptstore.importers.orbax_export import export_orbax
     from ckptstore.importers.orbax_import import import_orbax
     from ckptstore.lifecycle import policies
     from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
     from ckptstore.lifecycle.options import ManagerOptions
-    from ckptstore.lifecycle.tiers import Promotion, Tiered, promote
+    from ckptstore.lifecycle.tiers import Promotion, promote
 
 #: Each lazily loaded public name and the module that defines it.
 _LAZY = {
@@ -81,13 +83,14 @@ _LAZY = {
     "Part": "ckptstore.checkpoint.partial",
     "PartialSave": "ckptstore.checkpoint.partial",
     "partial_save": "ckptstore.checkpoint.partial",
-    "list_steps": "ckptstore.checkpoint.restore",
-    "read_manifest": "ckptstore.checkpoint.restore",
-    "restore": "ckptstore.checkpoint.restore",
+    "Tiered": "ckptstore.checkpoint.target",
+    "list_steps": "ckptstore.checkpoint.tiered",
+    "read_manifest": "ckptstore.checkpoint.tiered",
+    "restore": "ckptstore.checkpoint.tiered",
     "SaveResult": "ckptstore.checkpoint.save",
     "save": "ckptstore.checkpoint.save",
     "VerifyReport": "ckptstore.checkpoint.verify",
-    "verify": "ckptstore.checkpoint.verify",
+    "verify": "ckptstore.checkpoint.tiered",
     "export_orbax": "ckptstore.importers.orbax_export",
     "import_orbax": "ckptstore.importers.orbax_import",
     "policies": "ckptstore.lifecycle.policies",  # a module
@@ -96,7 +99,6 @@ _LAZY = {
     "SaveStats": "ckptstore.lifecycle.manager",
     "ManagerOptions": "ckptstore.lifecycle.options",
     "Promotion": "ckptstore.lifecycle.tiers",
-    "Tiered": "ckptstore.lifecycle.tiers",
     "promote": "ckptstore.lifecycle.tiers",
 }
 

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -18,10 +18,12 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
 from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan
-from ckptstore.checkpoint.commit import committed_steps, latest_manifest, load_committed
+from ckptstore.checkpoint.commit import committed_steps, load_committed
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import open_target, opened
-from ckptstore.checkpoint.verify import verify
+from ckptstore.checkpoint.target import Tiered, open_target
+from ckptstore.checkpoint.tiered import read_manifest, verify
+from ckptstore.cli_text import count, duration_text, human, when
+from ckptstore.cli_tiers import cmd_ls_tiers, cmd_promote
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -31,7 +33,6 @@ from ckptstore.errors import (
 )
 from ckptstore.importers.safetensors import import_safetensors
 from ckptstore.lifecycle.options import seconds
-from ckptstore.lifecycle.tiers import Tiered, promote, status
 
 DESCRIPTION = "What is in a checkpoint, and is it intact; cleanup, promotion and import."
 
@@ -58,23 +59,6 @@ exit status: 0 fine; 1 a checkpoint is corrupt; 2 an error (a missing target,
 a bad URL or profile, a step that is not committed)."""
 
 SIGPIPE_EXIT = 128 + getattr(signal, "SIGPIPE", 13)
-
-
-def human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
-def count(n: int, word: str, plural: str | None = None) -> str:
-    """``1 part``, ``2 parts``, ``3 leaves`` (with ``plural``)."""
-    return f"{n} {word if n == 1 else plural or word + 's'}"
-
-
-def when(timestamp: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
 
 
 async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
@@ -118,42 +102,6 @@ async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
             f"{when(r['created'])}  {','.join(r['items'])}"
         )
     return status
-
-
-_TIER_TEXT = {
-    "fast": "fast only (not promoted yet)",
-    "both": "fast + durable",
-    "durable": "durable",
-}
-
-
-async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
-    """Each committed step's tiers, and how far promotion lags behind."""
-    tiered = Tiered.from_profile(profile)
-    where = (await status(tiered)).steps
-    lagging = [s for s, w in where.items() if w == "fast"]
-    oldest = None
-    if lagging:
-        async with opened(tiered.fast) as fast:
-            oldest = (await load_committed(fast, min(lagging))).created
-    if as_json:
-        lag = None if oldest is None else time.time() - oldest
-        print(json.dumps({"steps": where, "unpromoted": lagging, "lag_seconds": lag}, indent=1))
-        return 0
-    if not where:
-        print(f"no committed checkpoints on either tier of {profile}")
-        return 0
-    print(f"{'STEP':>10}  TIERS")
-    for step, w in where.items():
-        print(f"{step:>10}  {_TIER_TEXT[w]}")
-    if oldest is None:
-        print("promotion lag: none")
-    else:
-        print(
-            f"promotion lag: {count(len(lagging), 'step')}, the oldest saved "
-            f"{duration_text(time.time() - oldest)} ago"
-        )
-    return 0
 
 
 async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
@@ -239,12 +187,14 @@ def _print_info(manifest: Manifest) -> None:
             )
 
 
-async def cmd_info(backend: Backend, step: int | None, as_json: bool) -> int:
+async def cmd_info(target: Backend | Tiered, step: int | None, as_json: bool) -> int:
+    """One step's manifest (on tiers, from the nearest tier with a good copy)."""
     try:
-        manifest = await latest_manifest(backend, step)
+        manifest = await read_manifest(target, step)
     except CheckpointNotFoundError:
-        if (orbax := await cli_orbax.info(backend, step, as_json)) is not None:
-            return orbax
+        if isinstance(target, Backend):
+            if (orbax := await cli_orbax.info(target, step, as_json)) is not None:
+                return orbax
         raise
     if as_json:
         print(manifest.to_bytes().decode())
@@ -253,13 +203,15 @@ async def cmd_info(backend: Backend, step: int | None, as_json: bool) -> int:
     return 0
 
 
-async def cmd_verify(backend: Backend, step: int | None, as_json: bool) -> int:
-    """Exit 0 only if a restore of the step would return exactly what was saved."""
+async def cmd_verify(target: Backend | Tiered, step: int | None, as_json: bool) -> int:
+    """Exit 0 only if a restore of the step would return exactly what was saved (on tiers:
+    the copy a restore would read; a damaged fast copy it would skip is shown)."""
     try:
-        report = await verify(backend, step)
+        report = await verify(target, step)
     except CheckpointNotFoundError:
-        if (orbax := await cli_orbax.verify(backend, step, as_json)) is not None:
-            return orbax
+        if isinstance(target, Backend):
+            if (orbax := await cli_orbax.verify(target, step, as_json)) is not None:
+                return orbax
         raise
     if as_json:
         doc = {
@@ -269,13 +221,18 @@ async def cmd_verify(backend: Backend, step: int | None, as_json: bool) -> int:
             "leaves": report.leaves,
             "bytes": report.bytes,
             "problems": report.problems,
+            **({"tier": report.tier, "skipped": report.skipped} if report.tier else {}),
         }
         print(json.dumps(doc, indent=1))
         return 0 if report.ok else 1
+    for what, why in sorted(report.skipped.items()):
+        print(f"SKIPPED (damaged fast copy) {what}: {why}")
     for what, why in sorted(report.problems.items()):
         print(f"CORRUPT {what}: {why}")
     problems = count(len(report.problems), "problem")
     verdict = "intact" if report.ok else f"CORRUPT ({problems})"
+    if report.tier:
+        verdict += f" on the {report.tier} tier"
     print(
         f"step {report.step}: {verdict}; {count(report.leaves, 'leaf', 'leaves')}, "
         f"{human(report.bytes)} read and checksummed"
@@ -294,37 +251,13 @@ def _print_removal(removal: Removal, verb: str) -> None:
     )
 
 
-async def cmd_promote(profile: str, step: int | None, show_progress: bool) -> int:
-    tiered = Tiered.from_profile(profile)
-
-    def progress(done: int, total: int) -> None:
-        if show_progress:
-            print(f"\r  {human(done)} of {human(total)}", end="", file=sys.stderr, flush=True)
-
-    for p in await promote(tiered, step, progress=progress):
-        if show_progress and p.copied:
-            print(file=sys.stderr)
-        what = (
-            "already durable"
-            if p.already
-            else (
-                f"copied {p.copied} of {count(p.objects, 'object')}, {human(p.bytes)} "
-                f"in {p.seconds:.1f} s"
-            )
-        )
-        print(f"step {p.step}: {what}")
-    where = (await status(tiered)).steps
-    print(f"durable now: {sorted(s for s, w in where.items() if w != 'fast')}")
+async def cmd_rm(target: Backend | Tiered, step: int) -> int:
+    _print_removal(await delete_step(target, step), "removed")
     return 0
 
 
-async def cmd_rm(backend: Backend, step: int) -> int:
-    _print_removal(await delete_step(backend, step), "removed")
-    return 0
-
-
-async def cmd_gc(backend: Backend, older_than: float, dry_run: bool) -> int:
-    removal = await gc(backend, older_than=older_than, dry_run=dry_run)
+async def cmd_gc(target: Backend | Tiered, older_than: float, dry_run: bool) -> int:
+    removal = await gc(target, older_than=older_than, dry_run=dry_run)
     _print_removal(removal, "would remove" if dry_run else "removed")
     return 0
 
@@ -335,13 +268,6 @@ def parse_duration(text: str) -> float:
         return seconds(text, what="--older-than")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def duration_text(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
 
 
 async def cmd_import(args: argparse.Namespace, dst: Backend) -> int:
@@ -435,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tiers_profile(args: argparse.Namespace) -> str | None:
-    """The profile ``ls`` was given, when it describes tiers rather than one backend."""
+    """The profile a command was given, when it describes tiers rather than one backend."""
     target: str | None = args.target
     profile: str | None = getattr(args, "profile", None)
     if target is None:
@@ -489,7 +415,17 @@ def _dispatch(args: argparse.Namespace) -> int:
             _on_target(args, args.dst, lambda b, _: cmd_import(args, b), must_exist=False)
         )
     if args.command == "ls" and (tiers := _tiers_profile(args)) is not None:
+        if args.all:
+            raise ConfigError(f"ls --all lists one store: give a tier of {tiers} (its URL)")
         return asyncio.run(cmd_ls_tiers(tiers, args.json))
+    on_tiers: dict[str, Callable[[Tiered], Coroutine[Any, Any, int]]] = {
+        "info": lambda t: cmd_info(t, args.step, args.json),
+        "verify": lambda t: cmd_verify(t, args.step, args.json),
+        "rm": lambda t: cmd_rm(t, args.step),
+        "gc": lambda t: cmd_gc(t, args.older_than, args.dry_run),
+    }
+    if args.command in on_tiers and (tiers := _tiers_profile(args)) is not None:
+        return asyncio.run(on_tiers[args.command](Tiered.from_profile(tiers)))
     commands: dict[str, Callable[[Backend, str], Awaitable[int]]] = {
         "ls": lambda b, shown: (cmd_ls_all if args.all else cmd_ls)(b, shown, args.json),
         "info": lambda b, _: cmd_info(b, args.step, args.json),

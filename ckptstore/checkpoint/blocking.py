@@ -12,9 +12,9 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ckptstore.checkpoint.restore import list_steps, restore
 from ckptstore.checkpoint.save import SaveResult, save
-from ckptstore.checkpoint.verify import VerifyReport, verify
+from ckptstore.checkpoint.tiered import list_steps, restore, verify
+from ckptstore.checkpoint.verify import VerifyReport
 
 T = TypeVar("T")
 

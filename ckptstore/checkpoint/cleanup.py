@@ -22,7 +22,7 @@ from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest, read_marker
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, opened, single
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
 
 DEFAULT_GRACE = 6 * 3600.0  # seconds
@@ -114,6 +114,13 @@ class Removal:
         self.objects += len(objects)
         self.bytes += sum(o.size for o in objects)
 
+    def absorb(self, other: Removal, where: str) -> None:
+        """Add what ``other`` removed on the backend at URL ``where`` (keys become URLs)."""
+        self.entries += [f"{where}/{key}" for key in other.entries]
+        self.kept_young += [f"{where}/{key}" for key in other.kept_young]
+        self.objects += other.objects
+        self.bytes += other.bytes
+
 
 async def _remove(backend: Backend, key: str, objects: list[ObjectInfo]) -> None:
     """Remove one entry: a lone object, or everything below a prefix."""
@@ -140,66 +147,104 @@ async def _referenced(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[
     return out
 
 
-async def delete_step(target: Target, step: int) -> Removal:
+async def delete_step(target: AnyTarget, step: int) -> Removal:
     """Delete committed ``step``: its marker first, then the attempt it named.
 
     The attempt's data stays if another committed attempt references it. A step
     whose marker is unreadable loses just the marker; `gc` removes the rest.
+    On a `Tiered` target the step leaves both tiers, the fast one first (killed in
+    between, the durable copy is still listed: never a fast-only step that a later
+    promotion would bring back). Entries are then named by URL.
     """
     layout.check_step(step)
-    async with opened(target) as backend:
-        scanned = await scan_step(backend, step)
-        if not scanned.committed:
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await _delete_from_tiers(tiers, step)
+    async with opened(single(target)) as backend:
+        return await _delete_step(backend, step)
+
+
+async def _delete_from_tiers(tiers: Tiered, step: int) -> Removal:
+    async with tiers.opened() as (fast, durable):
+        found = [b for b in (fast, durable) if await b.exists(layout.commit_key(step))]
+        if not found:
             raise CheckpointNotFoundError(
-                f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
-            )
-        keep: set[tuple[int, str]] = set()
-        if scanned.marker is not None and scanned.marker.attempt is not None:
-            others = [s for s in await committed_steps(backend) if s != step]
-            keep = await _referenced(
-                backend, await asyncio.gather(*(scan_marker(backend, s) for s in others))
+                f"step {step} is committed on neither tier",
+                backend=f"{fast.url} | {durable.url}",
+                key=layout.commit_key(step),
             )
         removal = Removal()
-        await backend.delete(layout.commit_key(step))  # from here on, the step is gone
-        removal.entries.append(layout.commit_key(step))
-        removal.objects += 1
-        for entry in scanned.entries if scanned.marker is not None else []:
-            if entry.committed and (step, entry.name) not in keep:
-                await _remove(backend, entry.key, entry.objects)
-                removal.add(entry.key, entry.objects)
+        for backend in found:
+            removal.absorb(await _delete_step(backend, step), backend.url)
         return removal
 
 
+async def _delete_step(backend: Backend, step: int) -> Removal:
+    scanned = await scan_step(backend, step)
+    if not scanned.committed:
+        raise CheckpointNotFoundError(
+            f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
+        )
+    keep: set[tuple[int, str]] = set()
+    if scanned.marker is not None and scanned.marker.attempt is not None:
+        others = [s for s in await committed_steps(backend) if s != step]
+        keep = await _referenced(
+            backend, await asyncio.gather(*(scan_marker(backend, s) for s in others))
+        )
+    removal = Removal()
+    await backend.delete(layout.commit_key(step))  # from here on, the step is gone
+    removal.entries.append(layout.commit_key(step))
+    removal.objects += 1
+    for entry in scanned.entries if scanned.marker is not None else []:
+        if entry.committed and (step, entry.name) not in keep:
+            await _remove(backend, entry.key, entry.objects)
+            removal.add(entry.key, entry.objects)
+    return removal
+
+
 async def gc(
-    target: Target, *, older_than: float = DEFAULT_GRACE, dry_run: bool = False
+    target: AnyTarget, *, older_than: float = DEFAULT_GRACE, dry_run: bool = False
 ) -> Removal:
     """Remove uncommitted attempts and unused parts nobody wrote to for ``older_than`` s.
 
     ``older_than=0`` collects regardless of age (only when no writer can be running).
     Where a backend cannot tell when an object was written, it is never collected
-    unless ``older_than`` is 0.
+    unless ``older_than`` is 0. On a `Tiered` target both tiers are collected (an
+    interrupted promotion's objects are garbage of the durable tier until its marker
+    lands: the grace period keeps a running one's); entries are then named by URL.
     """
     if older_than < 0:
         raise CkptStoreError(f"older_than must be >= 0 seconds, got {older_than}")
-    async with opened(target) as backend:
-        scans = await scan(backend)
-        keep = await _referenced(backend, scans)
-        now = time.time()
+    tiers = as_tiered(target)
+    if tiers is not None:
         removal = Removal()
-        for s in scans:
-            garbage = [(e.key, e.objects) for e in s.entries if not e.committed]
-            garbage = [(k, o) for k, o in garbage if (s.step, k.split("/")[1]) not in keep]
-            if s.marker is not None and s.marker.attempt is not None:
-                garbage += await _unused_parts(backend, s)
-            for key, objects in garbage:
-                idle = _idle(objects, now)
-                if older_than > 0 and (idle is None or idle < older_than):
-                    removal.kept_young.append(key)
-                    continue
-                if not dry_run:
-                    await _remove(backend, key, objects)
-                removal.add(key, objects)
+        async with tiers.opened() as (fast, durable):
+            for backend in (fast, durable):
+                removal.absorb(await _gc(backend, older_than, dry_run), backend.url)
         return removal
+    async with opened(single(target)) as backend:
+        return await _gc(backend, older_than, dry_run)
+
+
+async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
+    scans = await scan(backend)
+    keep = await _referenced(backend, scans)
+    now = time.time()
+    removal = Removal()
+    for s in scans:
+        garbage = [(e.key, e.objects) for e in s.entries if not e.committed]
+        garbage = [(k, o) for k, o in garbage if (s.step, k.split("/")[1]) not in keep]
+        if s.marker is not None and s.marker.attempt is not None:
+            garbage += await _unused_parts(backend, s)
+        for key, objects in garbage:
+            idle = _idle(objects, now)
+            if older_than > 0 and (idle is None or idle < older_than):
+                removal.kept_young.append(key)
+                continue
+            if not dry_run:
+                await _remove(backend, key, objects)
+            removal.add(key, objects)
+    return removal
 
 
 async def _unused_parts(backend: Backend, s: StepScan) -> list[tuple[str, list[ObjectInfo]]]:

@@ -35,7 +35,7 @@ from ckptstore.checkpoint.layout import AttemptDir
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
-from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import TreeError, check_structure, describe, flatten
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -147,7 +147,7 @@ class PartialSave:
     @classmethod
     async def open(
         cls,
-        target: Target,
+        target: AnyTarget,
         step: int,
         *,
         item: str = layout.DEFAULT_ITEM,
@@ -163,10 +163,13 @@ class PartialSave:
         """
         layout.check_step(step)
         layout.check_item(item)
+        tiers = as_tiered(target)
+        if tiers is not None:  # a partial save is written and committed on the fast tier
+            target = tiers.fast
         if isinstance(target, Backend):
             session = cls(target, step, item, timeout)
         else:
-            owned = opened(target)
+            owned = opened(single(target))
             session = cls(await owned.__aenter__(), step, item, timeout, owned)
         try:
             await session._start(resume, attempt)
@@ -434,7 +437,7 @@ def _writers(part: Part) -> int:
 
 
 async def partial_save(
-    target: Target,
+    target: AnyTarget,
     step: int,
     *,
     item: str = layout.DEFAULT_ITEM,
@@ -442,7 +445,10 @@ async def partial_save(
     resume: bool = True,
     attempt: str | None = None,
 ) -> PartialSave:
-    """Open (or resume) a partial-save session for ``step``: see `PartialSave.open`."""
+    """Open (or resume) a partial-save session for ``step``: see `PartialSave.open`.
+
+    On a `Tiered` target the session lives on the fast tier (no free-space check: parts
+    come one at a time, their total is unknown up front); promote the step afterwards."""
     return await PartialSave.open(
         target, step, item=item, timeout=timeout, resume=resume, attempt=attempt
     )

@@ -32,7 +32,7 @@ from ckptstore.checkpoint.commit import commit, ensure_uncommitted
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.errors import CkptStoreError
 from ckptstore.leaves import LeafInfo, describe_leaf
@@ -68,7 +68,7 @@ class PreparedItem:
 
 
 async def save(
-    target: Target,
+    target: AnyTarget,
     tree: Any,
     *,
     step: int,
@@ -78,13 +78,17 @@ async def save(
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
 
-    Raises `AlreadyExistsError` if ``step`` is already committed.
+    On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
+    committed on the fast tier; promotion
+    to the durable tier is separate (``ckptstore.promote``, the manager, ``ckptstore
+    promote``). Raises `AlreadyExistsError` if ``step`` is already committed (on the
+    fast tier, for tiers).
     """
     return await save_items(target, {item: tree}, step=step, metadata=metadata, timeout=timeout)
 
 
 async def save_items(
-    target: Target,
+    target: AnyTarget,
     items: Mapping[str, Any],
     *,
     step: int,
@@ -98,8 +102,12 @@ async def save_items(
     if not items:
         raise CkptStoreError("nothing to save: no items")
     prepared = {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}
-    async with opened(target) as backend:
-        return await _save(backend, prepared, step, metadata, timeout, timings or {})
+    tiers = as_tiered(target)
+    if tiers is None:
+        async with opened(single(target)) as backend:
+            return await _save(backend, prepared, step, metadata, timeout, timings or {})
+    async with opened(tiers.fast) as fast:
+        return await _save(fast, prepared, step, metadata, timeout, timings or {})
 
 
 async def _save(

@@ -1,18 +1,108 @@
-"""Turning what a caller passes as a checkpoint location into a `Backend`."""
+"""Turning what a caller passes as a checkpoint location into a `Backend` (or, for a
+`Tiered` target, into two)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Union
 
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import open_backend
+from ckptstore.backends.registry import load_profile, open_backend
 from ckptstore.errors import ConfigError
 
 #: A URL or path, a ``.toml`` profile file, or an open `Backend`.
 Target = Union[str, "os.PathLike[str]", Backend]
+
+#: Free space a save leaves on a local fast tier beyond what it writes (`Tiered.free_margin`).
+FREE_MARGIN = 256 << 20
+
+
+@dataclass(frozen=True)
+class Tiered:
+    """A fast tier (local NVMe) in front of a durable one (S3, GCS); each a `Target`.
+
+    Saves commit on the fast tier; promotion (``ckptstore.promote``) copies committed steps
+    to the durable tier; reads use the nearest tier with a good copy. ``keep_fast``: after
+    promoting, keep only this many latest promoted steps on the fast tier (None: all).
+    ``free_margin``: bytes a save must leave free on a local fast tier (see
+    `ckptstore.checkpoint.tiered.ensure_room`).
+    """
+
+    fast: Target
+    durable: Target
+    keep_fast: int | None = None
+    free_margin: int = FREE_MARGIN
+
+    def __post_init__(self) -> None:
+        if self.keep_fast is not None and self.keep_fast < 1:
+            raise ConfigError(f"keep_fast must be >= 1 (or None), got {self.keep_fast}")
+        if self.free_margin < 0:
+            raise ConfigError(f"free_margin must be >= 0 bytes, got {self.free_margin}")
+
+    @classmethod
+    def from_profile(cls, path: str | os.PathLike[str]) -> Tiered:
+        """The ``[tiers]`` table of a profile: ``fast``, ``durable`` (URLs or profile paths,
+        relative to the profile's folder), ``keep_fast`` and ``free_margin`` (bytes)."""
+        table = load_profile(path).get("tiers")
+        if not isinstance(table, dict):
+            raise ConfigError(f"profile {path} has no [tiers] table")
+        unknown = set(table) - {"fast", "durable", "keep_fast", "free_margin"}
+        if (
+            unknown
+            or not isinstance(table.get("fast"), str)
+            or not isinstance(table.get("durable"), str)
+        ):
+            raise ConfigError(
+                f"profile {path} [tiers] needs fast and durable (strings), and optionally "
+                f"keep_fast and free_margin; unknown keys {sorted(unknown)}"
+            )
+        base = os.path.dirname(os.path.abspath(path))
+
+        def resolve(target: str) -> str:
+            if target.endswith(".toml") and not os.path.isabs(target):
+                return os.path.join(base, target)
+            return target
+
+        margin = table.get("free_margin", FREE_MARGIN)
+        if isinstance(margin, bool) or not isinstance(margin, int):
+            raise ConfigError(f"profile {path} [tiers] free_margin must be bytes (an int)")
+        return cls(
+            resolve(table["fast"]), resolve(table["durable"]), table.get("keep_fast"), margin
+        )
+
+    @asynccontextmanager
+    async def opened(self) -> AsyncIterator[tuple[Backend, Backend]]:
+        """Both tiers' backends (those opened here are closed afterwards)."""
+        async with AsyncExitStack() as stack:
+            fast = await stack.enter_async_context(opened(self.fast))
+            durable = await stack.enter_async_context(opened(self.durable))
+            yield fast, durable
+
+
+#: Anything the public entry points accept: a `Target`, or a `Tiered` pair of them.
+AnyTarget = Target | Tiered
+
+
+def single(target: AnyTarget) -> Target:
+    """``target`` where one backend is meant (after `as_tiered` said it is not tiers)."""
+    if isinstance(target, Tiered):
+        raise ConfigError(f"{target!r} is two tiers, not one backend")
+    return target
+
+
+def as_tiered(target: AnyTarget | None) -> Tiered | None:
+    """``target`` as tiers: a `Tiered`, or a ``.toml`` profile with a ``[tiers]`` table."""
+    if isinstance(target, Tiered):
+        return target
+    if target is None or isinstance(target, Backend):
+        return None
+    path = os.fspath(target)
+    if path.endswith(".toml") and os.path.isfile(path) and "tiers" in load_profile(path):
+        return Tiered.from_profile(path)
+    return None
 
 
 def open_target(
@@ -28,6 +118,11 @@ def open_target(
     with ``options`` overriding them); a target that is itself a ``.toml`` profile takes
     ``options`` but no second profile.
     """
+    if isinstance(target, Tiered):
+        raise ConfigError(
+            f"{target!r} is two tiers, not one backend: pass it to ckptstore.save, restore, "
+            "list_steps, verify, promote, ... or open one of its tiers"
+        )
     if isinstance(target, Backend):
         if profile is not None or options:
             raise ConfigError(f"{target!r} is already open: a profile or options cannot apply")

@@ -43,6 +43,10 @@ class VerifyReport:
     leaves: int = 0  # leaves checked
     bytes: int = 0  # payload bytes read and checksummed
     problems: dict[str, str] = field(default_factory=dict)  # what (file or leaf) -> why
+    #: On a `Tiered` target: the tier checked ("fast" or "durable"), and the problems of a
+    #: damaged fast copy that was skipped for the durable one (a restore would skip it too).
+    tier: str | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

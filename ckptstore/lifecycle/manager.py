@@ -32,7 +32,7 @@ from ckptstore.checkpoint.commit import committed_steps, load_committed
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.restore import restore
 from ckptstore.checkpoint.save import save_items
-from ckptstore.checkpoint.target import Target, open_target
+from ckptstore.checkpoint.target import Target, as_tiered, open_target
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle import tiers
@@ -112,7 +112,7 @@ class CheckpointManager:
         self._me, self._count = distributed.process_index(), distributed.process_count()
         #: With a `Tiered` target (or a profile with a [tiers] table), saves go to the fast
         #: tier and each committed step is promoted to the durable one in the background.
-        self.tiered = _tiered(target)
+        self.tiered = as_tiered(target)
         fast = self.tiered.fast if self.tiered is not None else target
         assert not isinstance(fast, Tiered)
         self._owns_backend = not isinstance(fast, Backend)
@@ -477,18 +477,6 @@ def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[st
     for name in trees:
         layout.check_item(name)  # refused before anything is staged
     return trees
-
-
-def _tiered(target: Target | Tiered) -> Tiered | None:
-    """``target`` as tiers: a `Tiered`, or a profile with a [tiers] table; else None."""
-    if isinstance(target, Tiered):
-        return target
-    if isinstance(target, Backend):
-        return None
-    path = os.fspath(target)
-    if path.endswith(".toml") and os.path.isfile(path) and "tiers" in load_profile(path):
-        return Tiered.from_profile(path)
-    return None
 
 
 def _options_from_profile(target: Target | Tiered) -> ManagerOptions:

@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.arrays import ByteBudget
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step
 from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest
-from ckptstore.checkpoint.restore import restore as restore_from
-from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old home
+from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
+from ckptstore.checkpoint.tiered import restore as nearest_restore
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
-    ConfigError,
     CorruptCheckpointError,
     NotFoundError,
 )
@@ -40,57 +37,6 @@ log = logging.getLogger("ckptstore")
 
 #: Bytes of objects read from the fast tier and not yet written to the durable one.
 PROMOTE_BYTES_IN_FLIGHT = 256 << 20
-
-
-@dataclass(frozen=True)
-class Tiered:
-    """A fast tier in front of a durable one; each a URL, profile path or `Backend`.
-
-    ``keep_fast``: after promoting, keep only this many latest promoted steps on the
-    fast tier (None: keep everything there).
-    """
-
-    fast: Target
-    durable: Target
-    keep_fast: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.keep_fast is not None and self.keep_fast < 1:
-            raise ConfigError(f"keep_fast must be >= 1 (or None), got {self.keep_fast}")
-
-    @classmethod
-    def from_profile(cls, path: str | os.PathLike[str]) -> Tiered:
-        """The ``[tiers]`` table of a profile: ``fast``, ``durable`` (URLs or profile paths,
-        relative to the profile's folder) and ``keep_fast``."""
-        table = load_profile(path).get("tiers")
-        if not isinstance(table, dict):
-            raise ConfigError(f"profile {path} has no [tiers] table")
-        unknown = set(table) - {"fast", "durable", "keep_fast"}
-        if (
-            unknown
-            or not isinstance(table.get("fast"), str)
-            or not isinstance(table.get("durable"), str)
-        ):
-            raise ConfigError(
-                f"profile {path} [tiers] needs fast and durable (strings), "
-                f"and optionally keep_fast; unknown keys {sorted(unknown)}"
-            )
-        base = os.path.dirname(os.path.abspath(path))
-
-        def resolve(target: str) -> str:
-            if target.endswith(".toml") and not os.path.isabs(target):
-                return os.path.join(base, target)
-            return target
-
-        return cls(resolve(table["fast"]), resolve(table["durable"]), table.get("keep_fast"))
-
-    @asynccontextmanager
-    async def opened(self) -> AsyncIterator[tuple[Backend, Backend]]:
-        """Both tiers' backends (those opened here are closed afterwards)."""
-        async with AsyncExitStack() as stack:
-            fast = await stack.enter_async_context(opened(self.fast))
-            durable = await stack.enter_async_context(opened(self.durable))
-            yield fast, durable
 
 
 @dataclass
@@ -118,6 +64,7 @@ class TierStatus:
 
 
 async def status(tiered: Tiered) -> TierStatus:
+    """Each committed step's tiers."""
     async with tiered.opened() as (fast, durable):
         on_fast, on_durable = await asyncio.gather(committed_steps(fast), committed_steps(durable))
     out = TierStatus()
@@ -128,8 +75,8 @@ async def status(tiered: Tiered) -> TierStatus:
 
 
 async def list_steps(tiered: Tiered) -> list[int]:
-    """Steps committed on either tier, ascending."""
-    return sorted((await status(tiered)).steps)
+    """Steps committed on either tier, ascending (`ckptstore.list_steps` on tiers)."""
+    return await nearest_list_steps(tiered)
 
 
 async def promote(
@@ -258,24 +205,5 @@ async def _marker_matches(fast: Backend, durable: Backend, step: int) -> bool:
 
 
 async def restore(tiered: Tiered, step: int | None = None, like: Any = None, **kwargs: Any) -> Any:
-    """Restore from the fast tier when it holds a good copy of the step, else the durable one.
-
-    A fast copy that fails any check (marker, digest, checksums) is skipped with a warning:
-    the result is never an error that the durable copy could avoid, and never wrong data.
-    """
-    async with tiered.opened() as (fast, durable):
-        if step is None:
-            steps = sorted(set(await committed_steps(fast)) | set(await committed_steps(durable)))
-            if not steps:
-                raise CheckpointNotFoundError("no committed checkpoint on either tier")
-            step = steps[-1]
-        if await fast.exists(layout.commit_key(step)):
-            try:
-                return await restore_from(fast, step, like, **kwargs)
-            except CorruptCheckpointError as exc:
-                log.warning(
-                    "ckptstore: fast copy of step %d is damaged, using the durable tier: %s",
-                    step,
-                    exc,
-                )
-        return await restore_from(durable, step, like, **kwargs)
+    """Restore from the nearest tier with a good copy (`ckptstore.restore` on tiers)."""
+    return await nearest_restore(tiered, step, like, **kwargs)

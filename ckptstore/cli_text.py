@@ -1,0 +1,29 @@
+"""Text the ``ckptstore`` command prints: sizes, counts, times, durations."""
+
+from __future__ import annotations
+
+import time
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def count(n: int, word: str, plural: str | None = None) -> str:
+    """``1 part``, ``2 parts``, ``3 leaves`` (with ``plural``)."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+def duration_text(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
