@@ -42,6 +42,18 @@ class PermissionDeniedError(StorageError, PermissionError):
     """The backend refused the operation (credentials, ACLs, read-only media)."""
 
 
+class InsufficientSpaceError(StorageError, OSError):
+    """A local tier lacks the free space a save needs; raised before anything is written.
+
+    ``needed`` and ``free`` are bytes (``needed`` includes the margin the save leaves free).
+    """
+
+    def __init__(self, message: str, *, backend: str | None = None, needed: int = 0, free: int = 0):
+        super().__init__(message, backend=backend)
+        self.needed = needed
+        self.free = free
+
+
 class TransientStorageError(StorageError):
     """A failure that may succeed if retried: throttling, 5xx, timeouts, resets."""
 

@@ -195,6 +195,11 @@ class Backend(ABC):
         """
         return contextlib.nullcontext()
 
+    async def free_bytes(self) -> int | None:
+        """Bytes a writer can still add below the root, where the storage can tell (a local
+        filesystem); None where it cannot (object stores: no such limit to check)."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""
 

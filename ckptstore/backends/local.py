@@ -104,6 +104,15 @@ class LocalBackend(Backend):
         norm = validate_prefix(prefix)
         return PageCacheEvictor(self.root / norm if norm else self.root)
 
+    async def free_bytes(self) -> int | None:
+        """Free space for an unprivileged writer (``statvfs``) on the root's filesystem (on
+        its nearest existing parent's while the root does not exist yet)."""
+        path = self.root
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        st = await aiofiles.os.statvfs(path)
+        return int(st.f_bavail * st.f_frsize)
+
     # ---- paths ----
 
     def _path(self, key: str) -> Path:

@@ -30,6 +30,7 @@ _TYPED = (
     errors.CorruptCheckpointError,
     errors.PermissionDeniedError,
     errors.CoordinationError,
+    errors.InsufficientSpaceError,
 )
 
 

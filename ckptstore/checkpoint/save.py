@@ -32,6 +32,7 @@ from ckptstore.checkpoint.commit import commit, ensure_uncommitted
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
+from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.errors import CkptStoreError
@@ -79,7 +80,7 @@ async def save(
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
 
     On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
-    committed on the fast tier; promotion
+    committed on the fast tier, after checking it has room (see `ensure_room`); promotion
     to the durable tier is separate (``ckptstore.promote``, the manager, ``ckptstore
     promote``). Raises `AlreadyExistsError` if ``step`` is already committed (on the
     fast tier, for tiers).
@@ -106,8 +107,9 @@ async def save_items(
     if tiers is None:
         async with opened(single(target)) as backend:
             return await _save(backend, prepared, step, metadata, timeout, timings or {})
-    async with opened(tiers.fast) as fast:
-        return await _save(fast, prepared, step, metadata, timeout, timings or {})
+    async with tiers.opened() as (fast, durable):
+        room = Room(durable, tiers.free_margin)
+        return await _save(fast, prepared, step, metadata, timeout, timings or {}, room)
 
 
 async def _save(
@@ -117,10 +119,19 @@ async def _save(
     metadata: dict[str, Any] | None,
     timeout: float,
     timings: dict[str, float],
+    room: Room | None = None,
 ) -> SaveResult:
     start = time.perf_counter()
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
+    if room is not None:  # every process checks its own fast tier; one lacking room fails all
+
+        async def make_room() -> dict[str, Any]:
+            mine = sum(bytes_to_write(i.named, i.leaves, handoff.me) for i in items.values())
+            return {"evicted": await ensure_room(backend, room, mine)}
+
+        await handoff.everyone(make_room)
+        await handoff.primary(handoff.reports)
 
     async def fresh_attempt() -> str:
         return layout.new_attempt()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import signal
@@ -219,8 +220,11 @@ class CheckpointManager:
         waited: float,
     ) -> SaveStats:
         await asyncio.to_thread(self._stager.finish, staged)  # copies "view" staging defers
+        target: Backend | Tiered = self.backend
+        if self.durable is not None and self.tiered is not None:  # checks room on the fast tier
+            target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
         result = await save_items(
-            self.backend,
+            target,
             staged.tree,
             step=step,
             metadata={**metadata, "metrics": metrics} if metrics else metadata,

@@ -1,0 +1,124 @@
+"""Free space on a local fast tier, checked before a save writes anything.
+
+A save that fills the NVMe fails halfway, leaves a partial attempt behind and may break
+whatever else shares the disk. So before a save on a `Tiered` target each process asks its
+fast tier how much space is free (``statvfs`` on local disk; object stores have no such
+limit and are not checked). If that is less than what this process will write plus the
+tier's margin, steps already promoted (committed on the durable tier with the same marker)
+leave the fast tier, oldest first, only as many as needed; if even evicting all of them
+would not make room, nothing is evicted and the save fails with `InsufficientSpaceError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.cleanup import delete_step
+from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.errors import CheckpointNotFoundError, InsufficientSpaceError, NotFoundError
+from ckptstore.leaves import HostShards, LeafInfo
+
+log = logging.getLogger("ckptstore")
+
+
+def bytes_to_write(named: Sequence[tuple[str, Any]], leaves: Sequence[LeafInfo], me: int) -> int:
+    """Payload bytes process ``me`` writes for these leaves: of each `jax.Array` its
+    addressable replica-0 shards (staged: its `HostShards`); every other value belongs to
+    process 0."""
+    total = 0
+    for (_, value), info in zip(named, leaves, strict=True):
+        if isinstance(value, HostShards):
+            total += sum(piece.nbytes for _, piece in value.pieces)
+        elif isinstance(value, jax.Array):
+            total += sum(s.data.nbytes for s in value.addressable_shards if s.replica_id == 0)
+        elif me == 0:
+            total += info.nbytes
+    return total
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a save on a fast tier must leave free, and where promoted copies live."""
+
+    durable: Backend
+    margin: int
+
+
+async def promoted_steps(fast: Backend, durable: Backend) -> list[int]:
+    """Steps committed on ``fast`` whose durable marker is byte-identical, oldest first."""
+    on_durable = set(await committed_steps(durable))
+    out = []
+    for step in await committed_steps(fast):
+        if step in on_durable and await _same_marker(fast, durable, step):
+            out.append(step)
+    return out
+
+
+async def _same_marker(fast: Backend, durable: Backend, step: int) -> bool:
+    key = layout.commit_key(step)
+    try:
+        return bool(await fast.read(key) == await durable.read(key))
+    except NotFoundError:  # deleted meanwhile
+        return False
+
+
+async def _step_bytes(backend: Backend, step: int) -> int:
+    return sum([info.size async for info in backend.list(layout.step_dir(step))])
+
+
+async def ensure_room(fast: Backend, room: Room, nbytes: int) -> list[int]:
+    """Make sure ``fast`` has ``nbytes`` plus the margin free, evicting promoted steps
+    (oldest first) if that is what it takes; returns the evicted steps.
+
+    Raises `InsufficientSpaceError` (naming the tier, the bytes needed and free) when even
+    evicting every promoted step would not be enough; then nothing is evicted.
+    """
+    free = await fast.free_bytes()
+    needed = nbytes + room.margin
+    if free is None or free >= needed:
+        return []
+    candidates = await promoted_steps(fast, room.durable)
+    sizes = await asyncio.gather(*(_step_bytes(fast, s) for s in candidates))
+    if free + sum(sizes) < needed:
+        raise InsufficientSpaceError(
+            f"not enough free space on the fast tier for this save: it needs {needed} bytes "
+            f"({nbytes} to write + {room.margin} margin), {free} are free"
+            + (
+                f", {free + sum(sizes)} after evicting every promoted step {candidates}"
+                if candidates
+                else " and no promoted step could be evicted"
+            ),
+            backend=fast.url,
+            needed=needed,
+            free=free,
+        )
+    evicted = []
+    for step in candidates:
+        try:
+            await delete_step(fast, step)
+        except CheckpointNotFoundError:  # another process on this host evicted it first
+            pass
+        evicted.append(step)
+        free = await fast.free_bytes()
+        if free is None or free >= needed:
+            break
+    else:
+        raise InsufficientSpaceError(
+            f"not enough free space on the fast tier for this save after evicting the promoted "
+            f"steps {evicted}: it needs {needed} bytes, {free} are free",
+            backend=fast.url,
+            needed=needed,
+            free=free or 0,
+        )
+    log.info(
+        "ckptstore: evicted promoted steps %s from %s to make room for a save", evicted, fast.url
+    )
+    return evicted
