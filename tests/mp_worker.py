@@ -11,6 +11,11 @@ keeping 2, then restores the latest on the transposed mesh. Orbax: "orbax-save" 
 "save" tree with Orbax's StandardCheckpointer into ROOT; "orbax-restore" restores the
 Orbax checkpoint at ROOT with Orbax onto the transposed mesh and checks every shard;
 "orbax-import" imports the Orbax checkpoint ROOT/orbax into ROOT/imported, step 1.
+Tiers (a 6th argument, DURABLE, names the durable tier; each process's fast tier is its own
+ROOT/fast<PROCESS_ID>, or with a 7th argument "shared" one ROOT/fast for both):
+"tiered-save" saves the "save" tree as step 1 on the tiers, then promotes it (every process);
+"tiered-restore" restores the latest step from the tiers on the transposed mesh and checks
+every shard.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def expected(name: str) -> np.ndarray:
 
 def main() -> None:
     coordinator, num, pid, root, mode = sys.argv[1:6]
+    durable = sys.argv[6] if len(sys.argv) > 6 else None
+    fast = f"{root}/fast" if sys.argv[7:] == ["shared"] else f"{root}/fast{pid}"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before jax starts
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -54,7 +61,7 @@ def main() -> None:
         print(f"imported {result.leaves} in {result.parts} parts", flush=True)
         jax.distributed.shutdown()
         return
-    if mode not in ("restore", "orbax-restore"):
+    if mode not in ("restore", "orbax-restore", "tiered-restore"):
         mesh = Mesh(devices.reshape(2, -1), ("x", "y"))
         specs = {"w": P("x", "y"), "v": P("y"), "replicated": P()}
     else:
@@ -118,6 +125,32 @@ def main() -> None:
             for shard in arr.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), expected(k)[shard.index])
         print("orbax restored ok", flush=True)
+    elif mode == "tiered-save":
+        tiers = ckptstore.Tiered(fast, str(durable))
+        tree = {
+            k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
+            for k in SHAPES
+        }
+        saved = asyncio.run(ckptstore.save(tiers, tree, step=1, timeout=60))
+        listed = asyncio.run(ckptstore.list_steps(tiers))  # staged, not listed until promoted
+        done = asyncio.run(ckptstore.promote(tiers, timeout=60))
+        now = asyncio.run(ckptstore.list_steps(tiers))
+        promoted = [(p.step, p.copied > 0) for p in done]
+        print(
+            f"tiered saved {saved.bytes_written} listed {listed} promoted {promoted} now {now}",
+            flush=True,
+        )
+    elif mode == "tiered-restore":
+        tiers = ckptstore.Tiered(fast, str(durable))
+        like = {
+            k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=shardings[k]) for k in SHAPES
+        }
+        out = asyncio.run(ckptstore.restore(tiers, like=like))
+        for k, arr in out.items():
+            assert arr.sharding == shardings[k]
+            for shard in arr.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), expected(k)[shard.index])
+        print("tiered restored ok", flush=True)
     elif mode in ("save", "fail", "late"):
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])

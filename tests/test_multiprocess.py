@@ -13,11 +13,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from tests.mp_worker import SHAPES, expected
+from tests.test_partial import shared_target
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 
@@ -28,11 +30,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(root: Path, mode: str, num: int = 2) -> list[str]:
+def run_job(root: Path, mode: str, num: int = 2, *extra: str) -> list[str]:
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), coordinator, str(num), str(i), str(root), mode],
+            [sys.executable, str(WORKER), coordinator, str(num), str(i), str(root), mode, *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -156,3 +158,49 @@ def test_two_processes_orbax_in(tmp_path: Path) -> None:
     for k in SHAPES:
         np.testing.assert_array_equal(imported[k], expected(k))
     assert ckptstore.verify_sync(str(root / "imported"), 1).ok
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_tier(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Each process's fast tier is its own directory (two 'hosts'); the step is staged
+    there, promoted by both processes and merged by reference on the durable tier."""
+    durable = shared_target(kind, request, tmp_path, "durable")
+    outputs = run_job(tmp_path, "tiered-save", 2, durable)
+    assert all(
+        o.startswith("tiered saved") and o.endswith("listed [] promoted [(1, True)] now [1]\n")
+        for o in outputs
+    ), outputs
+    for i in (0, 1):  # each host holds exactly its own store, and its STAGED marker
+        fast = tmp_path / f"fast{i}"
+        (attempt,) = (fast / "1").glob("attempt-*")
+        assert [p.name for p in (attempt / "state").iterdir()] == [f"ocdbt.process_{i}"]
+        assert (fast / "1" / "STAGED").is_file() and not (fast / "1" / "COMMITTED").exists()
+    assert (tmp_path / "fast0" / "1" / attempt.name / "manifest.json").is_file()
+    assert ckptstore.list_steps_sync(durable) == [1]
+    assert ckptstore.verify_sync(durable, 1).ok
+    whole = ckptstore.restore_sync(durable)  # one process, the whole tree
+    for k in SHAPES:
+        assert whole[k].tobytes() == expected(k).tobytes()
+
+    # A restart on the same two hosts, then on new ones (the fast directories gone). Both
+    # read the durable tier: a host's fast tier holds only its own store (process 1's has no
+    # zarr.json, and no replicated shard of replica id > 0), so it cannot serve a restore
+    # alone (docs/architecture.md, "Multi-host tiers").
+    assert run_job(tmp_path, "tiered-restore", 2, durable) == ["tiered restored ok\n"] * 2
+    for i in (0, 1):
+        shutil.rmtree(tmp_path / f"fast{i}")
+    assert run_job(tmp_path, "tiered-restore", 2, durable) == ["tiered restored ok\n"] * 2
+
+
+def test_two_processes_sharing_one_fast_tier_commit_there(tmp_path: Path) -> None:
+    """One host's NVMe seen by both processes: the step is merged and committed on the fast
+    tier as usual, and process 0 alone promotes it."""
+    durable = str(tmp_path / "durable")
+    outputs = run_job(tmp_path, "tiered-save", 2, durable, "shared")
+    assert outputs[0].endswith("listed [1] promoted [(1, True)] now [1]\n"), outputs
+    assert outputs[1].endswith("listed [1] promoted [] now [1]\n"), outputs
+    assert not list(tmp_path.glob("fast/.ckptstore-probe-*"))  # the probe is cleaned up
+    assert ckptstore.list_steps_sync(str(tmp_path / "fast")) == [1]
+    assert ckptstore.verify_sync(durable, 1).ok

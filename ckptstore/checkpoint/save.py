@@ -30,12 +30,13 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import commit, ensure_uncommitted
 from ckptstore.checkpoint.handoff import Handoff
+from ckptstore.checkpoint.hostlocal import fast_is_shared, stage, staged_key
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import AlreadyExistsError, CkptStoreError
 from ckptstore.leaves import LeafInfo, describe_leaf
 
 
@@ -124,9 +125,17 @@ async def _save(
     start = time.perf_counter()
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
-    if room is not None:  # every process checks its own fast tier; one lacking room fails all
+    host_local = False
+    if room is not None:  # tiers: every process checks its own fast tier; one failing fails all
+        host_local = not await fast_is_shared(backend, handoff)  # see `hostlocal`
+        if host_local:
+            await ensure_uncommitted(room.durable, step)
 
         async def make_room() -> dict[str, Any]:
+            if host_local and await backend.exists(staged_key(step)):
+                raise AlreadyExistsError(
+                    f"step {step} is already staged", backend=backend.url, key=staged_key(step)
+                )
             mine = sum(bytes_to_write(i.named, i.leaves, handoff.me) for i in items.values())
             return {"evicted": await ensure_room(backend, room, mine)}
 
@@ -163,7 +172,8 @@ async def _save(
         manifest_items = {}
         for name, item in items.items():
             stores = [where.process_store(name, i) for i in range(handoff.count)]
-            await merge(backend, where.item(name), stores, item.leaves)
+            if not host_local:  # host-local: merged on the durable tier at promotion
+                await merge(backend, where.item(name), stores, item.leaves)
             manifest_items[name] = ItemManifest(
                 structure=item.structure,
                 leaves={info.name: info for info in item.leaves},
@@ -183,10 +193,22 @@ async def _save(
                 "merge": phases["merge"],
             },
         )
-        await commit(backend, manifest)
+        if host_local:
+            await stage(backend, step, str(where.attempt), 0, handoff.count, manifest)
+        else:
+            await commit(backend, manifest)
         phases["commit"] = time.perf_counter() - merged
 
     await handoff.primary(merge_and_commit)
+    if host_local:  # every other process stages its part; the save returns once all have
+
+        async def stage_mine() -> dict[str, Any]:
+            if handoff.me != 0:
+                await stage(backend, step, str(where.attempt), handoff.me, handoff.count, None)
+            return {}
+
+        await handoff.everyone(stage_mine)
+        await handoff.primary(handoff.reports)
     return SaveResult(
         step=step,
         attempt=str(where.attempt),

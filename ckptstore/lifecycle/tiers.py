@@ -12,17 +12,27 @@ promotion resumes where it stopped (each object write is atomic on every backend
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore import distributed
 from ckptstore.arrays import ByteBudget
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step
 from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest
+from ckptstore.checkpoint.handoff import Handoff
+from ckptstore.checkpoint.hostlocal import (
+    fast_is_shared,
+    merge_on_durable,
+    read_staged,
+    staged_key,
+    staged_steps,
+)
 from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old home
 from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
 from ckptstore.checkpoint.tiered import restore as nearest_restore
@@ -85,26 +95,131 @@ async def promote(
     *,
     max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
     progress: Callable[[int, int], None] | None = None,
+    timeout: float = distributed.DEFAULT_TIMEOUT,
 ) -> list[Promotion]:
     """Promote ``step`` (default: every committed step the durable tier lacks), oldest first.
 
     ``progress(bytes_done, bytes_total)`` is called as objects land. Then, with
     ``keep_fast``, promoted steps beyond the latest ``keep_fast`` leave the fast tier.
+    In a multi-process job every process calls it: with one shared fast tier process 0
+    promotes (the others get ``[]``); with host-local fast tiers (see
+    `ckptstore.checkpoint.hostlocal`) every process uploads its part of each staged step
+    and process 0 merges and commits on the durable tier.
     """
     async with tiered.opened() as (fast, durable):
-        if step is None:  # every step whose durable marker is missing or differs
-            on_durable = set(await committed_steps(durable))
-            steps = [
-                s
-                for s in await committed_steps(fast)
-                if s not in on_durable or not await _marker_matches(fast, durable, s)
-            ]
-        else:
-            steps = [layout.check_step(step)]
-        done = [await promote_step(fast, durable, s, max_bytes_in_flight, progress) for s in steps]
-        if tiered.keep_fast is not None:
-            await trim_fast(fast, durable, tiered.keep_fast)
-        return done
+        if distributed.process_count() > 1:
+            handoff = Handoff("promote", timeout)
+            if not await fast_is_shared(fast, handoff):
+                return await promote_staged(
+                    fast, durable, handoff, step, tiered.keep_fast, max_bytes_in_flight, progress
+                )
+
+            async def here() -> list[Promotion]:
+                return await _promote(tiered, fast, durable, step, max_bytes_in_flight, progress)
+
+            return await handoff.primary(here) or []
+        return await _promote(tiered, fast, durable, step, max_bytes_in_flight, progress)
+
+
+async def _promote(
+    tiered: Tiered,
+    fast: Backend,
+    durable: Backend,
+    step: int | None,
+    max_bytes_in_flight: int,
+    progress: Callable[[int, int], None] | None,
+) -> list[Promotion]:
+    if step is None:  # every step whose durable marker is missing or differs
+        on_durable = set(await committed_steps(durable))
+        steps = [
+            s
+            for s in await committed_steps(fast)
+            if s not in on_durable or not await _marker_matches(fast, durable, s)
+        ]
+    else:
+        steps = [layout.check_step(step)]
+    done = [await promote_step(fast, durable, s, max_bytes_in_flight, progress) for s in steps]
+    if tiered.keep_fast is not None:
+        await trim_fast(fast, durable, tiered.keep_fast)
+    return done
+
+
+async def promote_staged(
+    fast: Backend,
+    durable: Backend,
+    handoff: Handoff,
+    step: int | None,
+    keep_fast: int | None,
+    max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Promotion]:
+    """Host-local fast tiers (every process calls this): each process uploads its part of
+    each staged step (default: every one process 0 has staged and the durable tier lacks),
+    then process 0 merges on the durable tier and commits there, last."""
+
+    async def plan() -> str:
+        steps = [layout.check_step(step)] if step is not None else await staged_steps(fast)
+        on_durable = set(await committed_steps(durable))
+        todo = []
+        for s in steps:
+            mine = await read_staged(fast, s)
+            if mine is None:
+                raise CheckpointNotFoundError(
+                    f"step {s} is not staged on process 0's fast tier", backend=fast.url
+                )
+            if step is not None or s not in on_durable:
+                todo.append({"step": s, "attempt": mine.attempt})
+        return json.dumps(todo)
+
+    done = [
+        await _promote_part(
+            fast, durable, handoff, int(e["step"]), str(e["attempt"]), max_bytes_in_flight, progress
+        )
+        for e in json.loads(await handoff.agree(plan))
+    ]
+    if keep_fast is not None:  # this host's parts of durable steps beyond the latest keep_fast
+        on_durable = set(await committed_steps(durable))
+        promoted = [s for s in await staged_steps(fast) if s in on_durable]
+        for s in promoted[:-keep_fast]:
+            await fast.delete(staged_key(s))  # the marker first: the part is garbage after
+            await fast.delete_prefix(layout.step_dir(s) + "/")
+    return done
+
+
+async def _promote_part(
+    fast: Backend,
+    durable: Backend,
+    handoff: Handoff,
+    step: int,
+    attempt: str,
+    max_bytes_in_flight: int,
+    progress: Callable[[int, int], None] | None,
+) -> Promotion:
+    """One staged step: this process uploads its part; process 0 merges and commits."""
+    result = Promotion(step=step, attempt=attempt)
+    start = time.perf_counter()
+
+    async def upload() -> dict[str, Any]:
+        mine = await read_staged(fast, step)
+        if mine is None or mine.attempt != attempt:
+            raise CorruptCheckpointError(
+                f"process {handoff.me}: step {step} attempt {attempt} is not staged on {fast.url}"
+            )
+        root = layout.AttemptDir(step, attempt).root
+        objects = [info async for info in fast.list(root)]
+        await copy_objects(fast, durable, objects, root, result, max_bytes_in_flight, progress)
+        return {"copied": result.copied}
+
+    async def commit_durable() -> None:
+        await handoff.reports()  # raises if a process failed: every part is there otherwise
+        mine = await read_staged(fast, step)
+        assert mine is not None
+        await merge_on_durable(durable, mine)
+
+    await handoff.everyone(upload)
+    await handoff.primary(commit_durable)
+    result.seconds = time.perf_counter() - start
+    return result
 
 
 async def promote_step(
@@ -130,7 +245,32 @@ async def promote_step(
         result.already = True
         return result
     objects = await _attempt_objects(fast, marker)
-    have = {i.key: i.size async for i in durable.list(marker.where.root)}
+    await copy_objects(
+        fast, durable, objects, marker.where.root, result, max_bytes_in_flight, progress
+    )
+    await load_manifest(durable, marker)  # the durable copy's manifest checks out
+    try:
+        await durable.create(key, marker_bytes)
+    except AlreadyExistsError:
+        if not await _same_marker(durable, key, marker_bytes):
+            raise  # the durable tier committed another attempt of this step
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+async def copy_objects(
+    fast: Backend,
+    durable: Backend,
+    objects: list[ObjectInfo],
+    root: str,
+    result: Promotion,
+    max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Copy the ``objects`` (below ``root``) the durable tier lacks or holds with another
+    size, at most ``max_bytes_in_flight`` read and not yet written; then check every one
+    landed with its size. Counts go to ``result``."""
+    have = {i.key: i.size async for i in durable.list(root)}
     todo = [o for o in objects if have.get(o.key) != o.size]
     result.objects, result.copied = len(objects), len(todo)
     total = sum(o.size for o in todo)
@@ -147,21 +287,13 @@ async def promote_step(
             progress(result.bytes, total)
 
     await asyncio.gather(*(copy(o) for o in todo))
-    landed = {i.key: i.size async for i in durable.list(marker.where.root)}
+    landed = {i.key: i.size async for i in durable.list(root)}
     missing = [o.key for o in objects if landed.get(o.key) != o.size]
     if missing:
         raise CorruptCheckpointError(
-            f"promotion of step {step}: {len(missing)} objects missing or of the wrong size "
-            f"on {durable.url} (first: {missing[0]})"
+            f"promotion of step {result.step}: {len(missing)} objects missing or of the wrong "
+            f"size on {durable.url} (first: {missing[0]})"
         )
-    await load_manifest(durable, marker)  # the durable copy's manifest checks out
-    try:
-        await durable.create(key, marker_bytes)
-    except AlreadyExistsError:
-        if not await _same_marker(durable, key, marker_bytes):
-            raise  # the durable tier committed another attempt of this step
-    result.seconds = time.perf_counter() - start
-    return result
 
 
 async def _same_marker(durable: Backend, key: str, marker_bytes: bytes) -> bool:

@@ -1,0 +1,176 @@
+"""Host-local fast tiers: a multi-process save on `Tiered` storage whose fast tier is each
+host's own NVMe (not one shared filesystem).
+
+Process i can only write its own store, ``<step>/<attempt>/<item>/ocdbt.process_<i>/``, on
+its own fast tier, and the merge must read every child store: no single fast tier can hold
+a merged step. So there the save *stages* the step instead of committing it:
+
+1. every process writes its store on its fast tier (as in any save);
+2. process 0 writes the attempt's ``manifest.json`` on its fast tier and creates
+   ``<step>/STAGED`` (the attempt, the manifest's digest, the number of processes);
+3. every other process creates its own ``<step>/STAGED`` (the attempt, its index) once
+   its store is complete; the save returns when every process has.
+
+A staged step is not listed (no ``COMMITTED``). Promotion (`ckptstore.promote` called by
+every process) uploads each process's part, then process 0 merges the stores by
+reference *on the durable tier* (`merge_on_durable`, one TensorStore context for parents
+and children: the OCDBT merge works on S3 and GCS that way) and creates the durable
+``COMMITTED`` last.
+
+Whether the fast tier is host-local is measured, not configured: process 0 writes a probe
+object and every process looks for it (`fast_is_shared`).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import Marker, digest
+from ckptstore.checkpoint.handoff import Handoff
+from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.merge import merge
+from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError, NotFoundError
+
+STAGED = "STAGED"
+_PROBE = ".ckptstore-probe-"
+
+
+def staged_key(step: int) -> str:
+    return f"{layout.step_dir(step)}/{STAGED}"
+
+
+@dataclass(frozen=True)
+class Staged:
+    """The content of ``<step>/STAGED`` on one process's fast tier."""
+
+    step: int
+    attempt: str
+    process: int
+    processes: int
+    manifest_digest: str | None = None  # process 0's marker only
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "format": layout.FORMAT,
+                "step": self.step,
+                "attempt": self.attempt,
+                "process": self.process,
+                "processes": self.processes,
+                "manifest_digest": self.manifest_digest,
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, step: int, where: str) -> Staged:
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != layout.FORMAT or doc.get("step") != step:
+                raise ValueError("not a staged-step marker of this step")
+            if not layout.is_attempt(doc["attempt"]):
+                raise ValueError("no valid attempt")
+            return cls(
+                step, doc["attempt"], int(doc["process"]), int(doc["processes"]),
+                doc.get("manifest_digest"),
+            )  # fmt: skip
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"unreadable staged-step marker {where}: {exc}") from exc
+
+
+async def read_staged(fast: Backend, step: int) -> Staged | None:
+    try:
+        data = await fast.read(staged_key(step))
+    except NotFoundError:
+        return None
+    return Staged.from_bytes(data, step=step, where=f"{fast.url}/{staged_key(step)}")
+
+
+async def staged_steps(fast: Backend) -> list[int]:
+    """Steps with a ``STAGED`` marker on this fast tier, ascending."""
+    steps = sorted(s for s in map(layout.parse_step, await fast.list_dir()) if s is not None)
+    return [s for s in steps if await fast.exists(staged_key(s))]
+
+
+async def fast_is_shared(fast: Backend, handoff: Handoff) -> bool:
+    """Whether every process sees process 0's fast tier (one filesystem), measured with a
+    probe object; collective (every process calls it with the same ``handoff``)."""
+    if handoff.count == 1:
+        return True
+
+    async def write_probe() -> str:
+        token = secrets.token_hex(8)
+        await fast.write(_PROBE + token, b"probe")
+        return token
+
+    token = await handoff.agree(write_probe)
+
+    async def look() -> dict[str, Any]:
+        return {"sees": await fast.exists(_PROBE + token)}
+
+    await handoff.everyone(look)
+
+    async def decide() -> str:
+        seen = all(r["sees"] for r in await handoff.reports())
+        await fast.delete(_PROBE + token)
+        return "shared" if seen else "local"
+
+    return await handoff.agree(decide) == "shared"
+
+
+async def stage(
+    fast: Backend, step: int, attempt: str, me: int, count: int, manifest: Manifest | None
+) -> None:
+    """Record this process's complete part on its fast tier (process 0: with the manifest,
+    written first)."""
+    step_digest = None
+    if manifest is not None:
+        data = manifest.to_bytes()
+        await fast.write(layout.AttemptDir(step, attempt).manifest, data)
+        step_digest = digest(data)
+    marker = Staged(step, attempt, me, count, step_digest)
+    await fast.create(staged_key(step), marker.to_bytes())
+
+
+async def merge_on_durable(durable: Backend, mine: Staged) -> bytes:
+    """Process 0, once every process's part is on ``durable``: merge each item's per-process
+    stores there by reference, validate, and create the durable ``COMMITTED`` last.
+
+    Returns the marker's bytes. A durable marker naming another attempt is
+    `AlreadyExistsError`; one naming this attempt means it was done already.
+    """
+    where = layout.AttemptDir(mine.step, mine.attempt)
+    key = layout.commit_key(mine.step)
+    try:
+        existing = await durable.read(key)
+    except NotFoundError:
+        existing = None
+    if existing is not None:
+        if Marker.from_bytes(existing, step=mine.step, where=key).attempt != mine.attempt:
+            raise AlreadyExistsError(
+                "the durable tier has this step committed from another attempt",
+                backend=durable.url,
+                key=key,
+            )
+        return existing
+    data = await durable.read(where.manifest)
+    if digest(data) != mine.manifest_digest:
+        raise CorruptCheckpointError(f"{durable.url}/{where.manifest} is not the staged manifest")
+    manifest = Manifest.from_bytes(data, where=f"{durable.url}/{where.manifest}")
+    for name, item in manifest.items.items():
+        stores = [where.process_store(name, i) for i in range(mine.processes)]
+        await merge(durable, where.item(name), stores, list(item.leaves.values()))
+    marker = Marker(
+        step=mine.step,
+        attempt=mine.attempt,
+        manifest_digest=mine.manifest_digest,
+        token=secrets.token_hex(16),
+        time=time.time(),
+    ).to_bytes()
+    await durable.create(key, marker)
+    return marker
