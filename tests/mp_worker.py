@@ -15,7 +15,7 @@ Tiers (a 6th argument, DURABLE, names the durable tier; each process's fast tier
 ROOT/fast<PROCESS_ID>, or with a 7th argument "shared" one ROOT/fast for both):
 "tiered-save" saves the "save" tree as step 1 on the tiers, then promotes it (every process);
 "tiered-restore" restores the latest step from the tiers on the transposed mesh and checks
-every shard.
+every shard; "tiered-manager" runs "manager" on the tiers (keep_fast=1).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def main() -> None:
     )
     devices = np.array(jax.devices())
     assert devices.size == 4 * int(num), devices
-    if mode == "manager":
-        run_manager(root, devices)
+    if mode in ("manager", "tiered-manager"):
+        tiers = ckptstore.Tiered(fast, str(durable), keep_fast=1) if durable else None
+        run_manager(tiers or root, devices)
         jax.distributed.shutdown()
         return
     if mode == "orbax-import":
@@ -183,7 +184,7 @@ def trained(name: str, steps: int) -> np.ndarray:
     return value
 
 
-def run_manager(root: str, devices: np.ndarray) -> None:
+def run_manager(root: str | ckptstore.Tiered, devices: np.ndarray) -> None:
     from ckptstore import policies
 
     mesh = Mesh(devices.reshape(2, -1), ("x", "y"))

@@ -204,3 +204,12 @@ def test_two_processes_sharing_one_fast_tier_commit_there(tmp_path: Path) -> Non
     assert not list(tmp_path.glob("fast/.ckptstore-probe-*"))  # the probe is cleaned up
     assert ckptstore.list_steps_sync(str(tmp_path / "fast")) == [1]
     assert ckptstore.verify_sync(durable, 1).ok
+
+
+def test_two_hosts_train_with_a_manager_on_their_own_fast_tiers(tmp_path: Path) -> None:
+    durable = str(tmp_path / "durable")
+    outputs = run_job(tmp_path, "tiered-manager", 2, durable)
+    assert outputs == ["manager ok saved [1, 2, 4, 6]\n"] * 2
+    assert ckptstore.list_steps_sync(durable) == [4, 6]  # the keep policy, on the durable tier
+    for i in (0, 1):  # keep_fast=1: each host keeps its part of the latest step only
+        assert sorted(p.name for p in (tmp_path / f"fast{i}").iterdir()) == ["6"]

@@ -39,7 +39,7 @@ from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle import tiers
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
-from ckptstore.lifecycle.tiers import Tiered, promote_step, trim_fast
+from ckptstore.lifecycle.tiers import Tiered, promote
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
@@ -256,22 +256,16 @@ class CheckpointManager:
         return stats
 
     async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
-        """Process 0 promotes the step (tiered) and applies the keep policy; every process
-        waits until it has."""
+        """The step is promoted (tiered; every process takes part, see `tiers.promote`), then
+        process 0 applies the keep policy; every process waits until it has."""
         if previous is not None:
             await asyncio.wrap_future(previous)  # its failure is this one's too
-        if self.durable is not None:
-            promotion = Handoff(f"manager/promote/{step}", self.options.timeout)
-            await promotion.primary(lambda: self._promote(step))
+        if self.durable is not None and self.tiered is not None:
+            on = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
+            await promote(on, step, timeout=self.options.timeout)
         handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
         seconds = await handoff.primary(self._apply_keep_policy)
         log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
-
-    async def _promote(self, step: int) -> None:
-        assert self.durable is not None and self.tiered is not None
-        await promote_step(self.backend, self.durable, step)
-        if self.tiered.keep_fast is not None:
-            await trim_fast(self.backend, self.durable, self.tiered.keep_fast)
 
     async def _apply_keep_policy(self) -> float:
         """Keep policy over the durable tier's steps (tiered) or the target's; a dropped step
