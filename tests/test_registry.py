@@ -99,7 +99,7 @@ def test_example_profiles_cover_each_environment() -> None:
 
 def test_the_tiered_example_profile_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tiered = ckptstore.Tiered.from_profile(PROFILES / "nvme-s3-tiered.toml")
-    assert tiered.keep_fast == 2
+    assert tiered.keep_fast == 2 and tiered.free_margin == 1 << 30
     assert tiered.fast == str(PROFILES / "nvme-scratch.toml")
     assert ckptstore.open_backend(profile=tiered.durable).kind == "s3"
     monkeypatch.setenv("CKPTSTORE_NVME_ROOT", str(tmp_path / "nvme"))
