@@ -15,7 +15,8 @@ Tiers (a 6th argument, DURABLE, names the durable tier; each process's fast tier
 ROOT/fast<PROCESS_ID>, or with a 7th argument "shared" one ROOT/fast for both):
 "tiered-save" saves the "save" tree as step 1 on the tiers, then promotes it (every process);
 "tiered-restore" restores the latest step from the tiers on the transposed mesh and checks
-every shard; "tiered-manager" runs "manager" on the tiers (keep_fast=1).
+every shard; "tiered-promote" promotes what is staged; "tiered-manager" runs "manager" on
+the tiers (keep_fast=1).
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def main() -> None:
             f"tiered saved {saved.bytes_written} listed {listed} promoted {promoted} now {now}",
             flush=True,
         )
+    elif mode == "tiered-promote":
+        tiers = ckptstore.Tiered(fast, str(durable))
+        done = asyncio.run(ckptstore.promote(tiers, timeout=60))
+        print(f"promoted {[(p.step, p.copied) for p in done]}", flush=True)
     elif mode == "tiered-restore":
         tiers = ckptstore.Tiered(fast, str(durable))
         like = {

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
+from ckptstore.checkpoint.target import opened
 from tests.mp_worker import SHAPES, expected
 from tests.test_partial import shared_target
 
@@ -160,6 +161,17 @@ def test_two_processes_orbax_in(tmp_path: Path) -> None:
     assert ckptstore.verify_sync(str(root / "imported"), 1).ok
 
 
+async def undo_the_end_of_promotion(durable: str) -> None:
+    """Leave the durable tier as a promoter killed before the marker would."""
+    async with opened(durable) as backend:
+        keys = [info.key async for info in backend.list("1/")]
+        merged = [k for k in keys if "/state/" in k and "/ocdbt.process_" not in k]
+        assert merged and "1/COMMITTED" in keys
+        part = sorted(k for k in keys if "/ocdbt.process_1/d/" in k)[:1]
+        for key in ["1/COMMITTED", *merged, *part]:
+            await backend.delete(key)
+
+
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_tier(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
@@ -183,6 +195,16 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
     whole = ckptstore.restore_sync(durable)  # one process, the whole tree
     for k in SHAPES:
         assert whole[k].tobytes() == expected(k).tobytes()
+
+    # A promotion killed before its durable marker (the merged store not written yet, one of
+    # process 1's files not uploaded) resumes: only that file is copied, then merge, marker.
+    asyncio.run(undo_the_end_of_promotion(durable))
+    assert ckptstore.list_steps_sync(durable) == []
+    assert run_job(tmp_path, "tiered-promote", 2, durable) == [
+        "promoted [(1, 0)]\n",
+        "promoted [(1, 1)]\n",
+    ]
+    assert ckptstore.verify_sync(durable, 1).ok
 
     # A restart on the same two hosts, then on new ones (the fast directories gone). Both
     # read the durable tier: a host's fast tier holds only its own store (process 1's has no

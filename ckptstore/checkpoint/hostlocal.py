@@ -39,6 +39,8 @@ from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError, NotFoun
 
 STAGED = "STAGED"
 _PROBE = ".ckptstore-probe-"
+#: Fast tiers (by URL) this process already probed, with the answer every process agreed on.
+_probed: dict[tuple[str, int], bool] = {}
 
 
 def staged_key(step: int) -> str:
@@ -99,9 +101,14 @@ async def staged_steps(fast: Backend) -> list[int]:
 
 async def fast_is_shared(fast: Backend, handoff: Handoff) -> bool:
     """Whether every process sees process 0's fast tier (one filesystem), measured with a
-    probe object; collective (every process calls it with the same ``handoff``)."""
+    probe object; collective (every process calls it with the same ``handoff``). The answer
+    is remembered per fast tier (every process remembers it at the same call, so later calls
+    skip the probe on all of them alike)."""
     if handoff.count == 1:
         return True
+    known = _probed.get((fast.url, handoff.count))
+    if known is not None:
+        return known
 
     async def write_probe() -> str:
         token = secrets.token_hex(8)
@@ -120,7 +127,9 @@ async def fast_is_shared(fast: Backend, handoff: Handoff) -> bool:
         await fast.delete(_PROBE + token)
         return "shared" if seen else "local"
 
-    return await handoff.agree(decide) == "shared"
+    shared = await handoff.agree(decide) == "shared"
+    _probed[(fast.url, handoff.count)] = shared
+    return shared
 
 
 async def stage(
