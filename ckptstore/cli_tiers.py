@@ -16,6 +16,7 @@ _TIER_TEXT = {
     "fast": "fast only (not promoted yet)",
     "both": "fast + durable",
     "durable": "durable",
+    "staged": "staged on this host (multi-host: merged on the durable tier by promotion)",
 }
 
 
@@ -68,5 +69,5 @@ async def cmd_promote(profile: str, step: int | None, show_progress: bool) -> in
         )
         print(f"step {p.step}: {what}")
     where = (await status(tiered)).steps
-    print(f"durable now: {sorted(s for s, w in where.items() if w != 'fast')}")
+    print(f"durable now: {sorted(s for s, w in where.items() if w in ('both', 'durable'))}")
     return 0

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.checkpoint.target import opened
+from ckptstore.lifecycle import tiers
 from tests.mp_worker import SHAPES, expected
 from tests.test_partial import shared_target
 
@@ -200,6 +201,8 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
     # process 1's files not uploaded) resumes: only that file is copied, then merge, marker.
     asyncio.run(undo_the_end_of_promotion(durable))
     assert ckptstore.list_steps_sync(durable) == []
+    host1 = ckptstore.Tiered(str(tmp_path / "fast1"), durable)
+    assert asyncio.run(tiers.status(host1)).steps == {1: "staged"}  # what `ckptstore ls` shows
     assert run_job(tmp_path, "tiered-promote", 2, durable) == [
         "promoted [(1, 0)]\n",
         "promoted [(1, 1)]\n",

@@ -64,7 +64,9 @@ class Promotion:
 
 @dataclass
 class TierStatus:
-    """Where each committed step is: "fast", "durable" or "both"."""
+    """Where each committed step is: "fast", "durable" or "both"; "staged": this host's part
+    of a step staged on host-local fast tiers (`ckptstore.checkpoint.hostlocal`), not
+    merged and committed on the durable tier yet."""
 
     steps: dict[int, str] = field(default_factory=dict)
 
@@ -76,11 +78,15 @@ class TierStatus:
 async def status(tiered: Tiered) -> TierStatus:
     """Each committed step's tiers."""
     async with tiered.opened() as (fast, durable):
-        on_fast, on_durable = await asyncio.gather(committed_steps(fast), committed_steps(durable))
+        on_fast, on_durable, staged = await asyncio.gather(
+            committed_steps(fast), committed_steps(durable), staged_steps(fast)
+        )
     out = TierStatus()
-    for step in sorted(set(on_fast) | set(on_durable)):
+    for step in sorted(set(on_fast) | set(on_durable) | set(staged)):
         both = step in on_fast and step in on_durable
         out.steps[step] = "both" if both else ("fast" if step in on_fast else "durable")
+        if step in staged and step not in on_durable and step not in on_fast:
+            out.steps[step] = "staged"
     return out
 
 
