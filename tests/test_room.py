@@ -12,6 +12,10 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.local import LocalBackend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import Marker
+from ckptstore.checkpoint.hostlocal import Staged
+from ckptstore.checkpoint.room import Room, ensure_room, promoted_steps
 from tests.test_tiers import assert_tree, tree
 
 STEP_BYTES = 256 * 128 * 4 + 7 * 2 + 8  # one tree(step)'s payload
@@ -104,3 +108,22 @@ def test_the_manager_checks_room_too(tmp_path: Path) -> None:
         assert handle is not None
         with pytest.raises(ckptstore.InsufficientSpaceError):
             handle.wait()
+
+
+async def test_host_parts_of_durable_steps_are_evictable(tmp_path: Path) -> None:
+    """On host-local fast tiers a host holds staged parts (no COMMITTED): the part of a step
+    committed on the durable tier from the same attempt may go, an unpromoted one may not."""
+    fast = SmallDisk(tmp_path / "nvme", capacity=int(2.5 * STEP_BYTES))
+    durable = LocalBackend(tmp_path / "bucket")
+    for step in (1, 2):
+        attempt = layout.new_attempt()
+        await fast.write(f"{step}/{attempt}/state/ocdbt.process_1/d/x", bytes(STEP_BYTES))
+        await fast.create(f"{step}/STAGED", Staged(step, attempt, 1, 2).to_bytes())
+        if step == 1:  # merged and committed on the durable tier by the promotion
+            marker = Marker(step, attempt, "sha256:" + "0" * 64, "token", 0.0)
+            await durable.create(f"{step}/COMMITTED", marker.to_bytes())
+    assert await promoted_steps(fast, durable) == [1]
+    assert await ensure_room(fast, Room(durable, 0), STEP_BYTES) == [1]
+    assert not (tmp_path / "nvme" / "1").exists() and (tmp_path / "nvme" / "2" / "STAGED").exists()
+    with pytest.raises(ckptstore.InsufficientSpaceError):
+        await ensure_room(fast, Room(durable, 0), 2 * STEP_BYTES)

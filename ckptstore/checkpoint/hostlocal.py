@@ -99,6 +99,23 @@ async def staged_steps(fast: Backend) -> list[int]:
     return [s for s in steps if await fast.exists(staged_key(s))]
 
 
+async def drop_staged(fast: Backend, step: int) -> None:
+    """Remove this host's part of ``step`` from its fast tier: the marker first (what is
+    left after a crash is garbage, not a staged part)."""
+    await fast.delete(staged_key(step))
+    await fast.delete_prefix(layout.step_dir(step) + "/")
+
+
+async def is_promoted(durable: Backend, mine: Staged) -> bool:
+    """Whether the durable tier has the staged step committed, from the same attempt."""
+    try:
+        data = await durable.read(layout.commit_key(mine.step))
+    except NotFoundError:
+        return False
+    where = f"{durable.url}/{layout.commit_key(mine.step)}"
+    return Marker.from_bytes(data, step=mine.step, where=where).attempt == mine.attempt
+
+
 async def fast_is_shared(fast: Backend, handoff: Handoff) -> bool:
     """Whether every process sees process 0's fast tier (one filesystem), measured with a
     probe object; collective (every process calls it with the same ``handoff``). The answer

@@ -5,6 +5,7 @@ whatever else shares the disk. So before a save on a `Tiered` target each proces
 fast tier how much space is free (``statvfs`` on local disk; object stores have no such
 limit and are not checked). If that is less than what this process will write plus the
 tier's margin, steps already promoted (committed on the durable tier with the same marker)
+(or, on host-local fast tiers, this host's parts of steps committed on the durable tier)
 leave the fast tier, oldest first, only as many as needed; if even evicting all of them
 would not make room, nothing is evicted and the save fails with `InsufficientSpaceError`.
 """
@@ -23,6 +24,13 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step
 from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.checkpoint.hostlocal import (
+    drop_staged,
+    is_promoted,
+    read_staged,
+    staged_key,
+    staged_steps,
+)
 from ckptstore.errors import CheckpointNotFoundError, InsufficientSpaceError, NotFoundError
 from ckptstore.leaves import HostShards, LeafInfo
 
@@ -53,11 +61,17 @@ class Room:
 
 
 async def promoted_steps(fast: Backend, durable: Backend) -> list[int]:
-    """Steps committed on ``fast`` whose durable marker is byte-identical, oldest first."""
+    """Steps on ``fast`` whose durable copy is committed from the same attempt, oldest first:
+    committed steps with a byte-identical durable marker, and this host's staged parts
+    (`hostlocal`) of steps merged and committed on the durable tier."""
     on_durable = set(await committed_steps(durable))
+    committed, staged = await asyncio.gather(committed_steps(fast), staged_steps(fast))
     out = []
-    for step in await committed_steps(fast):
-        if step in on_durable and await _same_marker(fast, durable, step):
+    for step in sorted(set(committed) | set(staged)):
+        if step not in on_durable:
+            continue
+        mine = await read_staged(fast, step) if step in staged else None
+        if await (is_promoted(durable, mine) if mine else _same_marker(fast, durable, step)):
             out.append(step)
     return out
 
@@ -68,6 +82,16 @@ async def _same_marker(fast: Backend, durable: Backend, step: int) -> bool:
         return bool(await fast.read(key) == await durable.read(key))
     except NotFoundError:  # deleted meanwhile
         return False
+
+
+async def _evict(fast: Backend, step: int) -> None:
+    if await fast.exists(staged_key(step)):
+        await drop_staged(fast, step)
+        return
+    try:
+        await delete_step(fast, step)
+    except CheckpointNotFoundError:  # another process on this host evicted it first
+        pass
 
 
 async def _step_bytes(backend: Backend, step: int) -> int:
@@ -102,10 +126,7 @@ async def ensure_room(fast: Backend, room: Room, nbytes: int) -> list[int]:
         )
     evicted = []
     for step in candidates:
-        try:
-            await delete_step(fast, step)
-        except CheckpointNotFoundError:  # another process on this host evicted it first
-            pass
+        await _evict(fast, step)
         evicted.append(step)
         free = await fast.free_bytes()
         if free is None or free >= needed:

@@ -27,10 +27,10 @@ from ckptstore.checkpoint.cleanup import delete_step
 from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import (
+    drop_staged,
     fast_is_shared,
     merge_on_durable,
     read_staged,
-    staged_key,
     staged_steps,
 )
 from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old home
@@ -187,8 +187,7 @@ async def promote_staged(
         on_durable = set(await committed_steps(durable))
         promoted = [s for s in await staged_steps(fast) if s in on_durable]
         for s in promoted[:-keep_fast]:
-            await fast.delete(staged_key(s))  # the marker first: the part is garbage after
-            await fast.delete_prefix(layout.step_dir(s) + "/")
+            await drop_staged(fast, s)
     return done
 
 
