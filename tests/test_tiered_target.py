@@ -163,3 +163,28 @@ def test_numpy_leaves_restore_bit_exact_from_a_profile_twice(tmp_path: Path) -> 
         out = ckptstore.restore_sync(profile)
         assert out["x"].tobytes() == value["x"].tobytes()
     assert ckptstore.verify_sync(profile, 1).tier == "fast"
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+async def test_a_partial_fast_copy_falls_back_too(
+    damage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every file of the fast copy, deleted or truncated in turn: the restore is exact (from
+    the durable tier when the fast copy fails), a tree mismatch is still the caller's error."""
+    tiers = ckptstore.Tiered(str(tmp_path / "nvme"), str(tmp_path / "bucket"))
+    await ckptstore.save(tiers, tree(9), step=9)
+    await ckptstore.promote(tiers)
+    files = [p for p in (tmp_path / "nvme" / "9").rglob("*") if p.is_file()]
+    assert len(files) > 5
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        for path in files:
+            original = path.read_bytes()
+            if damage == "delete":
+                path.unlink()
+            else:
+                path.write_bytes(original[: len(original) // 2])
+            assert_tree(await ckptstore.restore(tiers), 9)
+            path.write_bytes(original)
+    assert "fast copy of step 9 is damaged" in caplog.text
+    with pytest.raises(ckptstore.TreeMismatchError):
+        await ckptstore.restore(tiers, like={"w": np.zeros((1, 1), np.float32)})

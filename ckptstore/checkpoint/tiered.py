@@ -7,9 +7,10 @@
 - the steps are those committed on either tier (the union);
 - a step is read from the fast tier when it is committed there, else from the durable tier
   (the job moved to new machines: the fast directory is empty);
-- a fast copy that fails a check (`CorruptCheckpointError`: marker, digest, metadata,
-  crc32c) is skipped with a warning when the durable tier has the step: never an error
-  the durable copy could avoid, never wrong data.
+- a fast copy that fails (`CorruptCheckpointError`: marker, digest, metadata, crc32c; or
+  any other typed error of a damaged or partial copy, a missing file say) is skipped with a
+  warning when the durable tier has the step: never an error the durable copy could avoid,
+  never wrong data. A `TreeMismatchError` (the caller asked for another tree) is raised.
 
 Both tiers hold the same attempt with the same marker (promotion copies it unchanged), so
 either one answers with the same tree.
@@ -30,7 +31,7 @@ from ckptstore.checkpoint.commit import committed_steps, load_committed
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, single
 from ckptstore.checkpoint.verify import VerifyReport
-from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, TreeMismatchError
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
@@ -63,7 +64,9 @@ async def nearest(
         if await fast.exists(layout.commit_key(step)):
             try:
                 return await read(fast, step)
-            except CorruptCheckpointError as exc:
+            except TreeMismatchError:
+                raise  # the caller's request: the durable copy holds the same tree
+            except CkptStoreError as exc:  # damaged or partial: any typed error of a read
                 if not await durable.exists(layout.commit_key(step)):
                     raise  # nothing to fall back to: the damage is the answer
                 log.warning(
