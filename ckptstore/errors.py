@@ -58,6 +58,15 @@ class TransientStorageError(StorageError):
     """A failure that may succeed if retried: throttling, 5xx, timeouts, resets."""
 
 
+class ObjectChangedError(StorageError):
+    """The object was replaced, truncated or removed while it was being read in parts.
+
+    Raised instead of returning bytes of two versions. Not transient on purpose: a
+    writer replacing an object that someone reads is worth knowing about; read again
+    to get the new version.
+    """
+
+
 class RetriesExhaustedError(TransientStorageError):
     """A transient failure persisted through every allowed retry."""
 

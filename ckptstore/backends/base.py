@@ -279,8 +279,9 @@ def is_empty_range(start: int | None, end: int | None) -> bool:
     return end is not None and end <= (start or 0)
 
 
-def http_range(start: int | None, end: int | None) -> str | None:
-    """The HTTP ``Range`` value for ``[start, end)``; None for the whole object."""
-    if start is None and end is None:
-        return None
-    return f"bytes={start or 0}-" + ("" if end is None else str(end - 1))
+def as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """A flat byte view of any buffer (numpy arrays, typed memoryviews, ...)."""
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -36,19 +36,21 @@ from ckptstore.backends._errors import (
     redact_url,
     transport_error,
 )
-from ckptstore.backends.base import (
-    Backend,
-    Capabilities,
-    ObjectInfo,
-    http_range,
-    is_empty_range,
-)
+from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
+from ckptstore.backends.ranged import (
+    RangedReadBackend,
+    RangeReply,
+    parse_content_range,
+    replaced,
+)
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError
 
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable-upload chunks are multiples of 256 KiB
+READ_PART_SIZE = 16 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
+READ_CONCURRENCY = 8
 GCS_ENDPOINT = "https://storage.googleapis.com"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 TENSORSTORE_ENV = "TENSORSTORE_GCS_HTTP_URL"
@@ -64,7 +66,7 @@ def _normalize_endpoint(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-class GcsBackend(Backend):
+class GcsBackend(RangedReadBackend):
     """Objects under ``gs://bucket/prefix``.
 
     ``credentials`` is ``"default"`` (application default credentials),
@@ -75,7 +77,9 @@ class GcsBackend(Backend):
     resumable uploads in ``chunk_size`` chunks; smaller ones in one request.
     Chunks go up one after another, each waiting for the server's answer, so
     fewer, larger chunks mean fewer round trips (Google's own client uses
-    100 MiB; chunks are sliced from the caller's buffer, not copied).
+    100 MiB; chunks are sliced from the caller's buffer, not copied). Reads of
+    more than ``read_part_size`` bytes are ranged GETs of that size, at most
+    ``read_concurrency`` beyond each read's first in flight (see `ranged`).
     """
 
     kind = "gcs"
@@ -92,8 +96,15 @@ class GcsBackend(Backend):
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, immutable
         resumable_threshold: int = 64 * MiB,
         chunk_size: int = 64 * MiB,
+        read_part_size: int = READ_PART_SIZE,
+        read_concurrency: int = READ_CONCURRENCY,
     ):
-        super().__init__(retry=retry, concurrency=concurrency)
+        super().__init__(
+            retry=retry,
+            concurrency=concurrency,
+            read_part_size=read_part_size,
+            read_concurrency=read_concurrency,
+        )
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid GCS bucket name {bucket!r}")
         if chunk_size <= 0 or chunk_size % CHUNK_ALIGN:
@@ -213,6 +224,25 @@ class GcsBackend(Backend):
         ok_statuses: tuple[int, ...] = (),
     ) -> tuple[int, Mapping[str, str], bytes]:
         """One HTTP request through gcsfs's session; statuses >= 400 become typed errors."""
+        async with self._response(
+            op, key, method, url, params=params, headers=headers, data=data, ok=ok_statuses
+        ) as resp:
+            return resp.status, resp.headers, await resp.read()
+
+    @contextlib.asynccontextmanager
+    async def _response(
+        self,
+        op: str,
+        key: str | None,
+        method: str,
+        url: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        data: Any = None,
+        ok: tuple[int, ...] = (),
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """`_request` with the body still to read; failures reading it become typed errors too."""
         fs = await self._filesystem()
         try:
             if fs.credentials.credentials is not None:
@@ -229,7 +259,12 @@ class GcsBackend(Backend):
                 timeout=_TIMEOUT,
                 allow_redirects=False,
             ) as resp:
-                status, resp_headers, body = resp.status, resp.headers, await resp.read()
+                if resp.status >= 400 and resp.status not in ok:
+                    detail = _message(await resp.read())
+                    raise error_for(
+                        op=op, backend=self.url, key=key, status=resp.status, detail=detail
+                    )
+                yield resp
         except _TRANSIENT as exc:
             raise transport_error(exc, op=op, backend=self.url, key=key) from exc
         except HttpError as exc:  # gcsfs's wrapping of a failed token refresh
@@ -240,9 +275,6 @@ class GcsBackend(Backend):
                 backend=self.url,
                 key=key,
             ) from exc
-        if status >= 400 and status not in ok_statuses:
-            raise error_for(op=op, backend=self.url, key=key, status=status, detail=_message(body))
-        return status, resp_headers, body
 
     def _object_url(self, key: str) -> str:
         name = quote(join(self.root, key), safe="")
@@ -263,23 +295,39 @@ class GcsBackend(Backend):
                 f"bucket {self.bucket!r} does not exist{where}", backend=self.url
             ) from None
 
-    async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
-        if is_empty_range(start, end):
-            await self._stat(key)  # still NotFoundError for a missing key
-            return b""
-        headers: dict[str, str] = {}
-        if (value := http_range(start, end)) is not None:
-            headers["Range"] = value
-        status, _, body = await self._request(
-            "read",
-            key,
-            "GET",
-            self._object_url(key),
-            params={"alt": "media"},
-            headers=headers,
-            ok_statuses=(416,),
-        )
-        return b"" if status == 416 else body  # 416: the range starts at or past the end
+    @contextlib.asynccontextmanager
+    async def _open_range(
+        self, key: str, start: int, end: int, generation: str | None
+    ) -> AsyncIterator[RangeReply | None]:
+        """A media GET of bytes ``[start, end)``, ``ifGenerationMatch`` when given.
+
+        fake-gcs-server ignores the precondition; `read_ranged` also compares every
+        reply's ``x-goog-generation``, which it does send.
+        """
+        params = {"alt": "media"}
+        if generation is not None:
+            params["ifGenerationMatch"] = generation
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        url = self._object_url(key)
+        async with self._response(
+            "read", key, "GET", url, params=params, headers=headers, ok=(412, 416)
+        ) as resp:
+            if resp.status == 416:  # the range starts at or past the end: clamp to empty
+                yield None
+                return
+            if resp.status == 412:
+                raise replaced(backend=self.url, key=key)
+            length = int(resp.headers.get("Content-Length", "-1"))
+            first, total = parse_content_range(resp.headers.get("Content-Range"), length)
+            version = resp.headers.get("x-goog-generation", "")
+
+            async def chunk() -> bytes:
+                try:
+                    return await resp.content.readany()
+                except _TRANSIENT as exc:
+                    raise transport_error(exc, op="read", backend=self.url, key=key) from exc
+
+            yield RangeReply(first, length, total, version, chunk)
 
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         await self._upload("write", key, data, precondition=False)
@@ -298,9 +346,7 @@ class GcsBackend(Backend):
         With ``precondition`` the upload carries ``ifGenerationMatch=0`` and the
         server's 412 becomes `AlreadyExistsError`.
         """
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = as_bytes_view(data)
         params = {"name": join(self.root, key)}
         if precondition:
             params["ifGenerationMatch"] = "0"

@@ -45,12 +45,16 @@ PROFILE_ENV = "CKPTSTORE_PROFILE"
 PROFILES_DIR_ENV = "CKPTSTORE_PROFILES_DIR"
 
 _COMMON = {"concurrency", "retry"}
+_RANGED = {"read_part_size", "read_concurrency"}  # parallel ranged GETs of large reads
 _OPTIONS: dict[str, set[str]] = {
     "local": _COMMON | {"fsync", "drop_cache", "create"},
     "memory": _COMMON,
     "s3": _COMMON
+    | _RANGED
     | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
-    "gcs": _COMMON | {"endpoint", "project", "credentials", "resumable_threshold", "chunk_size"},
+    "gcs": _COMMON
+    | _RANGED
+    | {"endpoint", "project", "credentials", "resumable_threshold", "chunk_size"},
 }
 #: The packages each object-store backend needs, installed by the extra of the same name.
 _EXTRAS = {"s3": ("s3fs",), "gcs": ("gcsfs",)}

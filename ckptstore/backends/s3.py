@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import math
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from botocore.exceptions import (
@@ -38,14 +39,14 @@ from ckptstore.backends._errors import (
     redact_url,
     transport_error,
 )
-from ckptstore.backends.base import (
-    Backend,
-    Capabilities,
-    ObjectInfo,
-    http_range,
-    is_empty_range,
-)
+from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
+from ckptstore.backends.ranged import (
+    RangedReadBackend,
+    RangeReply,
+    parse_content_range,
+    replaced,
+)
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
 
@@ -55,6 +56,8 @@ MAX_PARTS = 10_000
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 #: botocore needs each part as bytes (a copy): this bounds the copies alive at once.
 PART_BYTES_IN_FLIGHT = 256 * MiB
+READ_PART_SIZE = 16 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
+READ_CONCURRENCY = 8
 
 CREDENTIAL_SOURCES = ("default", "env", "anonymous", "profile")
 
@@ -66,14 +69,6 @@ _TS_CREDENTIALS = {
 _TRANSIENT_BOTO = (BotoConnectionError, HTTPClientError, IncompleteReadError)
 
 
-def as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
-    """A flat byte view of any buffer (numpy arrays, typed memoryviews, ...)."""
-    view = memoryview(data)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
-
-
 def as_body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
     """A request body botocore accepts (bytes or bytearray; a memoryview is copied)."""
     if isinstance(data, bytes | bytearray):
@@ -81,7 +76,7 @@ def as_body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
     return bytes(as_bytes_view(data))
 
 
-class S3Backend(Backend):
+class S3Backend(RangedReadBackend):
     """Objects under ``s3://bucket/prefix``.
 
     ``credentials`` names where credentials come from, never the secret:
@@ -89,7 +84,9 @@ class S3Backend(Backend):
     ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``), ``"anonymous"`` (unsigned)
     or ``"profile"`` (the shared-config profile ``profile``). Objects of at least
     ``multipart_threshold`` bytes are uploaded in ``part_size`` parts, at most
-    ``concurrency`` parts in flight across the backend.
+    ``concurrency`` parts in flight across the backend. Reads of more than
+    ``read_part_size`` bytes are ranged GETs of that size, at most
+    ``read_concurrency`` beyond each read's first in flight (see `ranged`).
     """
 
     kind = "s3"
@@ -107,8 +104,15 @@ class S3Backend(Backend):
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen, immutable
         multipart_threshold: int = 100 * MiB,  # AWS: consider multipart from ~100 MB
         part_size: int = 32 * MiB,
+        read_part_size: int = READ_PART_SIZE,
+        read_concurrency: int = READ_CONCURRENCY,
     ):
-        super().__init__(retry=retry, concurrency=concurrency)
+        super().__init__(
+            retry=retry,
+            concurrency=concurrency,
+            read_part_size=read_part_size,
+            read_concurrency=read_concurrency,
+        )
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid S3 bucket name {bucket!r}")
         if credentials not in CREDENTIAL_SOURCES:
@@ -284,26 +288,45 @@ class S3Backend(Backend):
 
     # ---- operations --------------------------------------------------------------------
 
-    async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
-        if is_empty_range(start, end):
-            await self._stat(key)  # still NotFoundError for a missing key
-            return b""
-        extra: dict[str, Any] = {}
-        if (value := http_range(start, end)) is not None:
-            extra["Range"] = value
+    @contextlib.asynccontextmanager
+    async def _open_range(
+        self, key: str, start: int, end: int, version: str | None
+    ) -> AsyncIterator[RangeReply | None]:
+        """``GetObject`` of bytes ``[start, end)``, ``If-Match: version`` when given."""
+        extra = {"IfMatch": version} if version is not None else {}
         try:
-            resp = await self._call("read", key, "get_object", Key=self._full(key), **extra)
-            async with resp["Body"] as body:
-                data: bytes = await body.read()
+            resp = await self._call(
+                "read",
+                key,
+                "get_object",
+                Key=self._full(key),
+                Range=f"bytes={start}-{end - 1}",
+                **extra,
+            )
         except StorageError as exc:
-            cause = exc.__cause__
-            if "Range" in extra and isinstance(cause, ClientError):
-                if cause.response.get("Error", {}).get("Code") == "InvalidRange":
-                    return b""  # the range starts at or past the end: clamp to empty
-            raise
-        except Exception as exc:
-            raise self._other_error(exc, "read", key) from exc
-        return data
+            if _error_code(exc) == "InvalidRange":
+                resp = None  # the range starts at or past the end: clamp to empty
+            elif version is not None and _precondition_failed(exc):
+                raise replaced(backend=self.url, key=key) from exc
+            else:
+                raise
+        if resp is None:
+            yield None
+            return
+        body = resp["Body"]
+        content = body.raw_stream.content  # aiohttp's stream: its chunks as received
+
+        async def chunk() -> bytes:
+            try:
+                data: bytes = await content.readany()
+            except Exception as exc:
+                raise self._other_error(exc, "read", key) from exc
+            return data
+
+        async with body:
+            length = int(resp["ContentLength"])
+            first, total = parse_content_range(resp.get("ContentRange"), length)
+            yield RangeReply(first, length, total, str(resp.get("ETag", "")), chunk)
 
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         view = as_bytes_view(data)
@@ -461,11 +484,19 @@ class S3Backend(Backend):
         fs._s3 = None
 
 
+def _error_code(exc: StorageError) -> str | None:
+    """S3's error code behind ``exc`` (None if it did not come from an S3 error reply)."""
+    cause = exc.__cause__
+    if not isinstance(cause, ClientError):
+        return None
+    code: str | None = cause.response.get("Error", {}).get("Code")
+    return code
+
+
 def _precondition_failed(exc: StorageError) -> bool:
-    """Whether ``exc`` is S3's answer to a failed ``If-None-Match`` (412 PreconditionFailed)."""
+    """Whether ``exc`` is S3's answer to a failed ``If-None-Match``/``If-Match`` (412)."""
     cause = exc.__cause__
     if not isinstance(cause, ClientError):
         return False
-    code = cause.response.get("Error", {}).get("Code")
     status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return bool(code == "PreconditionFailed" or status == 412)
+    return bool(_error_code(exc) == "PreconditionFailed" or status == 412)
