@@ -17,7 +17,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from ckptstore.backends.gcs import GcsBackend
-from ckptstore.backends.ranged import RangedReadBackend, RangeReply
+from ckptstore.backends.objectstore import ObjectStoreBackend, RangeReply
 from ckptstore.backends.registry import open_backend
 from ckptstore.backends.retry import NO_RETRY, RetryPolicy
 from ckptstore.backends.s3 import S3Backend
@@ -35,7 +35,7 @@ PART = 1 * MiB
 FAST_RETRY = RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01)
 
 
-def make(kind: str, request: pytest.FixtureRequest, **kw: Any) -> RangedReadBackend:
+def make(kind: str, request: pytest.FixtureRequest, **kw: Any) -> ObjectStoreBackend:
     kw.setdefault("retry", FAST_RETRY)
     kw.setdefault("read_part_size", PART)
     kw.setdefault("read_concurrency", 3)
@@ -49,7 +49,7 @@ def make(kind: str, request: pytest.FixtureRequest, **kw: Any) -> RangedReadBack
 
 
 @pytest.fixture(params=["s3", "gcs"])
-async def backend(request: pytest.FixtureRequest) -> AsyncIterator[RangedReadBackend]:
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[ObjectStoreBackend]:
     async with make(request.param, request) as b:
         yield b
 
@@ -64,7 +64,7 @@ class Recorder:
     or to raise); ``cut`` names part starts whose body breaks off after one chunk, once.
     """
 
-    def __init__(self, backend: RangedReadBackend) -> None:
+    def __init__(self, backend: ObjectStoreBackend) -> None:
         self.inner: Opener = backend._open_range
         self.calls: list[tuple[int, int, str | None]] = []
         self.in_flight = self.most = self.most_conditioned = self.conditioned = 0
@@ -114,7 +114,7 @@ class Recorder:
 @pytest.mark.parametrize(
     "size", [0, 1, PART - 1, PART, PART + 1, 3 * PART, 5 * PART + 7], ids=lambda n: f"{n}B"
 )
-async def test_whole_reads_are_exact(backend: RangedReadBackend, size: int) -> None:
+async def test_whole_reads_are_exact(backend: ObjectStoreBackend, size: int) -> None:
     data = os.urandom(size)
     await backend.write("obj", data)
     rec = Recorder(backend)
@@ -142,14 +142,14 @@ async def test_whole_reads_are_exact(backend: RangedReadBackend, size: int) -> N
     ],
 )
 async def test_ranged_reads_are_exact(
-    backend: RangedReadBackend, start: int, end: int | None
+    backend: ObjectStoreBackend, start: int, end: int | None
 ) -> None:
     data = os.urandom(4 * PART + 2)
     await backend.write("obj", data)
     assert await backend.read("obj", start, end) == data[start:end]
 
 
-async def test_missing_key_is_not_found(backend: RangedReadBackend) -> None:
+async def test_missing_key_is_not_found(backend: ObjectStoreBackend) -> None:
     with pytest.raises(NotFoundError):
         await backend.read("absent")
     with pytest.raises(NotFoundError):
@@ -159,7 +159,7 @@ async def test_missing_key_is_not_found(backend: RangedReadBackend) -> None:
 # ---- bounded concurrency -----------------------------------------------------------------------
 
 
-async def test_parts_in_flight_stay_within_read_concurrency(backend: RangedReadBackend) -> None:
+async def test_parts_in_flight_stay_within_read_concurrency(backend: ObjectStoreBackend) -> None:
     """Two 8-part reads at once: at most 3 conditioned parts in flight across the backend."""
     a, b = os.urandom(8 * PART), os.urandom(8 * PART - 5)
     await backend.write("a", a)
@@ -185,7 +185,7 @@ async def test_read_concurrency_one_still_completes(request: pytest.FixtureReque
 
 @pytest.mark.parametrize("new_size", [4 * PART, 2 * PART + 3], ids=["replaced", "truncated"])
 async def test_object_replaced_between_parts_is_typed_error(
-    backend: RangedReadBackend, new_size: int
+    backend: ObjectStoreBackend, new_size: int
 ) -> None:
     await backend.write("obj", os.urandom(4 * PART))
     rec = Recorder(backend)
@@ -211,7 +211,7 @@ async def test_object_replaced_between_parts_is_typed_error(
     assert len(await backend.read("obj")) == new_size  # a fresh read sees the new object
 
 
-async def test_object_deleted_between_parts_is_typed_error(backend: RangedReadBackend) -> None:
+async def test_object_deleted_between_parts_is_typed_error(backend: ObjectStoreBackend) -> None:
     await backend.write("obj", os.urandom(3 * PART))
     rec = Recorder(backend)
 
@@ -227,7 +227,7 @@ async def test_object_deleted_between_parts_is_typed_error(backend: RangedReadBa
 # ---- transient failures of one part ------------------------------------------------------------
 
 
-async def test_transient_failure_retries_that_part_only(backend: RangedReadBackend) -> None:
+async def test_transient_failure_retries_that_part_only(backend: ObjectStoreBackend) -> None:
     data = os.urandom(5 * PART + 7)
     await backend.write("obj", data)
     rec = Recorder(backend)
@@ -245,7 +245,7 @@ async def test_transient_failure_retries_that_part_only(backend: RangedReadBacke
 
 
 @pytest.mark.parametrize("where", [0, 2 * PART], ids=["first-part", "later-part"])
-async def test_body_cut_mid_part_is_fetched_again(backend: RangedReadBackend, where: int) -> None:
+async def test_body_cut_mid_part_is_fetched_again(backend: ObjectStoreBackend, where: int) -> None:
     data = os.urandom(4 * PART - 3)
     await backend.write("obj", data)
     rec = Recorder(backend)
@@ -255,7 +255,7 @@ async def test_body_cut_mid_part_is_fetched_again(backend: RangedReadBackend, wh
     assert len(again) == 2 and again[1] is not None  # the retry is conditioned on the version
 
 
-async def test_persistent_part_failure_exhausts_retries(backend: RangedReadBackend) -> None:
+async def test_persistent_part_failure_exhausts_retries(backend: ObjectStoreBackend) -> None:
     await backend.write("obj", os.urandom(3 * PART))
     rec = Recorder(backend)
 

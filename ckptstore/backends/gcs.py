@@ -38,8 +38,8 @@ from ckptstore.backends._errors import (
 )
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
-from ckptstore.backends.ranged import (
-    RangedReadBackend,
+from ckptstore.backends.objectstore import (
+    ObjectStoreBackend,
     RangeReply,
     parse_content_range,
     replaced,
@@ -51,6 +51,7 @@ MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable-upload chunks are multiples of 256 KiB
 READ_PART_SIZE = 16 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
 READ_CONCURRENCY = 8
+TS_REQUEST_CONCURRENCY: int | None = None  # TensorStore's gcs_request_concurrency
 GCS_ENDPOINT = "https://storage.googleapis.com"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 TENSORSTORE_ENV = "TENSORSTORE_GCS_HTTP_URL"
@@ -66,7 +67,7 @@ def _normalize_endpoint(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-class GcsBackend(RangedReadBackend):
+class GcsBackend(ObjectStoreBackend):
     """Objects under ``gs://bucket/prefix``.
 
     ``credentials`` is ``"default"`` (application default credentials),
@@ -79,10 +80,11 @@ class GcsBackend(RangedReadBackend):
     fewer, larger chunks mean fewer round trips (Google's own client uses
     100 MiB; chunks are sliced from the caller's buffer, not copied). Reads of
     more than ``read_part_size`` bytes are ranged GETs of that size, at most
-    ``read_concurrency`` beyond each read's first in flight (see `ranged`).
+    ``read_concurrency`` beyond each read's first in flight (see `objectstore`).
     """
 
     kind = "gcs"
+    ts_concurrency_resource = "gcs_request_concurrency"
 
     def __init__(
         self,
@@ -98,12 +100,14 @@ class GcsBackend(RangedReadBackend):
         chunk_size: int = 64 * MiB,
         read_part_size: int = READ_PART_SIZE,
         read_concurrency: int = READ_CONCURRENCY,
+        ts_request_concurrency: int | None = TS_REQUEST_CONCURRENCY,
     ):
         super().__init__(
             retry=retry,
             concurrency=concurrency,
             read_part_size=read_part_size,
             read_concurrency=read_concurrency,
+            ts_request_concurrency=ts_request_concurrency,
         )
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid GCS bucket name {bucket!r}")

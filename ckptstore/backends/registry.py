@@ -45,15 +45,15 @@ PROFILE_ENV = "CKPTSTORE_PROFILE"
 PROFILES_DIR_ENV = "CKPTSTORE_PROFILES_DIR"
 
 _COMMON = {"concurrency", "retry"}
-_RANGED = {"read_part_size", "read_concurrency"}  # parallel ranged GETs of large reads
+_OBJECT = {"read_part_size", "read_concurrency", "ts_request_concurrency"}
 _OPTIONS: dict[str, set[str]] = {
     "local": _COMMON | {"fsync", "drop_cache", "create"},
     "memory": _COMMON,
     "s3": _COMMON
-    | _RANGED
+    | _OBJECT
     | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
     "gcs": _COMMON
-    | _RANGED
+    | _OBJECT
     | {"endpoint", "project", "credentials", "resumable_threshold", "chunk_size"},
 }
 #: The packages each object-store backend needs, installed by the extra of the same name.

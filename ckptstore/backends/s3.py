@@ -41,8 +41,8 @@ from ckptstore.backends._errors import (
 )
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
-from ckptstore.backends.ranged import (
-    RangedReadBackend,
+from ckptstore.backends.objectstore import (
+    ObjectStoreBackend,
     RangeReply,
     parse_content_range,
     replaced,
@@ -58,6 +58,7 @@ DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 PART_BYTES_IN_FLIGHT = 256 * MiB
 READ_PART_SIZE = 16 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
 READ_CONCURRENCY = 8
+TS_REQUEST_CONCURRENCY: int | None = None  # TensorStore's s3_request_concurrency
 
 CREDENTIAL_SOURCES = ("default", "env", "anonymous", "profile")
 
@@ -76,7 +77,7 @@ def as_body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
     return bytes(as_bytes_view(data))
 
 
-class S3Backend(RangedReadBackend):
+class S3Backend(ObjectStoreBackend):
     """Objects under ``s3://bucket/prefix``.
 
     ``credentials`` names where credentials come from, never the secret:
@@ -86,10 +87,11 @@ class S3Backend(RangedReadBackend):
     ``multipart_threshold`` bytes are uploaded in ``part_size`` parts, at most
     ``concurrency`` parts in flight across the backend. Reads of more than
     ``read_part_size`` bytes are ranged GETs of that size, at most
-    ``read_concurrency`` beyond each read's first in flight (see `ranged`).
+    ``read_concurrency`` beyond each read's first in flight (see `objectstore`).
     """
 
     kind = "s3"
+    ts_concurrency_resource = "s3_request_concurrency"
 
     def __init__(
         self,
@@ -106,12 +108,14 @@ class S3Backend(RangedReadBackend):
         part_size: int = 32 * MiB,
         read_part_size: int = READ_PART_SIZE,
         read_concurrency: int = READ_CONCURRENCY,
+        ts_request_concurrency: int | None = TS_REQUEST_CONCURRENCY,
     ):
         super().__init__(
             retry=retry,
             concurrency=concurrency,
             read_part_size=read_part_size,
             read_concurrency=read_concurrency,
+            ts_request_concurrency=ts_request_concurrency,
         )
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid S3 bucket name {bucket!r}")

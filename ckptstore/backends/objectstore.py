@@ -1,4 +1,4 @@
-"""Large object reads as parallel ranged GETs into one buffer (shared by S3 and GCS).
+"""What S3 and GCS share: large reads as parallel ranged GETs, and TensorStore's context.
 
 One GET per object is one TCP stream: on a cloud it tops out far below what the
 client's NIC can take. So `read_ranged` asks for the first ``part_size`` bytes
@@ -29,6 +29,8 @@ from abc import abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import tensorstore as ts
 
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, is_empty_range
@@ -82,13 +84,38 @@ class RangeReply:
     chunk: Callable[[], Awaitable[bytes]]
 
 
-class RangedReadBackend(Backend):
-    """A `Backend` whose ``_read`` is `read_ranged` over the subclass's `_open_range`."""
+class ObjectStoreBackend(Backend):
+    """The base of the S3 and GCS backends.
 
-    def __init__(self, *, read_part_size: int, read_concurrency: int, **options: Any):
+    ``_read`` is `read_ranged` over the subclass's `_open_range`. TensorStore's
+    requests through `ts_context` are bounded by ``ts_request_concurrency`` (its
+    ``<driver>_request_concurrency`` resource; None keeps TensorStore's default).
+    """
+
+    #: TensorStore's context resource bounding this driver's concurrent requests.
+    ts_concurrency_resource: str = ""
+
+    def __init__(
+        self,
+        *,
+        read_part_size: int,
+        read_concurrency: int,
+        ts_request_concurrency: int | None,
+        **options: Any,
+    ):
         super().__init__(**options)
         self.read_split = ReadSplit(read_part_size, read_concurrency)
         self._read_parts: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        n = ts_request_concurrency
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"ts_request_concurrency must be an integer >= 1 or None: {n!r}")
+        self.ts_request_concurrency = n
+
+    def _new_ts_context(self) -> ts.Context:
+        if self.ts_request_concurrency is None:
+            return ts.Context()
+        limit = {"limit": self.ts_request_concurrency}
+        return ts.Context({self.ts_concurrency_resource: limit})
 
     @abstractmethod
     def _open_range(
