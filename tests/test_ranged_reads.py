@@ -302,3 +302,13 @@ def test_read_options_from_url_and_defaults() -> None:
     assert (b.read_split.part_size, b.read_split.concurrency) == (8 * MiB, 4)
     g = open_backend("gs://bucket/p", credentials="anonymous")
     assert isinstance(g, GcsBackend) and g.read_split.part_size >= 8 * MiB
+
+
+def test_ts_request_concurrency_reaches_the_context() -> None:
+    s3 = S3Backend("bucket", ts_request_concurrency=4)
+    assert s3.ts_context["s3_request_concurrency"].to_json() == {"limit": 4}
+    gcs = GcsBackend("bucket", credentials="anonymous", ts_request_concurrency=2)
+    assert gcs.ts_context["gcs_request_concurrency"].to_json() == {"limit": 2}
+    assert S3Backend("bucket").ts_context["s3_request_concurrency"].to_json() == {}
+    with pytest.raises(ConfigError, match="ts_request_concurrency"):
+        S3Backend("bucket", ts_request_concurrency=0)

@@ -49,7 +49,7 @@ from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError
 
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable-upload chunks are multiples of 256 KiB
-READ_PART_SIZE = 16 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
+READ_PART_SIZE = 32 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
 READ_CONCURRENCY = 8
 TS_REQUEST_CONCURRENCY: int | None = None  # TensorStore's gcs_request_concurrency
 GCS_ENDPOINT = "https://storage.googleapis.com"

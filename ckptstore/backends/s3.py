@@ -56,7 +56,7 @@ MAX_PARTS = 10_000
 DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 #: botocore needs each part as bytes (a copy): this bounds the copies alive at once.
 PART_BYTES_IN_FLIGHT = 256 * MiB
-READ_PART_SIZE = 16 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
+READ_PART_SIZE = 32 * MiB  # ranged GETs of large reads (docs/benchmarks.md)
 READ_CONCURRENCY = 8
 TS_REQUEST_CONCURRENCY: int | None = None  # TensorStore's s3_request_concurrency
 
