@@ -236,7 +236,7 @@ def report(results: dict[str, Any]) -> str:
 async def run_all(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for kind in args.servers:
-        print(f"{kind}: reads of {args.size} MiB, tree of {args.tree} MiB ...", flush=True)
+        print(f"{kind}: {', '.join(args.parts)} ({args.size} / {args.tree} MiB) ...", flush=True)
         with emulator(kind, scratch) as server:
             results[kind] = {"reads": [], "tensorstore": []}
             if "reads" in args.parts:

@@ -15,8 +15,8 @@ size and exactly the bytes asked for. A part that says otherwise, or a server
 that answers the precondition with 412, raises `ObjectChangedError`: never a mix
 of two versions. Transient failures of one part retry that part alone under the
 backend's `RetryPolicy`; parts in flight across the backend are bounded by one
-semaphore of ``concurrency`` slots (each read's first GET is the read's own request
-and counts against the backend's ``concurrency`` like any other operation).
+semaphore of ``read_concurrency`` slots (each read's first GET is the read's own
+request and counts against the backend's ``concurrency`` like any other operation).
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ import tensorstore as ts
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, is_empty_range
 from ckptstore.backends.retry import RetryPolicy, retry_async
-from ckptstore.errors import ConfigError, ObjectChangedError, TransientStorageError
+from ckptstore.errors import (
+    ConfigError,
+    ObjectChangedError,
+    StorageError,
+    TransientStorageError,
+)
 
 MiB = 1 << 20
 #: Parts smaller than this cost more in requests than they win in parallelism.
@@ -205,7 +210,7 @@ async def read_ranged(
             return b""  # the range starts at or past the end
         stop = reply.total if end is None else min(end, reply.total)
         if reply.start != start or reply.length != min(stop, first_end) - start:
-            raise ObjectChangedError(
+            raise StorageError(
                 f"read failed: asked for bytes from {start}, the server sent "
                 f"{reply.start}-{reply.start + reply.length}/{reply.total}",
                 backend=backend,
@@ -287,8 +292,8 @@ def _check_part(
             backend=backend,
             key=key,
         )
-    if part.start != lo or part.length != hi - lo:
-        raise ObjectChangedError(
+    if part.start != lo or part.length != hi - lo:  # same version: the server's mistake
+        raise StorageError(
             f"read failed: asked for bytes {lo}-{hi}, the server sent "
             f"{part.start}-{part.start + part.length}",
             backend=backend,
