@@ -31,6 +31,7 @@ typecheck: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	$(PY) benchmarks/storage.py
+	$(PY) benchmarks/object_reads.py
 	$(PY) benchmarks/save_restore.py
 	$(PY) benchmarks/save_breakdown.py
 	$(PY) benchmarks/partial.py
