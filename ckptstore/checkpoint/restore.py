@@ -9,6 +9,7 @@ be asked for. All disagreements are reported together in one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -302,16 +303,8 @@ async def _read_sharded(
     return jax.make_array_from_single_device_arrays(info.shape, sharding, shards)
 
 
-class _Nothing:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
 def _holding(budget: ByteBudget | None, nbytes: int) -> Any:
-    return budget.hold(nbytes) if budget is not None else _Nothing()
+    return budget.hold(nbytes) if budget is not None else contextlib.nullcontext()
 
 
 def _key_shape(key: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
