@@ -37,6 +37,9 @@ from ckptstore.leaves import LeafInfo, dtype_of, zarr_spec
 #: it an open's fixed cost is small next to the write, and TensorStore avoids a copy.
 MAX_SMALL_BYTES = 4 << 20
 _CRC_BYTES = 4
+#: Decoded chunks start on this boundary: JAX's CPU client adopts such buffers as device
+#: memory without copying them (`ckptstore.placement`).
+ALIGNMENT = 64
 T = TypeVar("T")
 
 
@@ -134,7 +137,19 @@ def decode_chunk(info: LeafInfo, stored: bytes, *, copy: bool = True) -> np.ndar
     if google_crc32c.value(raw).to_bytes(_CRC_BYTES, "little") != stored[size:]:
         raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", leaf=info.name)
     arr = raw.view(_little(dtype)).reshape(info.chunk_shape)
-    return arr.astype(dtype, copy=True) if copy else arr.astype(dtype, copy=False)
+    if not copy:
+        return arr.astype(dtype, copy=False)
+    out = aligned_empty(info.chunk_shape, dtype)
+    np.copyto(out, arr)
+    return out
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """An uninitialized writable array whose data starts on an `ALIGNMENT` boundary."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(tuple(shape))
 
 
 def _little(dtype: np.dtype[Any]) -> np.dtype[Any]:

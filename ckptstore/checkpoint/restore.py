@@ -8,7 +8,6 @@ be asked for. All disagreements are reported together in one
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore import chunks
+from ckptstore import chunks, placement
 from ckptstore.arrays import (
     ByteBudget,
     RawLeaf,
@@ -171,8 +170,19 @@ async def _load(
         assert stored.read_small is not None
         async with budget.hold(sum(info.nbytes for info, _ in group)):
             wholes = await stored.read_small([info for info, _ in group])
+            onto: list[tuple[int, np.ndarray[Any, Any], jax.sharding.Sharding]] = []
             for (info, k), whole in zip(group, wholes, strict=True):
-                out[k] = await _materialize(_in_memory(whole), info, wanted[k][1], cast, None)
+                want = wanted[k][1]
+                sharding = getattr(want, "sharding", None)
+                if isinstance(sharding, jax.sharding.Sharding):
+                    dtype = _dtype_of(want)
+                    onto.append((k, whole.astype(dtype) if cast and dtype else whole, sharding))
+                else:
+                    out[k] = await _materialize(_in_memory(whole), info, want, cast, None)
+            if onto:  # one transfer for the whole batch: most of the cost is per call
+                placed = await placement.put_many([v for _, v, _ in onto], [s for *_, s in onto])
+                for (k, _, _), array in zip(onto, placed, strict=True):
+                    out[k] = array
 
     groups = chunks.groups(small, budget.limit // 4)
     await settle(
@@ -262,8 +272,6 @@ async def _materialize(
 
 
 _PYTHON_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "complex": complex}
-#: Slices at least this big go to their devices from a worker thread, off the event loop.
-_THREAD_BYTES = 1 << 20
 
 
 async def _read_sharded(
@@ -287,12 +295,7 @@ async def _read_sharded(
             data = await read(index)
             if dtype is not None:
                 data = data.astype(dtype)
-            copies = [data] * len(devices)
-            if nbytes < _THREAD_BYTES:
-                placed: list[jax.Array] = jax.device_put(copies, devices)
-            else:
-                placed = await asyncio.to_thread(jax.device_put, copies, devices)
-            return placed
+            return await placement.put_slice(data, devices)
 
     groups = list(devices_of.values())
     placed = await settle(place(index, devices) for index, devices in groups)
