@@ -174,7 +174,8 @@ async def _load(
             for (info, k), whole in zip(group, wholes, strict=True):
                 want = wanted[k][1]
                 sharding = getattr(want, "sharding", None)
-                if isinstance(sharding, jax.sharding.Sharding):
+                # Not across processes: jax.device_put would compare the value between them.
+                if isinstance(sharding, jax.sharding.Sharding) and sharding.is_fully_addressable:
                     dtype = _dtype_of(want)
                     onto.append((k, whole.astype(dtype) if cast and dtype else whole, sharding))
                 else:
