@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -263,59 +263,84 @@ async def open_leaf(store: dict[str, Any], context: ts.Context, info: LeafInfo) 
         raise _read_error(exc, info.name) from exc
 
 
+class Chunks(Protocol):
+    """Where a leaf reader gets stored values: ``get(keys)`` gives each key's bytes (any
+    buffer), or None for a key the store does not hold."""
+
+    async def get(self, keys: Sequence[str]) -> Sequence[Buffer | None]: ...
+
+
+Buffer = bytes | np.ndarray[Any, Any]
+
+
+class KvChunks:
+    """Values read through TensorStore's kvstore ``kv`` (any backend), in one batch."""
+
+    def __init__(self, kv: ts.KvStore):
+        self.kv = kv
+
+    async def get(self, keys: Sequence[str]) -> list[Buffer | None]:
+        batch = ts.Batch()  # lets OCDBT share B-tree node reads between the lookups
+        reads = [self.kv.read(key, batch=batch) for key in keys]
+        batch.submit()
+        found = await wait_all(reads)
+        return [got.value if got.state == "value" else None for got in found]
+
+
 async def read_small_leaves(
-    store: dict[str, Any], context: ts.Context, infos: Sequence[LeafInfo]
+    source: Chunks, store: dict[str, Any], context: ts.Context, infos: Sequence[LeafInfo]
 ) -> list[np.ndarray[Any, Any]]:
     """Small single-chunk leaves (`chunks.small`) read whole, in one batch.
 
     A leaf whose ``zarr.json`` is exactly what a save writes and whose chunk is
     present is decoded here (its checksum checked); any other goes through
-    TensorStore's reader (`open_leaf`), which decides what is wrong with it.
+    TensorStore's reader (`open_leaf` on ``store``), which decides what is wrong with it.
     """
-    kv = await ts.KvStore.open(store, context=context)
-    batch = ts.Batch()  # lets OCDBT share B-tree node reads between the lookups
-    reads = [
-        kv.read(key, batch=batch)
-        for info in infos
-        for key in (chunks.metadata_key(info), chunks.chunk_key(info))
-    ]
-    batch.submit()
-    try:
-        found = await wait_all(reads)
-    except Exception as exc:
-        raise _read_error(exc, infos[0].name if len(infos) == 1 else "(a batch)") from exc
+    keys = [key for info in infos for key in (chunks.metadata_key(info), chunks.chunk_key(info))]
+    found = await _get(source, keys, infos[0].name if len(infos) == 1 else "(a batch)")
     out = []
     for info, meta, chunk in zip(infos, found[::2], found[1::2], strict=True):
-        if (
-            meta.state == "value"
-            and chunk.state == "value"
-            and meta.value == chunks.encode_metadata(info)
-        ):
-            out.append(chunks.decode_chunk(info, chunk.value))
+        if meta is not None and chunk is not None and _ours(info, meta):
+            out.append(chunks.decode_chunk(info, chunk))
         else:
             out.append(await read_slice(await open_leaf(store, context, info), (), info.name))
     return out
 
 
+async def _get(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence[Buffer | None]:
+    """``source.get(keys)``, its errors naming ``leaf``."""
+    try:
+        return await source.get(keys)
+    except CorruptCheckpointError as exc:
+        if exc.leaf is None:
+            raise CorruptCheckpointError(str(exc), leaf=leaf) from exc
+        raise
+    except CkptStoreError:
+        raise
+    except Exception as exc:
+        raise _read_error(exc, leaf) from exc
+
+
+def _ours(info: LeafInfo, meta: Buffer) -> bool:
+    """Whether a stored ``zarr.json`` is byte for byte what a save writes for ``info``."""
+    return chunks.known(info) and bytes(meta) == chunks.encode_metadata(info)
+
+
 class RawLeaf:
-    """A stored leaf read chunk by chunk through its store's kvstore, checksums checked by
+    """A stored leaf read chunk by chunk from ``source``, checksums checked by
     `ckptstore.chunks` (several times faster than TensorStore's own check)."""
 
-    def __init__(self, kv: ts.KvStore, info: LeafInfo):
-        self.kv, self.info = kv, info
+    def __init__(self, source: Chunks, info: LeafInfo):
+        self.source, self.info = source, info
 
     @classmethod
-    async def open(cls, kv: ts.KvStore, info: LeafInfo) -> RawLeaf | None:
+    async def open(cls, source: Chunks, info: LeafInfo) -> RawLeaf | None:
         """The leaf, if its ``zarr.json`` is byte for byte what a save writes; else None
         (then TensorStore's reader, `open_leaf`, must judge it)."""
         if not chunks.known(info):
             return None
-        try:
-            meta = await kv.read(chunks.metadata_key(info))
-        except Exception as exc:
-            raise _read_error(exc, info.name) from exc
-        ok = meta.state == "value" and meta.value == chunks.encode_metadata(info)
-        return cls(kv, info) if ok else None
+        (meta,) = await _get(source, [chunks.metadata_key(info)], info.name)
+        return cls(source, info) if meta is not None and _ours(info, meta) else None
 
     async def read(self, index: Index) -> np.ndarray[Any, Any]:
         """The region ``index`` (step-1 slices) of the leaf; read-only when it is exactly
@@ -333,15 +358,12 @@ class RawLeaf:
         if math.prod(shape) == 0:
             return np.empty(shape, dtype_of(info.dtype))
         keys = [chunks.chunk_key(info, coord) for coord in coords]
-        try:
-            found = await asyncio.gather(*(self.kv.read(key) for key in keys))
-        except Exception as exc:
-            raise _read_error(exc, info.name) from exc
+        found = await _get(self.source, keys, info.name)
         pieces = []
         for key, got in zip(keys, found, strict=True):
-            if got.state != "value":
+            if got is None:
                 raise CorruptCheckpointError(f"chunk {key} is missing", leaf=info.name)
-            pieces.append(chunks.decode_chunk(info, got.value, copy=False))
+            pieces.append(chunks.decode_chunk(info, got, copy=False))
         starts = [a for a, _ in bounds]
         if (
             len(coords) == 1

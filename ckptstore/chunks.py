@@ -124,17 +124,21 @@ def encode_chunk(info: LeafInfo, data: np.ndarray[Any, Any]) -> bytes:
     return b"".join((raw.data, crc))  # one copy
 
 
-def decode_chunk(info: LeafInfo, stored: bytes, *, copy: bool = True) -> np.ndarray[Any, Any]:
+def decode_chunk(
+    info: LeafInfo, stored: bytes | np.ndarray[Any, Any], *, copy: bool = True
+) -> np.ndarray[Any, Any]:
     """A chunk's array (``info.chunk_shape``) from its stored bytes; a wrong size or
-    checksum is corruption. ``copy=False`` returns a read-only view of ``stored``."""
+    checksum is corruption. ``copy=False`` returns a view of ``stored`` (read-only for
+    bytes; for an aligned writable buffer, one devices can adopt as it is)."""
     dtype = dtype_of(info.dtype)
     size = math.prod(info.chunk_shape) * dtype.itemsize
-    if len(stored) != size + _CRC_BYTES:
+    whole = np.frombuffer(stored, np.uint8)
+    if whole.size != size + _CRC_BYTES:
         raise CorruptCheckpointError(
-            f"chunk holds {len(stored)} bytes, {size + _CRC_BYTES} expected", leaf=info.name
+            f"chunk holds {whole.size} bytes, {size + _CRC_BYTES} expected", leaf=info.name
         )
-    raw = np.frombuffer(stored, np.uint8, size)
-    if google_crc32c.value(raw).to_bytes(_CRC_BYTES, "little") != stored[size:]:
+    raw = whole[:size]
+    if google_crc32c.value(raw).to_bytes(_CRC_BYTES, "little") != whole[size:].tobytes():
         raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", leaf=info.name)
     arr = raw.view(_little(dtype)).reshape(info.chunk_shape)
     if not copy:

@@ -239,11 +239,11 @@ async def _stored_leaf(info: LeafInfo, value: np.ndarray[Any, Any]) -> ts.KvStor
 
 @pytest.mark.parametrize("chunk_shape", [(10, 12), (5, 4), (3, 5), (1, 12)])
 async def test_raw_regions_equal_numpy_slices(chunk_shape: tuple[int, int]) -> None:
-    from ckptstore.arrays import RawLeaf
+    from ckptstore.arrays import KvChunks, RawLeaf
 
     value = np.arange(120, dtype=np.int32).reshape(10, 12)
     info = LeafInfo("w", (10, 12), "int32", chunk_shape, "numpy")
-    leaf = await RawLeaf.open(await _stored_leaf(info, value), info)
+    leaf = await RawLeaf.open(KvChunks(await _stored_leaf(info, value)), info)
     assert leaf is not None
     rng = np.random.default_rng(1)
     regions: list[tuple[slice, ...]] = [(), (slice(None),), (slice(0, 5), slice(4, 8))]
@@ -257,14 +257,14 @@ async def test_raw_regions_equal_numpy_slices(chunk_shape: tuple[int, int]) -> N
 
 
 async def test_raw_reads_refuse_what_they_cannot_trust() -> None:
-    from ckptstore.arrays import RawLeaf
+    from ckptstore.arrays import KvChunks, RawLeaf
 
     value = np.arange(120, dtype=np.float32).reshape(10, 12)
     info = LeafInfo("w", (10, 12), "float32", (5, 12), "numpy")
     kv = await _stored_leaf(info, value)
     other = LeafInfo("w", (10, 12), "float32", (10, 12), "numpy")  # not the stored grid
-    assert await RawLeaf.open(kv, other) is None
-    leaf = await RawLeaf.open(kv, info)
+    assert await RawLeaf.open(KvChunks(kv), other) is None
+    leaf = await RawLeaf.open(KvChunks(kv), info)
     assert leaf is not None
     await kv.write(chunks.chunk_key(info, (1, 0)), None)  # deletes the key
     assert (await leaf.read((slice(0, 5),)) == value[:5]).all()

@@ -21,7 +21,12 @@ import tensorstore as ts
 
 from ckptstore.backends.keys import validate_key, validate_prefix
 from ckptstore.backends.retry import NO_RETRY, RetryPolicy, retry_async
-from ckptstore.errors import AlreadyExistsError, ConfigError, NotFoundError
+from ckptstore.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
 
 T = TypeVar("T")
 
@@ -49,12 +54,15 @@ class Capabilities:
       False, `Backend.create` checks first and two racing creators may both win.
     - ``server_side_copy``: objects can be copied without passing through the client.
     - ``durable_writes``: a finished `write` survives a crash of this machine.
+    - ``direct_reads``: `read_into` costs one copy from the operating system (local
+      files), so restores read chunk data themselves rather than through TensorStore.
     """
 
     atomic_rename: bool
     conditional_create: bool
     server_side_copy: bool
     durable_writes: bool
+    direct_reads: bool = False
 
 
 class Backend(ABC):
@@ -94,6 +102,18 @@ class Backend(ABC):
         if (start is not None and start < 0) or (end is not None and end < 0):
             raise ValueError(f"byte range must be non-negative, got [{start}, {end})")
         return await self._run(lambda _: self._read(key, start, end))
+
+    async def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the object's bytes from ``offset`` on; an object too short to
+        fill it is corrupt (`CorruptCheckpointError`)."""
+        validate_key(key)
+        if offset < 0:
+            raise ValueError(f"offset must be non-negative, got {offset}")
+        got = await self._run(lambda _: self._read_into(key, offset, out))
+        if got != len(out):
+            raise CorruptCheckpointError(
+                f"{key}: {got} bytes at offset {offset}, {len(out)} expected"
+            )
 
     async def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole object; readers see either the old or the new bytes, never a mix."""
@@ -218,6 +238,13 @@ class Backend(ABC):
 
     @abstractmethod
     async def _read(self, key: str, start: int | None, end: int | None) -> bytes: ...
+
+    async def _read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """Bytes read into ``out`` (fewer at the object's end); backends with a cheaper way
+        than `_read` and a copy override it."""
+        data = await self._read(key, offset, offset + len(out))
+        out[: len(data)] = data
+        return len(data)
 
     @abstractmethod
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None: ...

@@ -17,9 +17,11 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore import chunks, placement
+from ckptstore import chunks, ocdbt_index, placement
 from ckptstore.arrays import (
     ByteBudget,
+    Chunks,
+    KvChunks,
     RawLeaf,
     ocdbt_spec,
     open_leaf,
@@ -102,17 +104,16 @@ async def open_stored(backend: Backend, step: int | None, item: str) -> StoredIt
         )
     store = item_store(backend, manifest, item)
     ctx = backend.ts_context
+    source = await chunk_source(backend, manifest, item, store)
 
     async def open_native(info: LeafInfo) -> ts.TensorStore:
         return await open_leaf(store, ctx, info)
 
     async def read_small(infos: Sequence[LeafInfo]) -> list[np.ndarray[Any, Any]]:
-        return await read_small_leaves(store, ctx, infos)
-
-    kv = await ts.KvStore.open(store, context=ctx)
+        return await read_small_leaves(source, store, ctx, infos)
 
     async def open_raw(info: LeafInfo) -> Read | None:
-        leaf = await RawLeaf.open(kv, info)
+        leaf = await RawLeaf.open(source, info)
         return leaf.read if leaf is not None else None
 
     saved = manifest.items[item]
@@ -197,6 +198,21 @@ def _in_memory(whole: np.ndarray[Any, Any]) -> Read:
         return whole[index] if index else whole  # a 0-d array[()] would be a scalar
 
     return read
+
+
+async def chunk_source(
+    backend: Backend, manifest: Manifest, item: str, store: dict[str, Any]
+) -> Chunks:
+    """Where the item's chunk bytes are read from: its data files directly where the
+    backend reads cheaply into buffers and the store's index is understood, else
+    TensorStore's kvstore."""
+    if backend.capabilities.direct_reads:
+        prefix = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+        base = await ts.KvStore.open(backend.kvstore_spec(prefix), context=backend.ts_context)
+        index = await ocdbt_index.load(base)
+        if index is not None:
+            return ocdbt_index.DirectChunks(backend, prefix, index)
+    return KvChunks(await ts.KvStore.open(store, context=backend.ts_context))
 
 
 def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from ckptstore.arrays import RawLeaf, open_leaf, read_slice
+from ckptstore.arrays import KvChunks, RawLeaf, open_leaf, read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import load_committed, resolve_step
@@ -110,7 +110,7 @@ async def _verify_item(
 
 async def _read_all(spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, info: LeafInfo) -> int:
     """Read every byte of a leaf through the restore's path, a slab at a time."""
-    raw = await RawLeaf.open(kv, info)
+    raw = await RawLeaf.open(KvChunks(kv), info)
     if raw is not None:
         read = raw.read
     else:
