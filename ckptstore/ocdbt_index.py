@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.backends.base import Backend
+from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.chunks import aligned_empty
+from ckptstore.errors import CorruptCheckpointError, NotFoundError
 
 #: Neighbouring values of one data file closer than this are fetched in one read.
 MAX_GAP = 1 << 20
@@ -112,6 +113,7 @@ class DirectChunks:
 
     def __init__(self, backend: Backend, prefix: str, index: dict[str, Value]):
         self.backend, self.prefix, self.index = backend, prefix, index
+        self._sizes: dict[str, asyncio.Future[ObjectInfo]] = {}
 
     async def get(self, keys: Sequence[str]) -> list[np.ndarray[Any, Any] | None]:
         out: list[np.ndarray[Any, Any] | None] = [None] * len(keys)
@@ -131,9 +133,22 @@ class DirectChunks:
 
     async def _fetch(self, run: list[tuple[int, Location]]) -> np.ndarray[Any, Any]:
         first, last = run[0][1], run[-1][1]
-        buf = aligned_empty((last.offset + last.length - first.offset,), np.dtype(np.uint8))
-        await self.backend.read_into(f"{self.prefix}/{first.path}", first.offset, buf.data)
+        key, end = f"{self.prefix}/{first.path}", last.offset + last.length
+        size = await self._size(key)
+        if end > size:  # checked before a buffer is sized by what the tree claims
+            raise CorruptCheckpointError(f"{key}: a value ends at byte {end}, the file at {size}")
+        buf = aligned_empty((end - first.offset,), np.dtype(np.uint8))
+        await self.backend.read_into(key, first.offset, buf.data)
         return buf
+
+    async def _size(self, key: str) -> int:
+        if key not in self._sizes:  # one stat per data file, shared by concurrent reads
+            self._sizes[key] = asyncio.ensure_future(self.backend.stat(key))
+        try:
+            info = await asyncio.shield(self._sizes[key])
+        except NotFoundError as exc:
+            raise CorruptCheckpointError(f"data file {key} is missing") from exc
+        return info.size
 
 
 def _runs(locs: list[tuple[int, Location]]) -> list[list[tuple[int, Location]]]:

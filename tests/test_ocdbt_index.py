@@ -77,3 +77,21 @@ async def test_local_restores_read_data_files_directly(tmp_path: Path) -> None:
     assert CountingLocal.reads_into > 0
     for key, value in tree.items():
         np.testing.assert_array_equal(out[key], value)
+
+
+async def test_a_tree_claiming_more_than_the_file_holds_is_corrupt(tmp_path: Path) -> None:
+    """A hand-edited tree must not size a buffer: the claim is checked against the file."""
+    kv = _store(tmp_path / "s")
+    await kv.write("k", b"x" * 1000)
+    index = await ocdbt_index.load(await ts.KvStore.open(f"file://{tmp_path}/s/"))
+    assert index is not None
+    where = index["k"]
+    assert isinstance(where, ocdbt_index.Location)
+    index["huge"] = ocdbt_index.Location(where.path, where.offset, 1 << 45)
+    index["gone"] = ocdbt_index.Location("d/does-not-exist", 0, 10)
+    chunks = ocdbt_index.DirectChunks(LocalBackend(tmp_path), "s", index)
+    with pytest.raises(ckptstore.CorruptCheckpointError, match="ends at byte"):
+        await chunks.get(["huge"])
+    with pytest.raises(ckptstore.CorruptCheckpointError, match="is missing"):
+        await chunks.get(["gone"])
+    assert bytes((await chunks.get(["k"]))[0]) == b"x" * 1000  # type: ignore[arg-type]
