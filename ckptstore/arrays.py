@@ -301,7 +301,9 @@ async def read_small_leaves(
     out = []
     for info, meta, chunk in zip(infos, found[::2], found[1::2], strict=True):
         if meta is not None and chunk is not None and _ours(info, meta):
-            out.append(chunks.decode_chunk(info, chunk))
+            # A buffer of its own (`ocdbt_index.DirectChunks`) is used as it is.
+            mine = isinstance(chunk, np.ndarray) and chunk.flags.writeable
+            out.append(chunks.decode_chunk(info, chunk, copy=not mine))
         else:
             out.append(await read_slice(await open_leaf(store, context, info), (), info.name))
     return out
