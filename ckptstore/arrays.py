@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import math
 import time
@@ -212,7 +213,8 @@ class ByteBudget:
             if waiter.done() and not waiter.cancelled():  # admitted, then cancelled
                 self._release(nbytes)
             else:
-                self._waiters.remove((nbytes, waiter))
+                with contextlib.suppress(ValueError):  # _wake may have dropped it already
+                    self._waiters.remove((nbytes, waiter))
                 self._wake()
             raise
 
@@ -221,8 +223,14 @@ class ByteBudget:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            nbytes, waiter = self._waiters.popleft()
+        while self._waiters:
+            nbytes, waiter = self._waiters[0]
+            if waiter.done():  # cancelled (with its task) and not yet gone from the queue
+                self._waiters.popleft()
+                continue
+            if not self._fits(nbytes):
+                break
+            self._waiters.popleft()
             self._take(nbytes)
             waiter.set_result(None)
 

@@ -156,6 +156,28 @@ async def test_cancelled_waiters_give_their_place_back() -> None:
     assert budget.used == 0
 
 
+async def test_cancelling_holder_and_waiters_together_leaves_the_budget_empty() -> None:
+    """What cancelling a ``gather`` of copies does (a promotion stopped by SIGTERM): every
+    waiter's future is cancelled before the holder releases its bytes."""
+    budget = ByteBudget(10)
+
+    async def hold_long(nbytes: int) -> None:
+        async with budget.hold(nbytes):
+            await asyncio.sleep(60)
+
+    holder = asyncio.create_task(hold_long(8))
+    await asyncio.sleep(0.01)
+    waiters = [asyncio.create_task(hold_long(5)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert budget.used == 8 and len(budget._waiters) == 3
+    for task in [holder, *waiters]:  # as gather does: the holder resumes first, and finds
+        task.cancel()  # the waiters' futures already cancelled
+    results = await asyncio.gather(holder, *waiters, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+    assert budget.used == 0 and not budget._waiters
+    await asyncio.wait_for(_hold(budget, 10), 1)  # and it still admits
+
+
 async def _hold(budget: ByteBudget, nbytes: int) -> None:
     async with budget.hold(nbytes):
         pass
