@@ -53,6 +53,8 @@ examples:
   ckptstore --profile moto info                the target is the profile's URL
   ckptstore gc /data/ckpt --older-than 1d --dry-run
   ckptstore promote nvme-s3-tiered.toml        fast tier -> durable tier
+  ckptstore promote nvme-s3-tiered.toml --watch --interval 30s
+                                               promote each new step, until SIGTERM
   ckptstore import-safetensors model/ /data/ckpt --step 0
 
 exit status: 0 fine; 1 a checkpoint is corrupt; 2 an error (a missing target,
@@ -262,12 +264,16 @@ async def cmd_gc(target: Backend | Tiered, older_than: float, dry_run: bool) -> 
     return 0
 
 
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``30m``, ``6h`` or ``2d`` as seconds."""
-    try:
-        return seconds(text, what="--older-than")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def parse_duration(flag: str) -> Callable[[str], float]:
+    """An argparse type for ``flag``: ``90``, ``90s``, ``30m``, ``6h`` or ``2d`` as seconds."""
+
+    def parse(text: str) -> float:
+        try:
+            return seconds(text, what=flag)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 async def cmd_import(args: argparse.Namespace, dst: Backend) -> int:
@@ -340,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("target", nargs="?", help=target_help)
     collect.add_argument(
         "--older-than",
-        type=parse_duration,
+        type=parse_duration("--older-than"),
         default=DEFAULT_GRACE,
         help="only what nobody wrote to for this long (default 6h; 0 = regardless of age)",
     )
@@ -349,6 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
     prom.add_argument("tiers", help="a .toml profile with a [tiers] table (fast, durable)")
     prom.add_argument("--step", type=int, help="only this step (default: every unpromoted one)")
     prom.add_argument("--no-progress", action="store_true")
+    prom.add_argument(
+        "--watch",
+        action="store_true",
+        help="keep promoting each step as it is committed, until SIGINT or SIGTERM",
+    )
+    prom.add_argument(
+        "--interval",
+        type=parse_duration("--interval"),
+        default=5.0,
+        help="with --watch: how often to look for new steps (default 5s)",
+    )
     imp = command("import-safetensors", "stream a safetensors model into a checkpoint")
     imp.add_argument("src", help="a .safetensors file, a model folder, or its index.json")
     imp.add_argument("dst", help="checkpoint target (path, URL or .toml profile)")
@@ -407,7 +424,15 @@ async def _on_target(
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "promote":
-        return asyncio.run(cmd_promote(args.tiers, args.step, not args.no_progress))
+        return asyncio.run(
+            cmd_promote(
+                args.tiers,
+                args.step,
+                not args.no_progress,
+                watch=args.watch,
+                interval=args.interval,
+            )
+        )
     if args.command in cli_orbax.COMMANDS:
         return asyncio.run(cli_orbax.run(args))
     if args.command == "import-safetensors":

@@ -1,16 +1,27 @@
-"""The ``ckptstore`` command on tiers: ``promote`` and ``ls`` of a profile with a ``[tiers]``
-table (``info``, ``verify``, ``rm`` and ``gc`` take tiers through the ordinary commands)."""
+"""The ``ckptstore`` command on tiers: ``promote`` (once, or ``--watch``) and ``ls`` of a
+profile with a ``[tiers]`` table (``info``, ``verify``, ``rm`` and ``gc`` take tiers through
+the ordinary commands)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.target import Tiered, opened
 from ckptstore.cli_text import count, duration_text, human
-from ckptstore.lifecycle.tiers import promote, status
+from ckptstore.errors import CheckpointNotFoundError, ConfigError
+from ckptstore.lifecycle.tiers import Promotion, promote, status, unpromoted
+
+T = TypeVar("T")
 
 _TIER_TEXT = {
     "fast": "fast only (not promoted yet)",
@@ -49,25 +60,144 @@ async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
     return 0
 
 
-async def cmd_promote(profile: str, step: int | None, show_progress: bool) -> int:
+class Signals:
+    """SIGINT and SIGTERM while a command runs: recorded, and what the command awaits
+    through `run` or `sleep` is cancelled, so it stops between (or inside) promotions
+    instead of being killed with a traceback."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._event = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def __enter__(self) -> Signals:
+        # Only the main thread receives signals (`main` may run on another: then as usual).
+        self._installed = threading.current_thread() is threading.main_thread()
+        if self._installed:
+            for sig in self.SIGNALS:
+                self._loop.add_signal_handler(sig, self._handle, sig)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            for sig in self.SIGNALS:
+                self._loop.remove_signal_handler(sig)
+
+    def _handle(self, signum: int) -> None:
+        self.received = signum
+        self._event.set()
+
+    async def run(self, work: Coroutine[Any, Any, T]) -> T | None:
+        """``work``'s result, or None when a signal came first (``work`` is cancelled)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._event.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+        return task.result()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Wait ``seconds``; True when a signal cut the wait short."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), seconds)
+        return self._event.is_set()
+
+
+def _done_text(p: Promotion) -> str:
+    if p.already:
+        return f"step {p.step}: already durable"
+    return (
+        f"step {p.step}: copied {p.copied} of {count(p.objects, 'object')}, "
+        f"{human(p.bytes)} in {p.seconds:.1f} s"
+    )
+
+
+async def cmd_promote(
+    profile: str,
+    step: int | None,
+    show_progress: bool,
+    *,
+    watch: bool = False,
+    interval: float = 5.0,
+) -> int:
+    """Promote the unpromoted committed steps (or ``step``), oldest first, one at a time;
+    with ``watch``, keep doing so every ``interval`` seconds until SIGINT or SIGTERM.
+
+    Exit status: 0; a signal stops ``--watch`` with 0 (an interrupted promotion is resumed
+    by the next one: the durable tier lists a step only once its marker landed, last) and a
+    one-off promotion with 128 + the signal's number.
+    """
+    if watch and step is not None:
+        raise ConfigError("--watch promotes every step as it is committed: give no --step")
+    if interval <= 0:
+        raise ConfigError(f"--interval must be > 0 seconds, got {interval}")
     tiered = Tiered.from_profile(profile)
+    with Signals() as signals:
+        async with tiered.opened() as (fast, durable):
+            tiers = dataclasses.replace(tiered, fast=fast, durable=durable)
+            if watch:
+                print(
+                    f"watching {fast.url} every {interval:g} s for steps to promote to "
+                    f"{durable.url} (SIGINT or SIGTERM stops)",
+                    flush=True,
+                )
+            while True:
+                todo = [step] if step is not None else await unpromoted(fast, durable)
+                for s in todo:
+                    if not await _promote_one(tiers, s, show_progress, signals, skip_gone=watch):
+                        break
+                if signals.received is not None or not watch or await signals.sleep(interval):
+                    break
+            where = (await status(tiers)).steps
+    durable_now = sorted(s for s, w in where.items() if w in ("both", "durable"))
+    print(f"durable now: {durable_now}", flush=True)
+    if signals.received is None:
+        return 0
+    name = signal.Signals(signals.received).name
+    print(f"stopped by {name}", flush=True)
+    return 0 if watch else 128 + signals.received
+
+
+async def _promote_one(
+    tiers: Tiered, step: int, show_progress: bool, signals: Signals, *, skip_gone: bool
+) -> bool:
+    """Promote one step, printing its progress and outcome; False when a signal stopped it."""
+
+    shown = False
 
     def progress(done: int, total: int) -> None:
+        nonlocal shown
         if show_progress:
-            print(f"\r  {human(done)} of {human(total)}", end="", file=sys.stderr, flush=True)
-
-    for p in await promote(tiered, step, progress=progress):
-        if show_progress and p.copied:
-            print(file=sys.stderr)
-        what = (
-            "already durable"
-            if p.already
-            else (
-                f"copied {p.copied} of {count(p.objects, 'object')}, {human(p.bytes)} "
-                f"in {p.seconds:.1f} s"
+            shown = True
+            percent = 100 * done // total if total else 100
+            print(
+                f"\r  step {step}: {human(done)} of {human(total)} ({percent}%)",
+                end="",
+                file=sys.stderr,
+                flush=True,
             )
-        )
-        print(f"step {p.step}: {what}")
-    where = (await status(tiered)).steps
-    print(f"durable now: {sorted(s for s, w in where.items() if w in ('both', 'durable'))}")
-    return 0
+
+    try:
+        done = await signals.run(promote(tiers, step, progress=progress))
+    except CheckpointNotFoundError as exc:
+        if not skip_gone:
+            raise
+        print(f"step {step}: skipped, {exc}", flush=True)  # deleted or trimmed meanwhile
+        return True
+    finally:
+        if shown:  # end the progress line
+            print(file=sys.stderr, flush=True)
+    if done is None:
+        print(f"step {step}: interrupted, not durable (promoting again resumes it)", flush=True)
+        return False
+    for p in done:
+        print(_done_text(p), flush=True)
+    return True

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.checkpoint.target import open_target
+from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.cli import main
 from ckptstore.lifecycle import tiers
 from tests.paths import committed_root
@@ -221,3 +223,140 @@ def test_manager_saves_fast_and_promotes_in_the_background(tiered: ckptstore.Tie
     with ckptstore.CheckpointManager(tiers_, keep_policy=keep, options=opts) as mgr:
         assert mgr.latest_step() == 4
         assert_tree(mgr.restore(), 4)
+
+
+def tiers_profile(tmp_path: Path, durable: str) -> Path:
+    profile = tmp_path / "tiered.toml"
+    profile.write_text(f'[tiers]\nfast = "{tmp_path / "nvme"}"\ndurable = "{durable}"\n')
+    return profile
+
+
+class Output:
+    """A subprocess's stream, read on a thread as it comes (progress lines end in \\r)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.text = ""
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: Any) -> None:
+        while chunk := stream.read(1):
+            self.text += chunk
+
+    def wait_for(self, needle: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.text:
+            assert time.monotonic() < deadline, f"no {needle!r} in {self.text!r}"
+            time.sleep(0.05)
+
+    def done(self) -> str:
+        self._thread.join(timeout=30)
+        return self.text
+
+
+Started = tuple["subprocess.Popen[str]", Output, Output]
+
+
+def start_cli(*args: str, script: str | None = None) -> Started:
+    command = ["-c", script] if script else ["-m", "ckptstore.cli"]
+    proc = subprocess.Popen(
+        [sys.executable, *command, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    return proc, Output(proc.stdout), Output(proc.stderr)
+
+
+async def wait_durable(durable: str, steps: list[int], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while (listed := await ckptstore.list_steps(durable)) != steps:
+        assert time.monotonic() < deadline, f"durable tier lists {listed}, not {steps}"
+        await asyncio.sleep(0.1)
+
+
+async def test_promote_watch_promotes_each_new_step_until_sigterm(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A real ``ckptstore promote --watch`` process: each step saved to the fast tier while
+    it runs becomes durable on moto S3, with its progress shown; SIGTERM stops it, status 0."""
+    durable = shared_target("s3", request, tmp_path, "durable")
+    profile = tiers_profile(tmp_path, durable)
+    proc, out, err = start_cli("promote", str(profile), "--watch", "--interval", "0.2")
+    try:
+        out.wait_for("SIGINT or SIGTERM stops")
+        for step in (1, 2):
+            await ckptstore.save(str(tmp_path / "nvme"), tree(step), step=step)
+            await wait_durable(durable, list(range(1, step + 1)))
+            out.wait_for(f"step {step}: copied")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, err.done()[-3000:]
+    finally:
+        proc.kill()
+    lines = out.done().splitlines()
+    assert lines[-2:] == ["durable now: [1, 2]", "stopped by SIGTERM"], lines
+    assert "step 2: " in err.done() and "(100%)" in err.text  # the progress line
+    for step in (1, 2):
+        assert_tree(await ckptstore.restore(durable, step=step), step)
+
+
+SLOW_PROMOTER = textwrap.dedent(
+    """
+    import sys
+    from ckptstore.cli import main
+    from ckptstore.lifecycle import tiers
+    from ckptstore.testing.faults import FaultyBackend
+
+    real_copy = tiers.copy_objects
+
+    async def slow_copy(fast, durable, objects, root, result, max_bytes_in_flight, progress):
+        # one object at a time, each 0.3 s late: a SIGTERM lands mid-promotion
+        slow = FaultyBackend(durable, latency=0.3)
+        await real_copy(fast, slow, objects, root, result, 1, progress)
+
+    tiers.copy_objects = slow_copy
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+async def test_sigterm_mid_promotion_leaves_a_resumable_unlisted_step(
+    request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM while ``promote --watch`` uploads a step to moto S3 (slowed: one object at a
+    time): it stops with status 0, the step is not listed, and promoting again resumes."""
+    durable = shared_target("s3", request, tmp_path, "durable")
+    profile = tiers_profile(tmp_path, durable)
+    await ckptstore.save(str(tmp_path / "nvme"), tree(3), step=3)
+    async with opened(str(tmp_path / "nvme")) as fast:
+        objects = [i.key async for i in fast.list("3/") if not i.key.endswith("COMMITTED")]
+    proc, out, err = start_cli(
+        "promote", str(profile), "--watch", "--interval", "0.2", script=SLOW_PROMOTER
+    )
+    try:
+        err.wait_for("step 3: ")  # an object landed, more to come
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, err.done()[-3000:]
+    finally:
+        proc.kill()
+    assert "step 3: interrupted, not durable" in out.done()
+    assert await ckptstore.list_steps(durable) == []  # never listed early
+    async with opened(durable) as backend:
+        landed = [i.key async for i in backend.list("3/")]
+    assert 0 < len(landed) < len(objects)
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["promote", str(profile), "--no-progress"]) == 0
+    resumed = f"step 3: copied {len(objects) - len(landed)} of {len(objects)} objects"
+    assert resumed in capsys.readouterr().out
+    assert await ckptstore.list_steps(durable) == [3]
+    assert_tree(await ckptstore.restore(durable, step=3), 3)
+
+
+def test_promote_watch_takes_no_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tiers_profile(tmp_path, str(tmp_path / "bucket"))
+    assert main(["promote", str(profile), "--watch", "--step", "1"]) == 2
+    assert "give no --step" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["promote", str(profile), "--watch", "--interval", "soon"])
+    assert "--interval: not a duration" in capsys.readouterr().err

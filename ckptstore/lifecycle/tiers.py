@@ -135,19 +135,22 @@ async def _promote(
     max_bytes_in_flight: int,
     progress: Callable[[int, int], None] | None,
 ) -> list[Promotion]:
-    if step is None:  # every step whose durable marker is missing or differs
-        on_durable = set(await committed_steps(durable))
-        steps = [
-            s
-            for s in await committed_steps(fast)
-            if s not in on_durable or not await _marker_matches(fast, durable, s)
-        ]
-    else:
-        steps = [layout.check_step(step)]
+    steps = await unpromoted(fast, durable) if step is None else [layout.check_step(step)]
     done = [await promote_step(fast, durable, s, max_bytes_in_flight, progress) for s in steps]
     if tiered.keep_fast is not None:
         await trim_fast(fast, durable, tiered.keep_fast)
     return done
+
+
+async def unpromoted(fast: Backend, durable: Backend) -> list[int]:
+    """Steps committed on ``fast`` whose durable marker is missing or differs, ascending
+    (what ``promote(tiered)`` promotes; a differing marker is refused there)."""
+    on_durable = set(await committed_steps(durable))
+    return [
+        s
+        for s in await committed_steps(fast)
+        if s not in on_durable or not await _marker_matches(fast, durable, s)
+    ]
 
 
 async def promote_staged(
