@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,6 +83,45 @@ def owned_slices(value: Any, process: int) -> list[tuple[Index, Any, bool]]:
     return [(tuple(slice(None) for _ in arr.shape), arr, False)]
 
 
+def host_view_slices(value: Any, process: int) -> list[tuple[Index, Any, bool]] | None:
+    """What ``process`` must write beyond `owned_slices` so that its own stores hold every
+    slice its devices hold (a host-local fast tier's copy, `ckptstore.checkpoint.hostlocal`):
+    addressable replicas whose replica 0 lives on another process (each index once) and,
+    on processes other than 0, host values. None where that data is not at hand: a staged
+    array (`HostShards`) staged without its ``extra`` pieces."""
+    if isinstance(value, jax.Array):
+        own = {_bounds(s.index, value.shape) for s in value.addressable_shards if s.replica_id == 0}
+        out: dict[tuple[tuple[int, int], ...], tuple[Index, Any, bool]] = {}
+        for shard in value.addressable_shards:
+            key = _bounds(shard.index, value.shape)
+            if key not in own and key not in out:
+                out[key] = (tuple(shard.index), shard.data, True)
+        return list(out.values())
+    if isinstance(value, HostShards):
+        if value.extra is None:
+            return None
+        return [(index, data, True) for index, data in value.extra]
+    if process == 0:
+        return []
+    arr = host_array(value)
+    return [(tuple(slice(None) for _ in arr.shape), arr, False)]
+
+
+def addressable_indices(value: Any) -> list[Index] | None:
+    """The regions of a leaf this process's devices hold (None: a host value, all of it)."""
+    if isinstance(value, (jax.Array, HostShards)):
+        indices = value.sharding.addressable_devices_indices_map(tuple(value.shape)).values()
+        return [tuple(index or ()) for index in indices]
+    return None
+
+
+def _bounds(index: Index, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+
+
+Select = Callable[[Any, int], "list[tuple[Index, Any, bool]] | None"]
+
+
 # ---- writing ----
 
 
@@ -94,19 +133,27 @@ async def write_leaves(
     process: int,
     write_metadata: bool,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    select: Select = owned_slices,
 ) -> WriteStats:
     """Write this process's pieces of ``leaves`` into the OCDBT store ``store``.
 
     ``write_metadata`` makes this process write every leaf's ``zarr.json``
     (exactly one process should). At most ``max_inflight_bytes`` of shard data
     are handed to TensorStore at a time, which bounds the memory a save adds.
+    ``select(value, process)`` picks the pieces (`owned_slices`; `host_view_slices`).
     """
     stats = WriteStats(process=process)
     start = time.perf_counter()
     budget = ByteBudget(max_inflight_bytes)
 
+    def pieces_of(value: Any) -> list[tuple[Index, Any, bool]]:
+        pieces = select(value, process)
+        if pieces is None:
+            raise CkptStoreError("a staged leaf lacks the pieces this write needs")
+        return pieces
+
     async def one_leaf(info: LeafInfo, value: Any) -> None:
-        pieces = owned_slices(value, process)
+        pieces = pieces_of(value)
         if not pieces and not write_metadata:
             return
         if write_metadata:
@@ -121,7 +168,7 @@ async def write_leaves(
 
     async def small_leaves(group: list[tuple[LeafInfo, Any]]) -> None:
         # Each is one chunk, so at most one piece (the whole array); no TensorStore opens.
-        owned = [(info, owned_slices(value, process)) for info, value in group]
+        owned = [(info, pieces_of(value)) for info, value in group]
         nbytes = sum(info.nbytes for info, pieces in owned if pieces)
         async with budget.hold(nbytes):  # the encoded copies live until written
             writes = []

@@ -154,12 +154,16 @@ Index = tuple[slice, ...]
 class HostShards:
     """A jax array as staged for a save: the shards this process writes (addressable,
     replica 0), copied into host memory that only the save uses, so the array itself
-    may be donated, deleted or overwritten as soon as staging returns."""
+    may be donated, deleted or overwritten as soon as staging returns. ``extra``: the
+    other addressable slices (replicas whose replica 0 is on another process), staged
+    for a host-local fast tier's copy (`ckptstore.arrays.host_view_slices`); None when
+    not staged."""
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
     sharding: jax.sharding.Sharding
     pieces: tuple[tuple[Index, np.ndarray[Any, Any]], ...]
+    extra: tuple[tuple[Index, np.ndarray[Any, Any]], ...] | None = None
 
 
 def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES) -> LeafInfo:

@@ -15,15 +15,19 @@ Tiers (a 6th argument, DURABLE, names the durable tier; each process's fast tier
 ROOT/fast<PROCESS_ID>, or with a 7th argument "shared" one ROOT/fast for both):
 "tiered-save" saves the "save" tree as step 1 on the tiers, then promotes it (every process);
 "tiered-restore" restores the latest step from the tiers on the transposed mesh and checks
-every shard; "tiered-promote" promotes what is staged; "tiered-manager" runs "manager" on
-the tiers (keep_fast=1).
+every shard, then the whole tree as numpy arrays, and prints where each read its step;
+"tiered-promote" promotes what is staged; "tiered-manager" runs "manager" on the tiers
+(keep_fast=1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import sys
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -151,12 +155,17 @@ def main() -> None:
         like = {
             k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=shardings[k]) for k in SHAPES
         }
-        out = asyncio.run(ckptstore.restore(tiers, like=like))
+        with read_from() as sharded:
+            out = asyncio.run(ckptstore.restore(tiers, like=like))
         for k, arr in out.items():
             assert arr.sharding == shardings[k]
             for shard in arr.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), expected(k)[shard.index])
-        print("tiered restored ok", flush=True)
+        with read_from() as whole:  # every slice: more than this host's devices held
+            out = asyncio.run(ckptstore.restore(tiers))
+        for k in SHAPES:
+            assert out[k].tobytes() == expected(k).tobytes()
+        print(f"tiered restored ok: sharded {sharded[0]}, whole {whole[0]}", flush=True)
     elif mode in ("save", "fail", "late"):
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
@@ -179,6 +188,28 @@ def main() -> None:
                 np.testing.assert_array_equal(np.asarray(shard.data), expected(k)[shard.index])
         print("restored ok", flush=True)
     jax.distributed.shutdown()
+
+
+@contextlib.contextmanager
+def read_from() -> Iterator[list[str]]:
+    """Where the restores inside read their step (ckptstore's "read from" log lines)."""
+    found: list[str] = []
+
+    class Where(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if " read from " in text:
+                found.append(text.split(" read from ", 1)[1])
+
+    logger = logging.getLogger("ckptstore")
+    handler, level = Where(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def trained(name: str, steps: int) -> np.ndarray:
@@ -219,11 +250,12 @@ def run_manager(root: str | ckptstore.Tiered, devices: np.ndarray) -> None:
             k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=NamedSharding(transposed, s))
             for k, s in new_specs.items()
         }
-        out = mgr.restore(like=like)
+        with read_from() as where:  # tiers only
+            out = mgr.restore(like=like)
         for k, arr in out.items():
             for shard in arr.addressable_shards:  # step 6 holds the state after 5 steps
                 np.testing.assert_array_equal(np.asarray(shard.data), trained(k, 5)[shard.index])
-    print(f"manager ok saved {saved}", flush=True)
+    print(f"manager ok saved {saved}" + "".join(f", read {w}" for w in where), flush=True)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,11 @@ def test_two_processes_orbax_in(tmp_path: Path) -> None:
     assert ckptstore.verify_sync(str(root / "imported"), 1).ok
 
 
+async def keys_of(target: str) -> list[str]:
+    async with opened(target) as backend:
+        return [info.key async for info in backend.list()]
+
+
 async def undo_the_end_of_promotion(durable: str) -> None:
     """Leave the durable tier as a promoter killed before the marker would."""
     async with opened(durable) as backend:
@@ -185,14 +190,21 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
         o.startswith("tiered saved") and o.endswith("listed [] promoted [(1, True)] now [1]\n")
         for o in outputs
     ), outputs
-    for i in (0, 1):  # each host holds exactly its own store, and its STAGED marker
+    # Each host: its own store, its STAGED marker and its host view, a store merged from its
+    # own and (process 1) what else its devices held: every zarr.json, "v" and "replicated"
+    # (replica 0 of those is on process 0's devices).
+    for i, extra in ((0, []), (1, ["local.process_1"])):
         fast = tmp_path / f"fast{i}"
         (attempt,) = (fast / "1").glob("attempt-*")
-        assert [p.name for p in (attempt / "state").iterdir()] == [f"ocdbt.process_{i}"]
+        assert sorted(p.name for p in (attempt / "state").iterdir()) == sorted(
+            ["d", "manifest.ocdbt", f"ocdbt.process_{i}", *extra]
+        )
         assert (fast / "1" / "STAGED").is_file() and not (fast / "1" / "COMMITTED").exists()
+        assert json.loads((fast / "1" / "STAGED").read_text())["host_view"] is True
     assert (tmp_path / "fast0" / "1" / attempt.name / "manifest.json").is_file()
     assert ckptstore.list_steps_sync(durable) == [1]
     assert ckptstore.verify_sync(durable, 1).ok
+    assert not [k for k in asyncio.run(keys_of(durable)) if "/local.process_" in k]
     whole = ckptstore.restore_sync(durable)  # one process, the whole tree
     for k in SHAPES:
         assert whole[k].tobytes() == expected(k).tobytes()
@@ -209,14 +221,19 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
     ]
     assert ckptstore.verify_sync(durable, 1).ok
 
-    # A restart on the same two hosts, then on new ones (the fast directories gone). Both
-    # read the durable tier: a host's fast tier holds only its own store (process 1's has no
-    # zarr.json, and no replicated shard of replica id > 0), so it cannot serve a restore
-    # alone (docs/architecture.md, "Multi-host tiers").
-    assert run_job(tmp_path, "tiered-restore", 2, durable) == ["tiered restored ok\n"] * 2
+    # A restart on the same two hosts: each process reads the slices its devices hold from
+    # its own host's copy; the whole tree (more than a host holds) from the durable tier.
+    # Then on new hosts (the fast directories gone): the durable tier for both.
+    assert (
+        run_job(tmp_path, "tiered-restore", 2, durable)
+        == ["tiered restored ok: sharded this host's fast copy, whole the durable tier\n"] * 2
+    )
     for i in (0, 1):
         shutil.rmtree(tmp_path / f"fast{i}")
-    assert run_job(tmp_path, "tiered-restore", 2, durable) == ["tiered restored ok\n"] * 2
+    assert (
+        run_job(tmp_path, "tiered-restore", 2, durable)
+        == ["tiered restored ok: sharded the durable tier, whole the durable tier\n"] * 2
+    )
 
 
 def test_two_processes_sharing_one_fast_tier_commit_there(tmp_path: Path) -> None:
@@ -234,7 +251,9 @@ def test_two_processes_sharing_one_fast_tier_commit_there(tmp_path: Path) -> Non
 def test_two_hosts_train_with_a_manager_on_their_own_fast_tiers(tmp_path: Path) -> None:
     durable = str(tmp_path / "durable")
     outputs = run_job(tmp_path, "tiered-manager", 2, durable)
-    assert outputs == ["manager ok saved [1, 2, 4, 6]\n"] * 2
+    # The restart-style restore reads each host's own copy: the manager staged the replicas
+    # a host holds but does not write (HostShards.extra), and the save wrote them there.
+    assert outputs == ["manager ok saved [1, 2, 4, 6], read this host's fast copy\n"] * 2
     assert ckptstore.list_steps_sync(durable) == [4, 6]  # the keep policy, on the durable tier
     for i in (0, 1):  # keep_fast=1: each host keeps its part of the latest step only
         assert sorted(p.name for p in (tmp_path / f"fast{i}").iterdir()) == ["6"]

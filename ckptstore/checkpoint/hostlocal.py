@@ -24,11 +24,14 @@ object and every process looks for it (`fast_is_shared`).
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.arrays import addressable_indices, host_view_slices, ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import Marker, digest
@@ -36,6 +39,7 @@ from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError, NotFoundError
+from ckptstore.leaves import LeafInfo
 
 STAGED = "STAGED"
 _PROBE = ".ckptstore-probe-"
@@ -56,6 +60,7 @@ class Staged:
     process: int
     processes: int
     manifest_digest: str | None = None  # process 0's marker only
+    host_view: bool = False  # this host holds every slice its devices held (`write_host_view`)
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -66,6 +71,7 @@ class Staged:
                 "process": self.process,
                 "processes": self.processes,
                 "manifest_digest": self.manifest_digest,
+                "host_view": self.host_view,
             }
         ).encode()
 
@@ -79,7 +85,7 @@ class Staged:
                 raise ValueError("no valid attempt")
             return cls(
                 step, doc["attempt"], int(doc["process"]), int(doc["processes"]),
-                doc.get("manifest_digest"),
+                doc.get("manifest_digest"), doc.get("host_view") is True,
             )  # fmt: skip
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise CorruptCheckpointError(f"unreadable staged-step marker {where}: {exc}") from exc
@@ -116,6 +122,12 @@ async def is_promoted(durable: Backend, mine: Staged) -> bool:
     return Marker.from_bytes(data, step=mine.step, where=where).attempt == mine.attempt
 
 
+def known_shared(fast: Backend, count: int) -> bool | None:
+    """What `fast_is_shared` found for this fast tier in a job of ``count`` processes
+    (None: not probed yet)."""
+    return True if count == 1 else _probed.get((fast.url, count))
+
+
 async def fast_is_shared(fast: Backend, handoff: Handoff) -> bool:
     """Whether every process sees process 0's fast tier (one filesystem), measured with a
     probe object; collective (every process calls it with the same ``handoff``). The answer
@@ -149,8 +161,57 @@ async def fast_is_shared(fast: Backend, handoff: Handoff) -> bool:
     return shared
 
 
+def can_write_host_view(values: Iterable[Any], me: int) -> bool:
+    """Whether this process has every slice its devices hold at hand (not so for arrays
+    staged without their ``extra`` pieces)."""
+    return all(host_view_slices(value, me) is not None for value in values)
+
+
+def host_view_bytes(values: Iterable[Any], me: int) -> int:
+    """Payload bytes `write_host_view` adds to this process's fast tier."""
+    return sum(
+        math.prod(data.shape) * data.dtype.itemsize
+        for value in values
+        for _, data, _ in host_view_slices(value, me) or []
+    )
+
+
+async def write_host_view(
+    fast: Backend, where: layout.AttemptDir, item: str, leaves: list[tuple[LeafInfo, Any]], me: int
+) -> int:
+    """Make this host's fast tier able to serve a restore on the same topology alone.
+
+    Its own store (``ocdbt.process_<me>``) lacks, on processes other than 0, every leaf's
+    ``zarr.json`` and the host values, and on every process the slices its devices hold as
+    replicas whose replica 0 is elsewhere. Those go to ``local.process_<me>`` (never
+    promoted); both stores are then merged by reference into the item's store on this fast
+    tier, validated to hold every leaf's metadata and each chunk of the slices this host's
+    devices hold. Returns the bytes written.
+    """
+    store = where.local_store(item, me)
+    with fast.write_behind(store):
+        stats = await write_leaves(
+            ocdbt_spec(fast.kvstore_spec(store)),
+            fast.ts_context,
+            leaves,
+            process=me,
+            write_metadata=me != 0,
+            select=host_view_slices,
+        )
+    regions = {info.name: addressable_indices(value) for info, value in leaves}
+    children = [where.process_store(item, me), store]
+    await merge(fast, where.item(item), children, [i for i, _ in leaves], regions=regions)
+    return stats.bytes
+
+
 async def stage(
-    fast: Backend, step: int, attempt: str, me: int, count: int, manifest: Manifest | None
+    fast: Backend,
+    step: int,
+    attempt: str,
+    me: int,
+    count: int,
+    manifest: Manifest | None,
+    host_view: bool = False,
 ) -> None:
     """Record this process's complete part on its fast tier (process 0: with the manifest,
     written first)."""
@@ -159,8 +220,15 @@ async def stage(
         data = manifest.to_bytes()
         await fast.write(layout.AttemptDir(step, attempt).manifest, data)
         step_digest = digest(data)
-    marker = Staged(step, attempt, me, count, step_digest)
+    marker = Staged(step, attempt, me, count, step_digest, host_view)
     await fast.create(staged_key(step), marker.to_bytes())
+
+
+def promoted_part(key: str, root: str, me: int) -> bool:
+    """Whether ``key`` (below the attempt ``root``) is part of what process ``me``
+    uploads: the manifest, and its own store (not its host view's stores)."""
+    rel = key.removeprefix(root + "/").split("/")
+    return rel == [layout.MANIFEST] or (len(rel) > 2 and rel[1] == f"ocdbt.process_{me}")
 
 
 async def merge_on_durable(durable: Backend, mine: Staged) -> bytes:

@@ -11,6 +11,8 @@ Format version 2 (attempt-scoped):
     SESSION.json                          partial-save sessions only: lets a resumer find it
     <item>/                               e.g. "state"
       ocdbt.process_<i>/                  process i's own OCDBT store (a save)
+      local.process_<i>/                  host-local fast tiers only: what else process i
+                                          needs to restore alone (never promoted)
       pending_<k>-<token>/ocdbt.process_<i>/   part k of a partial save
       parts/<k>.json                      the record of part k, created last
       manifest.ocdbt, d/                  the merged OCDBT store: references only
@@ -114,6 +116,10 @@ class AttemptDir:
 
     def process_store(self, item: str, process: int) -> str:
         return f"{self.item(item)}/ocdbt.process_{process}"
+
+    def local_store(self, item: str, process: int) -> str:
+        """Process ``process``'s extra store on a host-local fast tier (`hostlocal`)."""
+        return f"{self.item(item)}/local.process_{process}"
 
     def part_dir(self, item: str, name: str) -> str:
         return f"{self.item(item)}/{name}"

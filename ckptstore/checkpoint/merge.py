@@ -25,7 +25,7 @@ from ckptstore.arrays import ocdbt_spec
 from ckptstore.backends.base import Backend
 from ckptstore.errors import IncompleteCheckpointError
 from ckptstore.futures import wait_all
-from ckptstore.leaves import LeafInfo
+from ckptstore.leaves import Index, LeafInfo
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ async def merge(
     children: Sequence[str],
     leaves: Sequence[LeafInfo],
     clear_before: Mapping[str, Sequence[str]] | None = None,
+    regions: Mapping[str, Sequence[Index] | None] | None = None,
 ) -> MergeStats:
     """Merge the OCDBT stores at ``children`` into the one at ``parent``, then validate.
 
@@ -50,7 +51,8 @@ async def merge(
     dropped once every earlier child is copied and before ``child`` is (a later
     part replacing a leaf, maybe with another chunk grid). Raises
     `IncompleteCheckpointError` naming every incomplete leaf; then nothing is
-    committed.
+    committed. ``regions`` (a host-local fast tier's own copy): per leaf, the regions
+    whose chunks must be there (None: all of them) instead of every chunk.
     """
     start = time.perf_counter()
     ctx = backend.ts_context
@@ -75,7 +77,7 @@ async def merge(
             segment.append(child_kv)
         await _copy_all(segment, view)
         keys = [k.decode() for k in await view.list()]
-        problems = await validate(view, keys, leaves)
+        problems = await validate(view, keys, leaves, regions)
         if problems:
             raise IncompleteCheckpointError(
                 f"merge of {len(children)} store(s) into {parent!r} is incomplete", leaves=problems
@@ -92,14 +94,24 @@ async def _copy_all(children: Sequence[ts.KvStore], view: ts.KvStore) -> None:
     await asyncio.gather(*(child.experimental_copy_range_to(view) for child in children))
 
 
-def expected_chunks(info: LeafInfo) -> Iterable[str]:
-    """Chunk keys (zarr3 default encoding) the leaf's shape and chunk shape imply."""
+def expected_chunks(info: LeafInfo, region: Index | None = None) -> Iterable[str]:
+    """Chunk keys (zarr3 default encoding) the leaf's shape and chunk shape imply; with
+    ``region`` (step-1 slices), those overlapping it."""
     if not info.shape:
         yield "c"
         return
-    counts = [math.ceil(d / c) for d, c in zip(info.shape, info.chunk_shape, strict=True)]
-    for index in itertools.product(*(range(n) for n in counts)):
+    ranges = []
+    for dim, (size, chunk) in enumerate(zip(info.shape, info.chunk_shape, strict=True)):
+        start, stop = region[dim].indices(size)[:2] if region is not None else (0, size)
+        ranges.append(range(start // chunk, math.ceil(stop / chunk)))
+    for index in itertools.product(*ranges):
         yield "c/" + "/".join(map(str, index))
+
+
+def _wanted_chunks(info: LeafInfo, regions: Sequence[Index] | None) -> list[str]:
+    if regions is None:
+        return list(expected_chunks(info))
+    return sorted({key for region in regions for key in expected_chunks(info, region)})
 
 
 def owner(key: str, names: set[str]) -> tuple[str | None, str]:
@@ -117,9 +129,13 @@ def owner(key: str, names: set[str]) -> tuple[str | None, str]:
 
 
 async def validate(
-    view: ts.KvStore, keys: Sequence[str], leaves: Sequence[LeafInfo]
+    view: ts.KvStore,
+    keys: Sequence[str],
+    leaves: Sequence[LeafInfo],
+    regions: Mapping[str, Sequence[Index] | None] | None = None,
 ) -> dict[str, str]:
-    """Problems per leaf name in the (uncommitted) merged view; empty when complete."""
+    """Problems per leaf name in the (uncommitted) merged view; empty when complete (with
+    ``regions``: every leaf's metadata and the chunks of its listed regions are there)."""
     present: dict[str, set[str]] = defaultdict(set)
     names = {info.name for info in leaves}
     for key in keys:
@@ -147,8 +163,9 @@ async def validate(
             problems[info.name] = f"zarr.json says {stored[1]}{list(stored[0])}"
             continue
         have = present[info.name]
-        missing = [c for c in expected_chunks(info) if c not in have]
+        wanted = _wanted_chunks(info, (regions or {}).get(info.name))
+        missing = [c for c in wanted if c not in have]
         if missing:
-            total = sum(1 for _ in expected_chunks(info))
+            total = len(wanted)
             problems[info.name] = f"{len(missing)} of {total} chunks missing (first: {missing[0]})"
     return problems

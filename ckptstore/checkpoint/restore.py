@@ -88,6 +88,23 @@ async def restore(
         return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
 
+async def restore_manifest(
+    backend: Backend,
+    manifest: Manifest,
+    like: Any = None,
+    *,
+    item: str = layout.DEFAULT_ITEM,
+    partial: bool = False,
+    cast: bool = False,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+) -> Any:
+    """`restore` of the attempt ``manifest`` describes (verified by the caller), from the
+    stores on ``backend`` (a host-local fast tier's own copy: `hostlocal`)."""
+    stored = await manifest_item(backend, manifest, item)
+    budget = ByteBudget(max_inflight_bytes)
+    return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+
+
 async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:
     """The item to restore: from a committed ckptstore step, else from an Orbax checkpoint."""
     try:
@@ -97,6 +114,11 @@ async def open_stored(backend: Backend, step: int | None, item: str) -> StoredIt
         if where is None:
             raise
         return await orbax.open_item(backend, where, item, default_item=layout.DEFAULT_ITEM)
+    return await manifest_item(backend, manifest, item)
+
+
+async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> StoredItem:
+    """Item ``item`` of the attempt ``manifest`` describes, read from ``backend``."""
     if item not in manifest.items:
         raise CheckpointNotFoundError(
             f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",

@@ -30,7 +30,14 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import commit, ensure_uncommitted
 from ckptstore.checkpoint.handoff import Handoff
-from ckptstore.checkpoint.hostlocal import fast_is_shared, stage, staged_key
+from ckptstore.checkpoint.hostlocal import (
+    can_write_host_view,
+    fast_is_shared,
+    host_view_bytes,
+    stage,
+    staged_key,
+    write_host_view,
+)
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
@@ -125,11 +132,13 @@ async def _save(
     start = time.perf_counter()
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
-    host_local = False
+    host_local = host_view = False
     if room is not None:  # tiers: every process checks its own fast tier; one failing fails all
         host_local = not await fast_is_shared(backend, handoff)  # see `hostlocal`
+        values = [value for item in items.values() for _, value in item.named]
         if host_local:
             await ensure_uncommitted(room.durable, step)
+            host_view = can_write_host_view(values, handoff.me)
 
         async def make_room() -> dict[str, Any]:
             if host_local and await backend.exists(staged_key(step)):
@@ -137,6 +146,8 @@ async def _save(
                     f"step {step} is already staged", backend=backend.url, key=staged_key(step)
                 )
             mine = sum(bytes_to_write(i.named, i.leaves, handoff.me) for i in items.values())
+            if host_view:
+                mine += host_view_bytes(values, handoff.me)
             return {"evicted": await ensure_room(backend, room, mine)}
 
         await handoff.everyone(make_room)
@@ -161,6 +172,10 @@ async def _save(
                 )
             for key in ("shards", "bytes", "seconds"):
                 total[key] += stats.to_json()[key]
+        if host_view:  # this host's copy, for a restart on the same hosts (`hostlocal`)
+            for name, item in items.items():
+                leaves = list(zip(item.leaves, (value for _, value in item.named), strict=True))
+                await write_host_view(backend, where, name, leaves, handoff.me)
         return total
 
     mine = await handoff.everyone(write_mine)
@@ -194,7 +209,7 @@ async def _save(
             },
         )
         if host_local:
-            await stage(backend, step, str(where.attempt), 0, handoff.count, manifest)
+            await stage(backend, step, str(where.attempt), 0, handoff.count, manifest, host_view)
         else:
             await commit(backend, manifest)
         phases["commit"] = time.perf_counter() - merged
@@ -204,7 +219,9 @@ async def _save(
 
         async def stage_mine() -> dict[str, Any]:
             if handoff.me != 0:
-                await stage(backend, step, str(where.attempt), handoff.me, handoff.count, None)
+                await stage(
+                    backend, step, str(where.attempt), handoff.me, handoff.count, None, host_view
+                )
             return {}
 
         await handoff.everyone(stage_mine)

@@ -6,7 +6,8 @@
 
 - the steps are those committed on either tier (the union);
 - a step is read from the fast tier when it is committed there, else from the durable tier
-  (the job moved to new machines: the fast directory is empty);
+  (the job moved to new machines: the fast directory is empty); on host-local fast tiers
+  (`ckptstore.checkpoint.hostlocal`) a restore first tries this host's own copy;
 - a fast copy that fails (`CorruptCheckpointError`: marker, digest, metadata, crc32c; or
   any other typed error of a damaged or partial copy, a missing file say) is skipped with a
   warning when the durable tier has the step: never an error the durable copy could avoid,
@@ -28,10 +29,16 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.commit import committed_steps, load_committed
+from ckptstore.checkpoint.hostlocal import read_staged
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, single
 from ckptstore.checkpoint.verify import VerifyReport
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, TreeMismatchError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    CorruptCheckpointError,
+    TreeMismatchError,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
@@ -55,15 +62,27 @@ async def _step(fast: Backend, durable: Backend, step: int | None) -> int:
 
 
 async def nearest(
-    tiers: Tiered, step: int | None, read: Callable[[Backend, int], Awaitable[T]]
+    tiers: Tiered,
+    step: int | None,
+    read: Callable[[Backend, int], Awaitable[T]],
+    read_host: Callable[[Backend, Manifest], Awaitable[T]] | None = None,
 ) -> T:
     """``read(backend, step)`` on the fast tier if it has ``step`` (the latest on either tier
-    when None) committed and the read passes its checks, else on the durable tier."""
+    when None) committed and the read passes its checks, else on the durable tier.
+
+    ``read_host(fast, manifest)``: where the step is staged on a host-local fast tier
+    (`hostlocal`) with this host's own copy of the attempt the durable tier committed,
+    that copy is tried first (same hosts, same topology: it holds every slice this host's
+    devices held); a read it cannot serve (another topology, damage) goes to the durable
+    tier with a warning.
+    """
     async with tiers.opened() as (fast, durable):
         step = await _step(fast, durable, step)
         if await fast.exists(layout.commit_key(step)):
             try:
-                return await read(fast, step)
+                result = await read(fast, step)
+                log.info("ckptstore: step %d read from the fast tier", step)
+                return result
             except TreeMismatchError:
                 raise  # the caller's request: the durable copy holds the same tree
             except CkptStoreError as exc:  # damaged or partial: any typed error of a read
@@ -74,7 +93,37 @@ async def nearest(
                     step,
                     exc,
                 )
-        return await read(durable, step)
+        elif read_host is not None and (manifest := await host_copy(fast, durable, step)):
+            try:
+                result = await read_host(fast, manifest)
+                log.info("ckptstore: step %d read from this host's fast copy", step)
+                return result
+            except TreeMismatchError:
+                raise
+            except CkptStoreError as exc:
+                log.warning(
+                    "ckptstore: this host's fast copy of step %d cannot serve this restore "
+                    "(another topology, or damage), using the durable tier: %s",
+                    step,
+                    exc,
+                )
+        result = await read(durable, step)
+        log.info("ckptstore: step %d read from the durable tier", step)
+        return result
+
+
+async def host_copy(fast: Backend, durable: Backend, step: int) -> Manifest | None:
+    """The durable tier's verified manifest of ``step`` when this host's fast tier holds
+    its own copy (`hostlocal.write_host_view`) of the very attempt committed there."""
+    try:
+        mine = await read_staged(fast, step)
+    except CorruptCheckpointError as exc:
+        log.warning("ckptstore: ignoring this host's fast copy of step %d: %s", step, exc)
+        return None
+    if mine is None or not mine.host_view or not await durable.exists(layout.commit_key(step)):
+        return None
+    manifest = await load_committed(durable, step)
+    return manifest if manifest.attempt == mine.attempt else None
 
 
 async def list_steps(target: AnyTarget) -> list[int]:
@@ -108,7 +157,10 @@ async def restore(
     async def read(backend: Backend, at: int) -> Any:
         return await plain.restore(backend, at, like, **kwargs)
 
-    return await nearest(tiers, step, read)
+    async def read_host(fast: Backend, manifest: Manifest) -> Any:
+        return await plain.restore_manifest(fast, manifest, like, **kwargs)
+
+    return await nearest(tiers, step, read, read_host)
 
 
 async def verify(target: AnyTarget, step: int | None = None) -> VerifyReport:

@@ -31,6 +31,7 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, load_committed
 from ckptstore.checkpoint.handoff import Handoff
+from ckptstore.checkpoint.hostlocal import known_shared
 from ckptstore.checkpoint.restore import restore
 from ckptstore.checkpoint.save import save_items
 from ckptstore.checkpoint.target import Target, as_tiered, open_target
@@ -174,7 +175,14 @@ class CheckpointManager:
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
         waited = time.perf_counter() - before
-        staged = self._stager.stage(trees, self.options.staging)
+        # Host-local fast tiers (or not known yet): each host also keeps what else its
+        # devices hold, to serve a restart alone (`hostlocal`); that is staged too.
+        host_view = (
+            self.tiered is not None
+            and self._count > 1
+            and known_shared(self.backend, self._count) is not True
+        )
+        staged = self._stager.stage(trees, self.options.staging, host_view=host_view)
         self._last_step, self._last_time = step, time.monotonic()
         future = asyncio.run_coroutine_threadsafe(
             self._write(step, staged, dict(metrics or {}), dict(metadata or {}), start, waited),

@@ -86,9 +86,12 @@ class Stager:
         self._pool.shutdown(wait=True)
         self._buffers.clear()
 
-    def stage(self, tree: Any, mode: Mode = "auto") -> Staged:
+    def stage(self, tree: Any, mode: Mode = "auto", *, host_view: bool = False) -> Staged:
         """Copy every piece of ``tree`` a save writes (see the module docstring for ``mode``).
 
+        ``host_view``: also the addressable slices held as replicas whose replica 0 is on
+        another process (`HostShards.extra`), which a save on a host-local fast tier writes
+        so that the host can serve a restart alone (`ckptstore.checkpoint.hostlocal`).
         Must not run while an earlier staged tree is still being written (the buffers
         are reused): the manager allows one save in flight.
         """
@@ -101,7 +104,9 @@ class Stager:
         arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
         views = mode == "view" or (mode == "auto" and all(_on_cpu(a) for a in arrays))
         self._used = set()
-        plan = [self._plan(n, leaf, views) for n, leaf in zip(names, leaves, strict=True)]
+        plan = [
+            self._plan(n, leaf, views, host_view) for n, leaf in zip(names, leaves, strict=True)
+        ]
         needed = sum(dst.nbytes for _, now, later in plan for _, dst in now + later)
         if self.max_bytes is not None and needed > self.max_bytes:
             raise StagingBudgetError(
@@ -139,23 +144,35 @@ class Stager:
             )
         )
 
-    def _plan(self, name: str, leaf: Any, views: bool) -> tuple[Any, list[Copy], list[Copy]]:
+    def _plan(
+        self, name: str, leaf: Any, views: bool, extra: bool
+    ) -> tuple[Any, list[Copy], list[Copy]]:
         """The staged stand-in for ``leaf``, the copies that fill it now and those deferred."""
         if isinstance(leaf, jax.Array):
-            pieces, now, later = [], [], []
-            for shard in leaf.addressable_shards:
-                if shard.replica_id != 0:
-                    continue
-                index = tuple(shard.index)
-                buf = self._buffer((name, _key(index, leaf.shape)), shard.data.shape, leaf.dtype)
-                pieces.append((index, buf))
-                view = host_view(shard.data) if views else None
-                if view is not None:  # the device buffer itself, held until `finish` copies it
-                    later.append((view, buf))
-                else:
-                    now.append((shard.data, buf))
+            now: list[Copy] = []
+            later: list[Copy] = []
+
+            def stage(shards: list[Any]) -> tuple[tuple[Index, np.ndarray[Any, Any]], ...]:
+                pieces = []
+                for shard in shards:
+                    index = tuple(shard.index)
+                    key = (name, _key(index, leaf.shape))
+                    buf = self._buffer(key, shard.data.shape, leaf.dtype)
+                    pieces.append((index, buf))
+                    view = host_view(shard.data) if views else None
+                    if view is not None:  # the device buffer itself, held until `finish`
+                        later.append((view, buf))
+                    else:
+                        now.append((shard.data, buf))
+                return tuple(pieces)
+
+            own = [s for s in leaf.addressable_shards if s.replica_id == 0]
             value = HostShards(
-                tuple(leaf.shape), np.dtype(leaf.dtype), leaf.sharding, tuple(pieces)
+                tuple(leaf.shape),
+                np.dtype(leaf.dtype),
+                leaf.sharding,
+                stage(own),
+                stage(_other_replicas(leaf, own)) if extra else None,
             )
             return value, now, later
         if isinstance(leaf, np.ndarray):
@@ -171,6 +188,19 @@ class Stager:
         if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
             buf = self._buffers[key] = np.empty(shape, dtype)
         return buf
+
+
+def _other_replicas(leaf: jax.Array, own: list[Any]) -> list[Any]:
+    """One addressable shard per region this process holds but does not write (its
+    replica 0 is on another process): `ckptstore.arrays.host_view_slices`, staged."""
+    have = {_key(tuple(s.index), leaf.shape) for s in own}
+    out = []
+    for shard in leaf.addressable_shards:
+        key = _key(tuple(shard.index), leaf.shape)
+        if key not in have:
+            have.add(key)
+            out.append(shard)
+    return out
 
 
 def _on_cpu(src: Any) -> bool:

@@ -30,6 +30,7 @@ from ckptstore.checkpoint.hostlocal import (
     drop_staged,
     fast_is_shared,
     merge_on_durable,
+    promoted_part,
     read_staged,
     staged_steps,
 )
@@ -214,7 +215,7 @@ async def _promote_part(
                 f"process {handoff.me}: step {step} attempt {attempt} is not staged on {fast.url}"
             )
         root = layout.AttemptDir(step, attempt).root
-        objects = [info async for info in fast.list(root)]
+        objects = [i async for i in fast.list(root) if promoted_part(i.key, root, handoff.me)]
         await copy_objects(fast, durable, objects, root, result, max_bytes_in_flight, progress)
         return {"copied": result.copied}
 
