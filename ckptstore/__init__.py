@@ -46,6 +46,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
     TreeMismatchError,
+    UnsupportedOperationError,
 )
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ __all__ = [
     "Tiered",
     "TransientStorageError",
     "TreeMismatchError",
+    "UnsupportedOperationError",
     "VerifyReport",
     "delete_step",
     "export_orbax",

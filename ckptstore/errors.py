@@ -118,5 +118,10 @@ class TreeMismatchError(CkptStoreError, ValueError):
         )
 
 
+class UnsupportedOperationError(CkptStoreError, NotImplementedError):
+    """The operation cannot be done on this target (the message says why and what works
+    instead); raised before anything is written."""
+
+
 class CoordinationError(CkptStoreError):
     """Processes failed to agree in time (a barrier or key-value wait timed out)."""

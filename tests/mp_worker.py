@@ -13,7 +13,8 @@ Orbax checkpoint at ROOT with Orbax onto the transposed mesh and checks every sh
 "orbax-import" imports the Orbax checkpoint ROOT/orbax into ROOT/imported, step 1.
 Tiers (a 6th argument, DURABLE, names the durable tier; each process's fast tier is its own
 ROOT/fast<PROCESS_ID>, or with a 7th argument "shared" one ROOT/fast for both):
-"tiered-save" saves the "save" tree as step 1 on the tiers, then promotes it (every process);
+"tiered-save" saves the "save" tree as step 1 on the tiers, then promotes it (every process),
+then (host-local) tries a partial save of step 2;
 "tiered-restore" restores the latest step from the tiers on the transposed mesh and checks
 every shard, then the whole tree as numpy arrays, and prints where each read its step;
 "tiered-promote" promotes what is staged; "tiered-manager" runs "manager" on the tiers
@@ -142,6 +143,11 @@ def main() -> None:
         done = asyncio.run(ckptstore.promote(tiers, timeout=60))
         now = asyncio.run(ckptstore.list_steps(tiers))
         promoted = [(p.step, p.copied > 0) for p in done]
+        if sys.argv[7:] != ["shared"]:  # host-local: a partial save is refused up front
+            try:
+                asyncio.run(ckptstore.partial_save(tiers, step=2, timeout=60))
+            except ckptstore.UnsupportedOperationError as exc:
+                print(f"partial refused: {exc}", flush=True)
         print(
             f"tiered saved {saved.bytes_written} listed {listed} promoted {promoted} now {now}",
             flush=True,

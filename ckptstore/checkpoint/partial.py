@@ -31,6 +31,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import commit, ensure_uncommitted
 from ckptstore.checkpoint.handoff import Handoff
+from ckptstore.checkpoint.hostlocal import fast_is_shared
 from ckptstore.checkpoint.layout import AttemptDir
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
@@ -43,6 +44,7 @@ from ckptstore.errors import (
     CkptStoreError,
     CorruptCheckpointError,
     NotFoundError,
+    UnsupportedOperationError,
 )
 from ckptstore.leaves import LeafInfo, describe_leaf
 
@@ -172,6 +174,8 @@ class PartialSave:
             owned = opened(single(target))
             session = cls(await owned.__aenter__(), step, item, timeout, owned)
         try:
+            if tiers is not None:
+                await _refuse_host_local(session.backend, step, timeout)
             await session._start(resume, attempt)
         except BaseException:
             await session.close()
@@ -431,6 +435,22 @@ def _nesting_conflicts(saved: set[str], new: list[str]) -> list[str]:
     return problems
 
 
+async def _refuse_host_local(fast: Backend, step: int, timeout: float) -> None:
+    """A multi-process partial save on host-local fast tiers (`hostlocal`) is refused up
+    front: its finalize merges every part's per-process stores on one fast tier, and each
+    host's parts are on its own disk only. Collective (every process gets the same answer)."""
+    if distributed.process_count() == 1:
+        return
+    if not await fast_is_shared(fast, Handoff(f"partial/{step}/tiers", timeout)):
+        raise UnsupportedOperationError(
+            f"partial_save of step {step}: the fast tier {fast.url} is host-local (not one "
+            "storage every process sees), and a partial save's finalize merges every "
+            "process's parts on one fast tier. Save the step with ckptstore.save (staged on "
+            "each host, merged on the durable tier by promotion), or give partial_save the "
+            "durable tier or a fast tier every process shares"
+        )
+
+
 def _writers(part: Part) -> int:
     """How many processes wrote ``part`` (each has its own store)."""
     return max(1, len(part.processes))
@@ -448,7 +468,9 @@ async def partial_save(
     """Open (or resume) a partial-save session for ``step``: see `PartialSave.open`.
 
     On a `Tiered` target the session lives on the fast tier (no free-space check: parts
-    come one at a time, their total is unknown up front); promote the step afterwards."""
+    come one at a time, their total is unknown up front); promote the step afterwards.
+    A multi-process session on host-local fast tiers is refused with
+    `UnsupportedOperationError` (see `_refuse_host_local`)."""
     return await PartialSave.open(
         target, step, item=item, timeout=timeout, resume=resume, attempt=attempt
     )
