@@ -15,8 +15,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ckptstore.checkpoint.commit import load_committed
-from ckptstore.checkpoint.target import Tiered, opened
+from ckptstore.checkpoint.target import Tiered
 from ckptstore.cli_text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.lifecycle.tiers import Promotion, promote, status, unpromoted
@@ -24,39 +23,51 @@ from ckptstore.lifecycle.tiers import Promotion, promote, status, unpromoted
 T = TypeVar("T")
 
 _TIER_TEXT = {
-    "fast": "fast only (not promoted yet)",
+    "fast": "fast only",
     "both": "fast + durable",
-    "durable": "durable",
+    "durable": "durable only",
     "staged": "staged on this host (multi-host: merged on the durable tier by promotion)",
 }
 
 
+def _state_text(state: str, uploaded: float | None) -> str:
+    text = _TIER_TEXT[state]
+    if uploaded is None:
+        return text
+    if uploaded > 0:
+        part = " of this host's part" if state == "staged" else ""
+        return f"{text}, promoting: {100 * uploaded:.0f}%{part} on the durable tier"
+    return f"{text}, not promoted yet"
+
+
 async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
-    """Each committed step's tiers, and how far promotion lags behind."""
+    """Each step's tiers (fast only, promoting with a percentage, both, durable only, or
+    staged on this host), and how far promotion lags behind."""
     tiered = Tiered.from_profile(profile)
-    where = (await status(tiered)).steps
-    lagging = [s for s, w in where.items() if w == "fast"]
-    oldest = None
-    if lagging:
-        async with opened(tiered.fast) as fast:
-            oldest = (await load_committed(fast, min(lagging))).created
+    report = await status(tiered)
+    lagging = report.lagging
+    times = [t for s in lagging if (t := report.saved.get(s)) is not None]
+    lag = time.time() - min(times) if times else None
     if as_json:
-        lag = None if oldest is None else time.time() - oldest
-        print(json.dumps({"steps": where, "unpromoted": lagging, "lag_seconds": lag}, indent=1))
+        doc = {
+            "steps": report.steps,
+            "uploaded": report.uploaded,
+            "unpromoted": lagging,
+            "lag_seconds": lag,
+        }
+        print(json.dumps(doc, indent=1))
         return 0
-    if not where:
+    if not report.steps:
         print(f"no committed checkpoints on either tier of {profile}")
         return 0
     print(f"{'STEP':>10}  TIERS")
-    for step, w in where.items():
-        print(f"{step:>10}  {_TIER_TEXT[w]}")
-    if oldest is None:
+    for step, state in report.steps.items():
+        print(f"{step:>10}  {_state_text(state, report.uploaded.get(step))}")
+    if not lagging:
         print("promotion lag: none")
     else:
-        print(
-            f"promotion lag: {count(len(lagging), 'step')}, the oldest saved "
-            f"{duration_text(time.time() - oldest)} ago"
-        )
+        oldest = "" if lag is None else f", the oldest saved {duration_text(lag)} ago"
+        print(f"promotion lag: {count(len(lagging), 'step')} not durable yet{oldest}")
     return 0
 
 

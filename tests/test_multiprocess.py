@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.checkpoint.target import opened
+from ckptstore.cli import main
 from ckptstore.lifecycle import tiers
 from tests.mp_worker import SHAPES, expected
 from tests.test_partial import shared_target
@@ -180,7 +181,7 @@ async def undo_the_end_of_promotion(durable: str) -> None:
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_tier(
-    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each process's fast tier is its own directory (two 'hosts'); the step is staged
     there, promoted by both processes and merged by reference on the durable tier."""
@@ -218,12 +219,20 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
     asyncio.run(undo_the_end_of_promotion(durable))
     assert ckptstore.list_steps_sync(durable) == []
     host1 = ckptstore.Tiered(str(tmp_path / "fast1"), durable)
-    assert asyncio.run(tiers.status(host1)).steps == {1: "staged"}  # what `ckptstore ls` shows
+    before = asyncio.run(tiers.status(host1))
+    assert before.steps == {1: "staged"} and 0 < before.uploaded[1] < 1
+    profile = tmp_path / "host1.toml"  # what `ckptstore ls` shows on host 1
+    profile.write_text(f'[tiers]\nfast = "{tmp_path / "fast1"}"\ndurable = "{durable}"\n')
+    assert main(["ls", str(profile)]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row.split(None, 1)[1].startswith("staged on this host")
+    assert "% of this host's part on the durable tier" in row
     assert run_job(tmp_path, "tiered-promote", 2, durable) == [
         "promoted [(1, 0)]\n",
         "promoted [(1, 1)]\n",
     ]
     assert ckptstore.verify_sync(durable, 1).ok
+    assert asyncio.run(tiers.status(host1)).steps == {1: "both"}  # this host's copy + durable
 
     # A restart on the same two hosts: each process reads the slices its devices hold from
     # its own host's copy; the whole tree (more than a host holds) from the durable tier.

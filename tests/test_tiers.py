@@ -4,6 +4,7 @@ resumption after SIGKILL, restores from the nearest good copy, fast-tier retenti
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -198,8 +199,8 @@ def test_cli_promote_from_a_tiers_profile(
     assert main(["ls", str(profile)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[1:3]] == ["7", "8"]
-    assert "fast + durable" in lines[1] and "not promoted yet" in lines[2]
-    assert lines[3].startswith("promotion lag: 1 step, the oldest saved")
+    assert "fast + durable" in lines[1] and "fast only, not promoted yet" in lines[2]
+    assert lines[3].startswith("promotion lag: 1 step not durable yet, the oldest saved")
     with pytest.raises(ckptstore.ConfigError, match="two tiers"):
         ckptstore.open_backend(profile=str(profile))
 
@@ -360,3 +361,38 @@ def test_promote_watch_takes_no_step(tmp_path: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["promote", str(profile), "--watch", "--interval", "soon"])
     assert "--interval: not a duration" in capsys.readouterr().err
+
+
+async def test_ls_shows_each_steps_tiers_and_how_far_promotion_got(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    durable = tmp_path / "bucket"
+    profile = tiers_profile(tmp_path, str(durable))
+    tiered = ckptstore.Tiered.from_profile(profile)
+    for step in (1, 2, 3):
+        await ckptstore.save(tiered.fast, tree(step), step=step)
+    await ckptstore.promote(tiered)
+    await ckptstore.save(tiered.fast, tree(4), step=4)
+    await ckptstore.delete_step(tiered.fast, 1)  # trimmed from the fast tier
+    # Step 3: as a promotion cut short leaves it (the marker and one data file not there).
+    (durable / "3" / "COMMITTED").unlink()
+    max((durable / "3").rglob("d/*"), key=lambda p: p.stat().st_size).unlink()
+    assert await asyncio.to_thread(main, ["ls", str(profile)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["STEP", "TIERS"]
+    assert lines[1].split(None, 1) == ["1", "durable only"]
+    assert lines[2].split(None, 1) == ["2", "fast + durable"]
+    step3 = lines[3].split(None, 1)[1]
+    assert step3.startswith("fast only, promoting: ") and step3.endswith("% on the durable tier")
+    assert 0 < int(step3.split(": ")[1].split("%")[0]) < 100
+    assert lines[4].split(None, 1) == ["4", "fast only, not promoted yet"]
+    assert lines[5].startswith("promotion lag: 2 steps not durable yet, the oldest saved")
+    assert await asyncio.to_thread(main, ["ls", str(profile), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["steps"] == {"1": "durable", "2": "both", "3": "fast", "4": "fast"}
+    assert 0 < doc["uploaded"]["3"] < 1 and doc["uploaded"]["4"] == 0
+    assert doc["unpromoted"] == [3, 4] and 0 <= doc["lag_seconds"] < 600
+    await ckptstore.promote(tiered)  # resumes step 3
+    assert await asyncio.to_thread(main, ["ls", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "promotion lag: none" in out and "fast only" not in out
