@@ -16,7 +16,7 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
+from ckptstore.checkpoint import hostlocal, layout
 from ckptstore.cli import main
 from tests.paths import attempts, committed_root
 from tests.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
@@ -48,6 +48,23 @@ async def test_gc_keeps_committed_and_young_collects_the_rest(any_backend: Backe
     assert await snapshot(any_backend, "1") == committed  # byte for byte as before
     assert_is_tree(await ckptstore.restore(any_backend, step=1), 1)
     assert (await ckptstore.gc(any_backend, older_than=0)).entries == []
+
+
+async def test_gc_keeps_a_staged_step_on_a_host_local_fast_tier(tmp_path: Path) -> None:
+    """What a multi-host save leaves on process 1's own fast tier (no COMMITTED: a STAGED
+    marker and its part) is this host's part and its copy for a restart, not garbage."""
+    fast = ckptstore.open_backend(str(tmp_path))
+    part = await crashed_attempt(fast, 5)
+    await hostlocal.stage(fast, 5, str(part.attempt), 1, 2, None, host_view=True)
+    dead = await crashed_attempt(fast, 5)  # a save on this host that never staged
+    removed = await ckptstore.gc(fast, older_than=0)
+    assert removed.entries == [dead.root]
+    assert await fast.exists(part.manifest) and await fast.exists(hostlocal.staged_key(5))
+    (tmp_path / "5" / "STAGED").write_text("not json")  # unreadable: keep the whole step
+    other = await crashed_attempt(fast, 5)
+    assert (await ckptstore.gc(fast, older_than=0)).entries == []
+    assert await fast.exists(other.manifest)
+    await fast.close()
 
 
 async def test_gc_uses_the_grace_period_by_age(tmp_path: Path) -> None:

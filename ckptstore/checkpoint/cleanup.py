@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest, read_marker
+from ckptstore.checkpoint.hostlocal import STAGED, read_staged
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, opened, single
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
@@ -228,7 +229,7 @@ async def gc(
 
 async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
     scans = await scan(backend)
-    keep = await _referenced(backend, scans)
+    keep = await _referenced(backend, scans) | await _staged(backend, scans)
     now = time.time()
     removal = Removal()
     for s in scans:
@@ -266,6 +267,26 @@ async def _unused_parts(backend: Backend, s: StepScan) -> list[tuple[str, list[O
             if len(rel) > 2 and rel[1].startswith("pending_") and f"{rel[0]}/{rel[1]}" not in used:
                 groups[f"{root}/{rel[0]}/{rel[1]}"].append(info)
     return sorted(groups.items())
+
+
+async def _staged(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[int, str]]:
+    """(step, entry) of staged steps on a host-local fast tier (`hostlocal`): the ``STAGED``
+    marker and the attempt it names, which hold this host's part (maybe not promoted yet)
+    and its copy for a restart; `hostlocal.drop_staged` and ``keep_fast`` remove them. An
+    unreadable marker keeps the whole step."""
+    keep: set[tuple[int, str]] = set()
+    for s in scans:
+        if s.committed or not any(e.name == STAGED for e in s.entries):
+            continue
+        try:
+            mine = await read_staged(backend, s.step)
+        except CorruptCheckpointError:
+            keep |= {(s.step, e.name) for e in s.entries}
+            continue
+        keep.add((s.step, STAGED))
+        if mine is not None:
+            keep.add((s.step, mine.attempt))
+    return keep
 
 
 def _idle(objects: list[ObjectInfo], now: float) -> float | None:
