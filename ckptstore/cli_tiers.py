@@ -15,6 +15,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ckptstore.checkpoint.commit import committed_steps
 from ckptstore.checkpoint.target import Tiered
 from ckptstore.cli_text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
@@ -163,12 +164,13 @@ async def cmd_promote(
             while True:
                 todo = [step] if step is not None else await unpromoted(fast, durable)
                 for s in todo:
+                    if signals.received is not None:  # came while listing: start nothing
+                        break
                     if not await _promote_one(tiers, s, show_progress, signals, skip_gone=watch):
                         break
                 if signals.received is not None or not watch or await signals.sleep(interval):
                     break
-            where = (await status(tiers)).steps
-    durable_now = sorted(s for s, w in where.items() if w in ("both", "durable"))
+            durable_now = await committed_steps(durable)
     print(f"durable now: {durable_now}", flush=True)
     if signals.received is None:
         return 0
