@@ -24,6 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore import chunks
+from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.futures import wait_all
 from ckptstore.leaves import HostShards, Index, LeafInfo, dtype_of, host_array, zarr_spec
@@ -200,10 +201,13 @@ async def write_leaves(
     small = [(info, value) for info, value in leaves if chunks.small(info)]
     kv = await ts.KvStore.open(store, context=context)
     groups = chunks.groups(small, max_inflight_bytes // 4)
-    await asyncio.gather(
-        *(one_leaf(info, value) for info, value in leaves if not chunks.small(info)),
-        *(small_leaves(group) for group in groups),
-    )
+    try:
+        await asyncio.gather(
+            *(one_leaf(info, value) for info, value in leaves if not chunks.small(info)),
+            *(small_leaves(group) for group in groups),
+        )
+    except Exception as exc:
+        raise write_error(exc, "checkpoint data") from exc
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -447,5 +451,4 @@ async def read_slice(arr: ts.TensorStore, index: Index, name: str) -> np.ndarray
 
 
 def _read_error(exc: Exception, name: str) -> CkptStoreError:
-    text = str(exc)
-    return CorruptCheckpointError(f"cannot read stored data: {text[:300]}", leaf=name)
+    return read_error(exc, name)  # storage failures typed; anything else: corrupt data

@@ -101,7 +101,7 @@ def error_for(
 
 def transport_error(exc: BaseException, *, op: str, backend: str, key: str | None) -> StorageError:
     """A transient error for a connection reset, timeout or similar transport failure."""
-    message = f"{op} failed: {type(exc).__name__}: {exc}"
+    message = f"{op} failed: {type(exc).__name__}: {redact_text(str(exc))}"
     return TransientStorageError(message, backend=backend, key=key)
 
 
@@ -117,6 +117,27 @@ def redact_url(url: str) -> str:
 
 
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://).*@", re.S)
+
+#: In free text a URL's end is unknown: mask up to the token's last "@" (too much, never
+#: too little).
+_USERINFO_IN_TEXT = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^\s'\"<>]*@")
+_SIGNED = re.compile(
+    r"((?:X-Amz-(?:Signature|Credential|Security-Token)|Signature|AWSAccessKeyId|"
+    r"access_token|refresh_token|client_secret|sig|token)=)[^&\s'\"<>]+",
+    re.I,
+)
+_AUTH = re.compile(
+    r"((?:Authorization|Proxy-Authorization|X-Amz-Security-Token)\s*[:=]\s*)\S+", re.I
+)
+_BEARER = re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+", re.I)
+
+
+def redact_text(text: str) -> str:
+    """``text`` with credentials masked: URL passwords, signed query parameters, tokens."""
+    text = _USERINFO_IN_TEXT.sub(r"\1***@", text)
+    text = _SIGNED.sub(r"\1***", text)
+    text = _AUTH.sub(r"\1***", text)
+    return _BEARER.sub(r"\1***", text)
 
 
 def already_exists(*, backend: str, key: str) -> AlreadyExistsError:

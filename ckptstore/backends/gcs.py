@@ -39,6 +39,8 @@ from ckptstore.backends._errors import (
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.objectstore import (
+    CONNECT_TIMEOUT,
+    READ_TIMEOUT,
     ObjectStoreBackend,
     RangeReply,
     parse_content_range,
@@ -59,7 +61,6 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     *TRANSPORT_ERRORS,
     google.auth.exceptions.TransportError,  # a token refresh that could not reach the server
 )
-_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 
 
 def _normalize_endpoint(url: str) -> str:
@@ -81,10 +82,12 @@ class GcsBackend(ObjectStoreBackend):
     100 MiB; chunks are sliced from the caller's buffer, not copied). Reads of
     more than ``read_part_size`` bytes are ranged GETs of that size, at most
     ``read_concurrency`` beyond each read's first in flight (see `objectstore`).
+    ``connect_timeout`` and ``read_timeout`` (seconds) end a stalled request.
     """
 
     kind = "gcs"
     ts_concurrency_resource = "gcs_request_concurrency"
+    ts_retries_resource = "gcs_request_retries"
 
     def __init__(
         self,
@@ -101,6 +104,8 @@ class GcsBackend(ObjectStoreBackend):
         read_part_size: int = READ_PART_SIZE,
         read_concurrency: int = READ_CONCURRENCY,
         ts_request_concurrency: int | None = TS_REQUEST_CONCURRENCY,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        read_timeout: float = READ_TIMEOUT,
     ):
         super().__init__(
             retry=retry,
@@ -108,6 +113,8 @@ class GcsBackend(ObjectStoreBackend):
             read_part_size=read_part_size,
             read_concurrency=read_concurrency,
             ts_request_concurrency=ts_request_concurrency,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
         )
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid GCS bucket name {bucket!r}")
@@ -140,6 +147,9 @@ class GcsBackend(ObjectStoreBackend):
             durable_writes=True,
         )
         self._location = self.endpoint_url or GCS_ENDPOINT
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout
+        )
         self._fs: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fs_lock: asyncio.Lock | None = None
@@ -260,7 +270,7 @@ class GcsBackend(ObjectStoreBackend):
                 params=params,
                 headers=all_headers,
                 data=data,
-                timeout=_TIMEOUT,
+                timeout=self._timeout,
                 allow_redirects=False,
             ) as resp:
                 if resp.status >= 400 and resp.status not in ok:

@@ -17,6 +17,10 @@ of two versions. Transient failures of one part retry that part alone under the
 backend's `RetryPolicy`; parts in flight across the backend are bounded by one
 semaphore of ``read_concurrency`` slots (each read's first GET is the read's own
 request and counts against the backend's ``concurrency`` like any other operation).
+
+TensorStore's own requests (`ts_context`) retry under the same `RetryPolicy`
+(its ``<driver>_request_retries`` resource) and give up on a stalled request after
+``read_timeout`` seconds like the byte API does: see `ObjectStoreBackend`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
+import os
 import re
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable
@@ -35,6 +41,7 @@ import tensorstore as ts
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, is_empty_range
 from ckptstore.backends.retry import RetryPolicy, retry_async
+from ckptstore.backends.tserrors import retry_resource
 from ckptstore.errors import (
     ConfigError,
     ObjectChangedError,
@@ -45,6 +52,13 @@ from ckptstore.errors import (
 MiB = 1 << 20
 #: Parts smaller than this cost more in requests than they win in parallelism.
 MIN_READ_PART = 1 * MiB
+#: Seconds to wait for a connection, and for the next byte of a reply, before a request
+#: counts as failed (transient: retried under the backend's `RetryPolicy`).
+CONNECT_TIMEOUT = 30.0
+READ_TIMEOUT = 60.0
+#: TensorStore's HTTP stall timeout: a request moving fewer than 1 byte/s for this many
+#: seconds fails. Read once per process, at TensorStore's first HTTP request.
+TS_STALL_ENV = "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -94,11 +108,19 @@ class ObjectStoreBackend(Backend):
 
     ``_read`` is `read_ranged` over the subclass's `_open_range`. TensorStore's
     requests through `ts_context` are bounded by ``ts_request_concurrency`` (its
-    ``<driver>_request_concurrency`` resource; None keeps TensorStore's default).
+    ``<driver>_request_concurrency`` resource; None keeps TensorStore's default) and
+    retried under the backend's ``retry`` policy (``<driver>_request_retries``).
+
+    No request waits forever: ``connect_timeout`` bounds connecting and ``read_timeout``
+    a wait for the next byte of a reply (the byte API's client timeouts). TensorStore
+    has no per-context timeout; its stall timeout is the process-wide
+    ``$TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``, which the first object-store backend's
+    context sets to ``read_timeout`` unless the environment already has it.
     """
 
-    #: TensorStore's context resource bounding this driver's concurrent requests.
+    #: TensorStore's context resources bounding and retrying this driver's requests.
     ts_concurrency_resource: str = ""
+    ts_retries_resource: str = ""
 
     def __init__(
         self,
@@ -106,9 +128,16 @@ class ObjectStoreBackend(Backend):
         read_part_size: int,
         read_concurrency: int,
         ts_request_concurrency: int | None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        read_timeout: float = READ_TIMEOUT,
         **options: Any,
     ):
         super().__init__(**options)
+        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        self.connect_timeout = float(connect_timeout)
+        self.read_timeout = float(read_timeout)
         self.read_split = ReadSplit(read_part_size, read_concurrency)
         self._read_parts: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         n = ts_request_concurrency
@@ -117,10 +146,11 @@ class ObjectStoreBackend(Backend):
         self.ts_request_concurrency = n
 
     def _new_ts_context(self) -> ts.Context:
-        if self.ts_request_concurrency is None:
-            return ts.Context()
-        limit = {"limit": self.ts_request_concurrency}
-        return ts.Context({self.ts_concurrency_resource: limit})
+        os.environ.setdefault(TS_STALL_ENV, str(math.ceil(self.read_timeout)))
+        spec: dict[str, Any] = {self.ts_retries_resource: retry_resource(self.retry)}
+        if self.ts_request_concurrency is not None:
+            spec[self.ts_concurrency_resource] = {"limit": self.ts_request_concurrency}
+        return ts.Context(spec)
 
     @abstractmethod
     def _open_range(

@@ -45,7 +45,13 @@ PROFILE_ENV = "CKPTSTORE_PROFILE"
 PROFILES_DIR_ENV = "CKPTSTORE_PROFILES_DIR"
 
 _COMMON = {"concurrency", "retry"}
-_OBJECT = {"read_part_size", "read_concurrency", "ts_request_concurrency"}
+_OBJECT = {
+    "read_part_size",
+    "read_concurrency",
+    "ts_request_concurrency",
+    "connect_timeout",
+    "read_timeout",
+}
 _OPTIONS: dict[str, set[str]] = {
     "local": _COMMON | {"fsync", "drop_cache", "create"},
     "memory": _COMMON,

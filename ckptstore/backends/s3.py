@@ -42,6 +42,8 @@ from ckptstore.backends._errors import (
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.objectstore import (
+    CONNECT_TIMEOUT,
+    READ_TIMEOUT,
     ObjectStoreBackend,
     RangeReply,
     parse_content_range,
@@ -88,10 +90,12 @@ class S3Backend(ObjectStoreBackend):
     ``concurrency`` parts in flight across the backend. Reads of more than
     ``read_part_size`` bytes are ranged GETs of that size, at most
     ``read_concurrency`` beyond each read's first in flight (see `objectstore`).
+    ``connect_timeout`` and ``read_timeout`` (seconds) end a stalled request.
     """
 
     kind = "s3"
     ts_concurrency_resource = "s3_request_concurrency"
+    ts_retries_resource = "s3_request_retries"
 
     def __init__(
         self,
@@ -109,6 +113,8 @@ class S3Backend(ObjectStoreBackend):
         read_part_size: int = READ_PART_SIZE,
         read_concurrency: int = READ_CONCURRENCY,
         ts_request_concurrency: int | None = TS_REQUEST_CONCURRENCY,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        read_timeout: float = READ_TIMEOUT,
     ):
         super().__init__(
             retry=retry,
@@ -116,6 +122,8 @@ class S3Backend(ObjectStoreBackend):
             read_part_size=read_part_size,
             read_concurrency=read_concurrency,
             ts_request_concurrency=ts_request_concurrency,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
         )
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid S3 bucket name {bucket!r}")
@@ -206,6 +214,8 @@ class S3Backend(ObjectStoreBackend):
                     # One attempt per call: our RetryPolicy is the only retry loop.
                     "retries": {"total_max_attempts": 1, "mode": "standard"},
                     "max_pool_connections": 2 * self.concurrency,
+                    "connect_timeout": self.connect_timeout,
+                    "read_timeout": self.read_timeout,
                 },
                 **kwargs,
             )

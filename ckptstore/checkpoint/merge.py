@@ -23,7 +23,8 @@ import tensorstore as ts
 
 from ckptstore.arrays import ocdbt_spec
 from ckptstore.backends.base import Backend
-from ckptstore.errors import IncompleteCheckpointError
+from ckptstore.backends.tserrors import write_error
+from ckptstore.errors import CkptStoreError, IncompleteCheckpointError
 from ckptstore.futures import wait_all
 from ckptstore.leaves import Index, LeafInfo
 
@@ -83,9 +84,11 @@ async def merge(
                 f"merge of {len(children)} store(s) into {parent!r} is incomplete", leaves=problems
             )
         await txn.commit_async()
-    except BaseException:
+    except BaseException as exc:
         if not txn.commit_started:
             txn.abort()
+        if isinstance(exc, Exception) and not isinstance(exc, CkptStoreError):
+            raise write_error(exc, f"the merge into {parent!r}") from exc  # TensorStore's
         raise
     return MergeStats(stores=len(children), keys=len(keys), seconds=time.perf_counter() - start)
 
