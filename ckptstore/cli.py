@@ -30,6 +30,7 @@ from ckptstore.errors import (
     ConfigError,
     CorruptCheckpointError,
     NotFoundError,
+    storage_failed,
 )
 from ckptstore.importers.safetensors import import_safetensors
 from ckptstore.lifecycle.options import seconds
@@ -57,8 +58,14 @@ examples:
                                                promote each new step, until SIGTERM
   ckptstore import-safetensors model/ /data/ckpt --step 0
 
-exit status: 0 fine; 1 a checkpoint is corrupt; 2 an error (a missing target,
-a bad URL or profile, a step that is not committed)."""
+exit status:
+  0  fine
+  1  a checkpoint is corrupt (verify, ls: stored data is wrong)
+  2  an error: a missing target, a bad URL or profile, a step that is not committed
+  3  the storage failed: unreachable, timed out or refused (permission); for verify,
+     some data could not be read, so it is unknown whether it is intact"""
+
+EXIT_OK, EXIT_CORRUPT, EXIT_ERROR, EXIT_UNREADABLE = 0, 1, 2, 3
 
 SIGPIPE_EXIT = 128 + getattr(signal, "SIGPIPE", 13)
 
@@ -223,23 +230,34 @@ async def cmd_verify(target: Backend | Tiered, step: int | None, as_json: bool) 
             "leaves": report.leaves,
             "bytes": report.bytes,
             "problems": report.problems,
+            "unreadable": report.unreadable,
             **({"tier": report.tier, "skipped": report.skipped} if report.tier else {}),
         }
         print(json.dumps(doc, indent=1))
-        return 0 if report.ok else 1
+        return _verify_status(report.problems, report.unreadable)
     for what, why in sorted(report.skipped.items()):
         print(f"SKIPPED (damaged fast copy) {what}: {why}")
     for what, why in sorted(report.problems.items()):
         print(f"CORRUPT {what}: {why}")
-    problems = count(len(report.problems), "problem")
-    verdict = "intact" if report.ok else f"CORRUPT ({problems})"
+    for what, why in sorted(report.unreadable.items()):
+        print(f"UNREADABLE {what}: {why}")
+    verdict = "intact"
+    if report.problems:
+        verdict = f"CORRUPT ({count(len(report.problems), 'problem')})"
+    elif report.unreadable:
+        verdict = f"UNREADABLE ({count(len(report.unreadable), 'part')} could not be read)"
     if report.tier:
         verdict += f" on the {report.tier} tier"
     print(
         f"step {report.step}: {verdict}; {count(report.leaves, 'leaf', 'leaves')}, "
         f"{human(report.bytes)} read and checksummed"
     )
-    return 0 if report.ok else 1
+    return _verify_status(report.problems, report.unreadable)
+
+
+def _verify_status(problems: dict[str, str], unreadable: dict[str, str]) -> int:
+    """Corrupt data first (a definite answer), then storage that could not be read."""
+    return EXIT_CORRUPT if problems else EXIT_UNREADABLE if unreadable else EXIT_OK
 
 
 def _print_removal(removal: Removal, verb: str) -> None:
@@ -470,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     except CkptStoreError as exc:
         print(f"ckptstore: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_UNREADABLE if storage_failed(exc) else EXIT_ERROR
     except BrokenPipeError:
         # The reader went away (`ckptstore info X | head`): stop quietly, as a command
         # killed by SIGPIPE would; the interpreter's final flush goes to /dev/null.

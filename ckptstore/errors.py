@@ -125,3 +125,12 @@ class UnsupportedOperationError(CkptStoreError, NotImplementedError):
 
 class CoordinationError(CkptStoreError):
     """Processes failed to agree in time (a barrier or key-value wait timed out)."""
+
+
+def storage_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says the storage itself failed (unreachable, timed out, refused,
+    misbehaving), as opposed to an answer about the data: a key that is missing or already
+    there, too little room. After such a failure nothing is known about the data."""
+    return isinstance(exc, StorageError) and not isinstance(
+        exc, NotFoundError | AlreadyExistsError | InsufficientSpaceError
+    )

@@ -184,9 +184,10 @@ async def verify(target: AnyTarget, step: int | None = None) -> VerifyReport:
                 "ckptstore: fast copy of step %d is damaged (%d problems), checking the "
                 "durable tier",
                 at,
-                len(report.problems),
+                len(report.problems) + len(report.unreadable),
             )
-            skipped = {f"{fast.url}/{k}": v for k, v in report.problems.items()}
+            bad = {**report.problems, **report.unreadable}
+            skipped = {f"{fast.url}/{k}": v for k, v in bad.items()}
         report = await plain_verify.verify_step(durable, at)
         report.tier, report.skipped = "durable", skipped
         return report

@@ -6,6 +6,11 @@ would fail or return something wrong: a marker, manifest or digest that does not
 check out, a manifest whose structure or types a restore cannot rebuild, a
 ``zarr.json`` that differs from the manifest, a missing chunk, a chunk whose
 crc32c does not match, a truncated or missing data file.
+
+Damage is told apart from storage that cannot be read at all (a server unreachable or
+timing out, permission refused: `StorageError` other than `NotFoundError`, typed from
+TensorStore's failures too): those go to ``unreadable``, never to ``problems``, so a
+network outage is never reported as a corrupt checkpoint.
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ import tensorstore as ts
 
 from ckptstore.arrays import KvChunks, RawLeaf, open_leaf, read_slice
 from ckptstore.backends.base import Backend
+from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import item_store
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.leaves import Index, LeafInfo
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
@@ -36,13 +42,19 @@ CONCURRENCY = 8
 
 @dataclass
 class VerifyReport:
-    """What `verify` checked and what it found; ``ok`` only if nothing is wrong."""
+    """What `verify` checked and what it found; ``ok`` only if nothing is wrong.
+
+    ``problems``: damage (the stored data is wrong). ``unreadable``: what could not be
+    checked because the storage failed (unreachable, timed out, refused); the data may
+    be fine.
+    """
 
     step: int
     attempt: str | None = None
     leaves: int = 0  # leaves checked
     bytes: int = 0  # payload bytes read and checksummed
     problems: dict[str, str] = field(default_factory=dict)  # what (file or leaf) -> why
+    unreadable: dict[str, str] = field(default_factory=dict)  # what -> the storage's error
     #: On a `Tiered` target: the tier checked ("fast" or "durable"), and the problems of a
     #: damaged fast copy that was skipped for the durable one (a restore would skip it too).
     tier: str | None = None
@@ -50,7 +62,14 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unreadable
+
+    def record(self, what: str, exc: BaseException) -> None:
+        """File ``exc`` under ``problems`` (damage) or ``unreadable`` (storage failed)."""
+        if storage_failed(exc):  # a missing file is damage: the committed step needs it
+            self.unreadable[what] = str(exc)
+        else:
+            self.problems[what] = str(exc)
 
 
 async def verify(target: Target, step: int | None = None) -> VerifyReport:
@@ -69,7 +88,7 @@ async def verify_step(backend: Backend, step: int) -> VerifyReport:
     except CheckpointNotFoundError:
         raise
     except CkptStoreError as exc:
-        report.problems[f"{step}/{layout.COMMIT_MARKER}"] = str(exc)
+        report.record(f"{step}/{layout.COMMIT_MARKER}", exc)
         return report
     report.attempt = manifest.attempt
     for name in manifest.items:
@@ -88,7 +107,11 @@ async def _verify_item(
         keys = [k.decode() for k in await kv.list()]
         coverage = await validate(kv, keys, list(item.leaves.values()))
     except Exception as exc:  # TensorStore raises ValueError for unreadable stores
-        report.problems[f"{name}/"] = f"the merged store cannot be read: {exc}"[:500]
+        failed = storage_error(exc, op=f"reading the merged store of item {name!r}")
+        if failed is not None:
+            report.unreadable[f"{name}/"] = str(failed)
+        else:
+            report.problems[f"{name}/"] = f"the merged store cannot be read: {message(exc)}"
         return
     for leaf, why in coverage.items():
         report.problems[f"{name}/{leaf}"] = why
@@ -100,7 +123,7 @@ async def _verify_item(
                 nbytes = await _read_all(spec, ctx, kv, info)
                 report.bytes += nbytes  # not `+= await`: that would add to a stale total
             except CkptStoreError as exc:
-                report.problems[f"{name}/{info.name}"] = str(exc)
+                report.record(f"{name}/{info.name}", exc)
 
     await asyncio.gather(
         *(check(info) for info in item.leaves.values() if info.name not in coverage)
