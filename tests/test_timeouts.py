@@ -1,0 +1,185 @@
+"""No operation on the data path hangs: against a closed port, or a server that accepts and
+never answers (`FaultProxy`'s black hole), save, restore and verify end in a typed error
+within a bounded time, whether the byte API (s3fs/gcsfs timeouts) or TensorStore's requests
+(its stall timeout) meet the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends.base import Backend
+from ckptstore.backends.gcs import GcsBackend
+from ckptstore.backends.keys import join
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.backends.s3 import S3Backend
+from ckptstore.errors import TransientStorageError
+from ckptstore.testing.faultproxy import Fault, FaultProxy
+
+REPO = Path(__file__).resolve().parent.parent
+POLICY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05)
+FAST = {"connect_timeout": 0.5, "read_timeout": 0.5}
+#: Seconds an operation may take against a dead endpoint with these settings (generous:
+#: the machine running the tests may be busy).
+BOUND = 15.0
+TREE = {"x": np.arange(1000.0), "n": 3}
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def make(kind: str, bucket: str, endpoint: str, **kw: Any) -> Backend:
+    if kind == "s3":
+        return S3Backend(
+            bucket, "run", endpoint_url=endpoint, credentials="env", retry=POLICY, **kw
+        )
+    return GcsBackend(
+        bucket, "run", endpoint_url=endpoint, credentials="anonymous", retry=POLICY, **kw
+    )
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str]]:
+    """(kind, bucket, emulator endpoint), step 1 committed there."""
+    kind = request.param
+    server = request.getfixturevalue("moto_server" if kind == "s3" else "fake_gcs_server")
+    bucket = request.getfixturevalue("s3_bucket" if kind == "s3" else "gcs_bucket")
+    ckptstore.save_sync(make(kind, bucket, server.endpoint), TREE, step=1)
+    yield kind, bucket, server.endpoint
+
+
+async def ends_typed(work: Callable[[], Awaitable[Any]]) -> float:
+    """Seconds ``work`` took to raise a transient storage error (it must)."""
+    start = time.monotonic()
+    with pytest.raises(TransientStorageError):
+        await work()
+    return time.monotonic() - start
+
+
+async def ends_unreadable(backend: Backend) -> float:
+    """Seconds ``verify`` took to report the step unreadable (not corrupt: it must)."""
+    start = time.monotonic()
+    report = await ckptstore.verify(backend, step=1)
+    assert report.unreadable and not report.problems
+    return time.monotonic() - start
+
+
+async def test_closed_port(store: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    kind, bucket, _ = store
+    dead = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", dead)
+    async with make(kind, bucket, dead, **FAST) as b:
+        assert await ends_typed(lambda: ckptstore.save(b, TREE, step=2)) < BOUND
+        assert await ends_typed(lambda: ckptstore.restore(b, step=1)) < BOUND
+        assert await ends_unreadable(b) < BOUND
+
+
+class _SplitS3(S3Backend):
+    """The byte API reaches the server; TensorStore's requests go to ``ts_endpoint``."""
+
+    ts_endpoint = ""
+
+    def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
+        return {**super().kvstore_spec(prefix), "endpoint": self.ts_endpoint}
+
+
+class _SplitGcs(GcsBackend):
+    """The byte API reaches the server; TensorStore's go to ``$TENSORSTORE_GCS_HTTP_URL``."""
+
+    def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
+        path = join(self.root, prefix) if prefix else self.root
+        return {"driver": "gcs", "bucket": self.bucket, "path": f"{path}/"}
+
+
+async def test_closed_port_for_tensorstore_only(
+    store: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections refused to TensorStore alone: its retries run out, the error is typed."""
+    kind, bucket, endpoint = store
+    dead = f"http://127.0.0.1:{closed_port()}"
+    b: Backend
+    if kind == "s3":
+        b = _SplitS3(bucket, "run", endpoint_url=endpoint, credentials="env", retry=POLICY)
+        b.ts_endpoint = dead
+    else:
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", dead)
+        b = _SplitGcs(bucket, "run", endpoint_url=endpoint, credentials="anonymous", retry=POLICY)
+    async with b:
+        assert await ends_typed(lambda: ckptstore.save(b, TREE, step=2)) < BOUND
+        assert await ends_typed(lambda: ckptstore.restore(b, step=1)) < BOUND
+        assert await ends_unreadable(b) < BOUND
+        assert await ckptstore.list_steps(b) == [1]  # the failed save committed nothing
+
+
+async def test_black_hole_for_the_byte_api(
+    store: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request accepted and never answered: the clients' read timeouts end it."""
+    kind, bucket, endpoint = store
+    with FaultProxy(endpoint, [Fault("blackhole", rate=1.0)]) as proxy:
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", proxy.endpoint)
+        async with make(kind, bucket, proxy.endpoint, **FAST) as b:
+            assert await ends_typed(lambda: ckptstore.save(b, TREE, step=2)) < BOUND
+            assert await ends_typed(lambda: ckptstore.restore(b, step=1)) < BOUND
+            assert await ends_unreadable(b) < BOUND
+        assert proxy.injected["blackhole"] >= 3 * POLICY.max_attempts
+
+
+def test_black_hole_for_tensorstore(
+    moto_server: Any, s3_bucket: str, fake_gcs_server: Any, gcs_bucket: str
+) -> None:
+    """TensorStore's requests alone never answered (its stall timeout, 1 s here, in a
+    process of its own: TensorStore reads it once per process)."""
+    stores, proxies = [], []
+    for kind, server, bucket in (
+        ("s3", moto_server, s3_bucket),
+        ("gcs", fake_gcs_server, gcs_bucket),
+    ):
+        ckptstore.save_sync(make(kind, bucket, server.endpoint), TREE, step=1)
+        proxy = FaultProxy(server.endpoint, [Fault("blackhole", rate=1.0, agent="^tensorstore")])
+        proxy.start()
+        proxies.append(proxy)
+        stores.append({"kind": kind, "bucket": bucket, "endpoint": proxy.endpoint})
+    env = {**os.environ, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "timeout_worker.py"), json.dumps(stores)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["store"], r["op"]) for r in lines] == [
+        (kind, op) for kind in ("s3", "gcs") for op in ("save", "restore", "verify", "list_steps")
+    ]
+    for r in lines:
+        assert r["seconds"] < BOUND, r
+        if r["op"] in ("save", "restore"):
+            assert r["typed"] and r["error"] == "RetriesExhaustedError", r
+        elif r["op"] == "verify":  # a report, not an error: unreadable, not corrupt
+            assert r["error"] is None and r["unreadable"] and not r["problems"], r
+        else:  # the byte API still works: the failed save committed nothing
+            assert r["error"] is None and r["steps"] == [1], r
+    assert all(p.injected["blackhole"] > 0 for p in proxies)

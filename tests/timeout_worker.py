@@ -1,0 +1,80 @@
+"""Save, restore and verify against stores whose TensorStore requests never get an answer
+(tests/test_timeouts.py).
+
+Run as ``python tests/timeout_worker.py '<json list of stores>'``, with
+``$TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS`` set: TensorStore reads its stall timeout
+once per process, hence a process of its own. Each store is ``{"kind", "bucket",
+"endpoint"}``, with step 1 committed. Prints one JSON line per store and operation:
+``{"store", "op", "error", "seconds", ...}``; "error" is the exception's class (null if
+none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import ckptstore
+from ckptstore.backends.base import Backend
+from ckptstore.backends.gcs import GcsBackend
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.backends.s3 import S3Backend
+
+POLICY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05)
+
+
+def backend(store: dict[str, str]) -> Backend:
+    if store["kind"] == "s3":
+        return S3Backend(
+            store["bucket"], "run", endpoint_url=store["endpoint"], credentials="env", retry=POLICY
+        )
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = store["endpoint"]
+    return GcsBackend(
+        store["bucket"],
+        "run",
+        endpoint_url=store["endpoint"],
+        credentials="anonymous",
+        retry=POLICY,
+    )
+
+
+async def one(store: dict[str, str]) -> None:
+    async def timed(op: str, work: Any) -> Any:
+        start = time.monotonic()
+        result, error = None, None
+        try:
+            result = await work
+        except Exception as exc:
+            error = exc
+        line: dict[str, Any] = {
+            "store": store["kind"],
+            "op": op,
+            "error": type(error).__name__ if error is not None else None,
+            "typed": isinstance(error, ckptstore.CkptStoreError),
+            "seconds": round(time.monotonic() - start, 2),
+            "message": str(error)[:300] if error is not None else None,
+        }
+        if op == "verify" and result is not None:
+            line["unreadable"] = len(result.unreadable)
+            line["problems"] = len(result.problems)
+        if op == "list_steps":
+            line["steps"] = result
+        print(json.dumps(line), flush=True)
+        return result
+
+    async with backend(store) as b:
+        await timed("save", ckptstore.save(b, {"x": np.arange(1000.0)}, step=2))
+        await timed("restore", ckptstore.restore(b, step=1))
+        await timed("verify", ckptstore.verify(b, step=1))
+        await timed("list_steps", ckptstore.list_steps(b))
+
+
+if __name__ == "__main__":
+    for store in json.loads(sys.argv[1]):
+        asyncio.run(one(store))
