@@ -24,6 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore import chunks
+from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.futures import wait_all
@@ -165,7 +166,7 @@ async def write_leaves(
             )
         if pieces:
             stats.leaves.append(info.name)
-        await asyncio.gather(*(write_piece(arr, *piece) for piece in pieces))
+        await gather_first_error(write_piece(arr, *piece) for piece in pieces)
 
     async def small_leaves(group: list[tuple[LeafInfo, Any]]) -> None:
         # Each is one chunk, so at most one piece (the whole array); no TensorStore opens.
@@ -201,10 +202,12 @@ async def write_leaves(
     small = [(info, value) for info, value in leaves if chunks.small(info)]
     kv = await ts.KvStore.open(store, context=context)
     groups = chunks.groups(small, max_inflight_bytes // 4)
-    try:
-        await asyncio.gather(
-            *(one_leaf(info, value) for info, value in leaves if not chunks.small(info)),
-            *(small_leaves(group) for group in groups),
+    try:  # one failed write cancels (and awaits) the others before the error is raised
+        await gather_first_error(
+            [
+                *(one_leaf(info, value) for info, value in leaves if not chunks.small(info)),
+                *(small_leaves(group) for group in groups),
+            ]
         )
     except Exception as exc:
         raise write_error(exc, "checkpoint data") from exc

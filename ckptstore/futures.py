@@ -19,9 +19,19 @@ async def wait_all(futures: Sequence[ts.Future[Any]]) -> list[Any]:
 
     Awaiting each future on the event loop costs an asyncio future and a GIL
     hand-off per key; a batch of thousands of small writes is cheaper this way.
-    Every future finishes before the first error is raised.
+    Every future finishes before the first error is raised. Cancelled, it cancels the
+    futures and returns once the worker thread has seen each of them end.
     """
-    return await asyncio.to_thread(_results, futures)
+    waiter = asyncio.ensure_future(asyncio.to_thread(_results, futures))
+    try:
+        return await asyncio.shield(waiter)
+    except asyncio.CancelledError:
+        for future in futures:
+            future.cancel()
+        await asyncio.wait([waiter])
+        if not waiter.cancelled():
+            waiter.exception()  # retrieved: the cancellation is what propagates
+        raise
 
 
 def _results(futures: Sequence[ts.Future[Any]]) -> list[Any]:
@@ -29,7 +39,7 @@ def _results(futures: Sequence[ts.Future[Any]]) -> list[Any]:
     for future in futures:
         try:
             results.append(future.result())
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:  # a cancelled future: see wait_all
             error = error or exc
     if error is not None:
         raise error

@@ -9,6 +9,7 @@ under the backend's one `RetryPolicy`; only bad data is `CorruptCheckpointError`
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -243,3 +244,40 @@ def test_read_errors_by_status_code(text: str, kind: type[Exception]) -> None:
     assert type(error) is kind
     if kind is CorruptCheckpointError:
         assert isinstance(write_error(ValueError(text), "x"), StorageError)
+
+
+async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
+    moto_server: Any, s3_bucket: str
+) -> None:
+    """When one of a save's writes fails for good, every other write of the save is cancelled
+    and has ended before the error is raised: none runs on, racing whatever the caller does
+    next (a retry, a cleanup of the attempt)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    big = NamedSharding(mesh, P("x", "y"))
+    tree = {f"l{i}": jax.device_put(np.full((64, 64), i, np.float32), big) for i in range(12)}
+    tree |= {f"s{i}": np.arange(100) + i for i in range(12)}  # small leaves: batched writes
+    with FaultProxy(moto_server.endpoint) as proxy:
+        backend = S3Backend(
+            s3_bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=POLICY
+        )
+        async with backend:
+            proxy.set_faults(
+                Fault(
+                    "status", status=403, nth=frozenset({5}), methods=frozenset({"PUT"}), agent=TS
+                ),
+                Fault("latency", delay=0.1, rate=1.0, agent=TS),  # keep writes in flight
+            )
+            with pytest.raises(PermissionDeniedError):
+                await ckptstore.save(backend, tree, step=1)
+            failed_at = time.monotonic()
+            running = [
+                t
+                for t in asyncio.all_tasks()
+                if "write_leaves" in getattr(t.get_coro(), "__qualname__", "")
+            ]
+            assert running == []
+            await asyncio.sleep(1.0)
+            late = [s for s in proxy.seen if s.at > failed_at and s.agent.startswith("tensorstore")]
+            assert late == []
+            proxy.set_faults()
+            assert await ckptstore.list_steps(backend) == []
