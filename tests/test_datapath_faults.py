@@ -171,7 +171,6 @@ async def test_verify_tells_unreadable_storage_from_corrupt_data(
             "base_delay = 0.01\n"
         )
         cli = ["--profile", str(profile), "verify"]
-        assert await asyncio.to_thread(main, cli) == 0
 
         proxy.set_faults(Fault("status", status=503, rate=1.0, agent=TS))
         report = await ckptstore.verify(backend, step=1)
@@ -187,7 +186,7 @@ async def test_verify_tells_unreadable_storage_from_corrupt_data(
         assert await asyncio.to_thread(main, cli) == 3
         assert "503" in capsys.readouterr().err
 
-        # real damage: one byte of the largest data file flipped
+        # real damage: one byte of the largest data file flipped (exit 1: tests/test_cli.py)
         proxy.set_faults()
         infos = [i async for i in backend.list("1")]
         data = max(infos, key=lambda i: i.size)
@@ -198,8 +197,6 @@ async def test_verify_tells_unreadable_storage_from_corrupt_data(
         assert report.problems and not report.unreadable
         with pytest.raises(CorruptCheckpointError):
             await ckptstore.restore(backend, step=1)
-        assert await asyncio.to_thread(main, cli) == 1
-        assert "CORRUPT" in capsys.readouterr().out
 
 
 async def test_tensorstore_error_texts_are_redacted(moto_server: Any, s3_bucket: str) -> None:
@@ -276,7 +273,7 @@ async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
                 if "write_leaves" in getattr(t.get_coro(), "__qualname__", "")
             ]
             assert running == []
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
             late = [s for s in proxy.seen if s.at > failed_at and s.agent.startswith("tensorstore")]
             assert late == []
             proxy.set_faults()

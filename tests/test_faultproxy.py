@@ -73,14 +73,15 @@ def test_rate_is_seeded(moto_server: MotoS3Server) -> None:
     """The same seed hits the same requests; another seed, others; about `rate` of them."""
 
     def pattern(seed: int) -> list[int]:
-        with FaultProxy(moto_server.endpoint, [Fault("status", rate=0.3)], seed=seed) as p:
-            return [get(p.endpoint + "/")[0] for _ in range(40)]
+        rules = [Fault("status", rate=0.3), Fault("status", status=404, rate=1.0)]  # no upstream
+        with FaultProxy(moto_server.endpoint, rules, seed=seed) as p:
+            return [get(p.endpoint + "/")[0] for _ in range(60)]
 
     first, again, other = pattern(7), pattern(7), pattern(8)
     assert first == again
     assert first != other
-    assert set(first) == {200, 503}
-    assert 4 <= first.count(503) <= 20
+    assert set(first) == {404, 503}
+    assert 6 <= first.count(503) <= 30
 
 
 def test_filters_and_limit(proxy: FaultProxy, s3_bucket: str) -> None:

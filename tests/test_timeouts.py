@@ -30,7 +30,7 @@ from ckptstore.testing.faultproxy import Fault, FaultProxy
 
 REPO = Path(__file__).resolve().parent.parent
 POLICY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05)
-FAST = {"connect_timeout": 0.5, "read_timeout": 0.5}
+FAST = {"connect_timeout": 0.25, "read_timeout": 0.25}
 #: Seconds an operation may take against a dead endpoint with these settings (generous:
 #: the machine running the tests may be busy).
 BOUND = 15.0
@@ -55,13 +55,20 @@ def make(kind: str, bucket: str, endpoint: str, **kw: Any) -> Backend:
 
 
 @pytest.fixture(params=["s3", "gcs"])
-def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str]]:
-    """(kind, bucket, emulator endpoint), step 1 committed there."""
+def store(request: pytest.FixtureRequest) -> tuple[str, str, str]:
+    """(kind, bucket, emulator endpoint)."""
     kind = request.param
     server = request.getfixturevalue("moto_server" if kind == "s3" else "fake_gcs_server")
     bucket = request.getfixturevalue("s3_bucket" if kind == "s3" else "gcs_bucket")
-    ckptstore.save_sync(make(kind, bucket, server.endpoint), TREE, step=1)
-    yield kind, bucket, server.endpoint
+    return kind, bucket, server.endpoint
+
+
+@pytest.fixture
+def saved(store: tuple[str, str, str]) -> tuple[str, str, str]:
+    """`store`, step 1 committed there."""
+    kind, bucket, endpoint = store
+    ckptstore.save_sync(make(kind, bucket, endpoint), TREE, step=1)
+    return store
 
 
 async def ends_typed(work: Callable[[], Awaitable[Any]]) -> float:
@@ -108,10 +115,10 @@ class _SplitGcs(GcsBackend):
 
 
 async def test_closed_port_for_tensorstore_only(
-    store: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+    saved: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Connections refused to TensorStore alone: its retries run out, the error is typed."""
-    kind, bucket, endpoint = store
+    kind, bucket, endpoint = saved
     dead = f"http://127.0.0.1:{closed_port()}"
     b: Backend
     if kind == "s3":
@@ -141,36 +148,67 @@ async def test_black_hole_for_the_byte_api(
         assert proxy.injected["blackhole"] >= 3 * POLICY.max_attempts
 
 
-def test_black_hole_for_tensorstore(
-    moto_server: Any, s3_bucket: str, fake_gcs_server: Any, gcs_bucket: str
-) -> None:
-    """TensorStore's requests alone never answered (its stall timeout, 1 s here, in a
-    process of its own: TensorStore reads it once per process)."""
-    stores, proxies = [], []
-    for kind, server, bucket in (
-        ("s3", moto_server, s3_bucket),
-        ("gcs", fake_gcs_server, gcs_bucket),
-    ):
-        ckptstore.save_sync(make(kind, bucket, server.endpoint), TREE, step=1)
-        proxy = FaultProxy(server.endpoint, [Fault("blackhole", rate=1.0, agent="^tensorstore")])
-        proxy.start()
-        proxies.append(proxy)
-        stores.append({"kind": kind, "bucket": bucket, "endpoint": proxy.endpoint})
+def run_worker(mode: str, stores: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """`timeout_worker` in a process of its own, TensorStore's stall timeout at 1 s."""
     env = {**os.environ, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "timeout_worker.py"), mode, json.dumps(stores)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+@pytest.fixture
+def tensorstore_black_holes(
+    moto_server: Any, s3_bucket: str, fake_gcs_server: Any, gcs_bucket: str
+) -> Iterator[list[dict[str, str]]]:
+    """A proxy per emulator that black-holes TensorStore's requests only (step 1 saved)."""
+    stores, proxies = [], []
     try:
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "timeout_worker.py"), json.dumps(stores)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-        )
+        for kind, server, bucket in (
+            ("s3", moto_server, s3_bucket),
+            ("gcs", fake_gcs_server, gcs_bucket),
+        ):
+            ckptstore.save_sync(make(kind, bucket, server.endpoint), TREE, step=1)
+            rule = Fault("blackhole", rate=1.0, agent="^tensorstore")
+            proxy = FaultProxy(server.endpoint, [rule])
+            proxy.start()
+            proxies.append(proxy)
+            stores.append({"kind": kind, "bucket": bucket, "endpoint": proxy.endpoint})
+        yield stores
     finally:
         for proxy in proxies:
             proxy.stop()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert all(p.injected["blackhole"] > 0 for p in proxies)
+
+
+def test_black_hole_for_tensorstore_requests(
+    tensorstore_black_holes: list[dict[str, str]],
+) -> None:
+    """A TensorStore read and write that are never answered end, typed, in bounded time."""
+    lines = run_worker("kv", tensorstore_black_holes)
+    assert sorted((r["store"], r["op"]) for r in lines) == [
+        (kind, op) for kind in ("gcs", "s3") for op in ("read", "write")
+    ]
+    for r in lines:
+        assert r["typed"] and r["error"] == "RetriesExhaustedError", r
+        assert "DEADLINE_EXCEEDED" in r["message"] or "Timeout" in r["message"], r
+        assert r["seconds"] < BOUND, r
+
+
+@pytest.mark.skipif(
+    os.environ.get("CKPTSTORE_FAULTS_FULL") != "1", reason="set CKPTSTORE_FAULTS_FULL=1 (~30 s)"
+)
+def test_black_hole_for_tensorstore_in_save_restore_verify(
+    tensorstore_black_holes: list[dict[str, str]],
+) -> None:
+    """Save, restore and verify, TensorStore's requests alone never answered."""
+    lines = run_worker("save", tensorstore_black_holes)
     assert [(r["store"], r["op"]) for r in lines] == [
         (kind, op) for kind in ("s3", "gcs") for op in ("save", "restore", "verify", "list_steps")
     ]
@@ -182,4 +220,3 @@ def test_black_hole_for_tensorstore(
             assert r["error"] is None and r["unreadable"] and not r["problems"], r
         else:  # the byte API still works: the failed save committed nothing
             assert r["error"] is None and r["steps"] == [1], r
-    assert all(p.injected["blackhole"] > 0 for p in proxies)

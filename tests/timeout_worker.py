@@ -1,12 +1,14 @@
-"""Save, restore and verify against stores whose TensorStore requests never get an answer
+"""Operations against stores whose TensorStore requests never get an answer
 (tests/test_timeouts.py).
 
-Run as ``python tests/timeout_worker.py '<json list of stores>'``, with
+Run as ``python tests/timeout_worker.py MODE '<json list of stores>'``, with
 ``$TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS`` set: TensorStore reads its stall timeout
 once per process, hence a process of its own. Each store is ``{"kind", "bucket",
-"endpoint"}``, with step 1 committed. Prints one JSON line per store and operation:
-``{"store", "op", "error", "seconds", ...}``; "error" is the exception's class (null if
-none).
+"endpoint"}``. MODE ``kv``: one read and one write through the backend's TensorStore
+kvstore (no jax: a quick process). MODE ``save``: save, restore and verify (step 1 must
+be committed), then list the steps. Prints one JSON line per store and operation:
+``{"store", "op", "error", "typed", "seconds", ...}``; "error" is the exception's class
+(null if none).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
+import tensorstore as ts
 
-import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.gcs import GcsBackend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
+from ckptstore.backends.tserrors import read_error, write_error
+from ckptstore.errors import CkptStoreError
 
 POLICY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05)
 
@@ -44,7 +47,7 @@ def backend(store: dict[str, str]) -> Backend:
     )
 
 
-async def one(store: dict[str, str]) -> None:
+async def one(mode: str, store: dict[str, str]) -> None:
     async def timed(op: str, work: Any) -> Any:
         start = time.monotonic()
         result, error = None, None
@@ -56,7 +59,7 @@ async def one(store: dict[str, str]) -> None:
             "store": store["kind"],
             "op": op,
             "error": type(error).__name__ if error is not None else None,
-            "typed": isinstance(error, ckptstore.CkptStoreError),
+            "typed": isinstance(error, CkptStoreError),
             "seconds": round(time.monotonic() - start, 2),
             "message": str(error)[:300] if error is not None else None,
         }
@@ -69,12 +72,40 @@ async def one(store: dict[str, str]) -> None:
         return result
 
     async with backend(store) as b:
+        if mode == "kv":
+            kv = await ts.KvStore.open(b.kvstore_spec("kv"), context=b.ts_context)
+
+            async def read() -> Any:
+                try:
+                    return await kv.read("key")
+                except ValueError as exc:
+                    raise read_error(exc, "key") from exc
+
+            async def write() -> Any:
+                try:
+                    return await kv.write("key", b"value")
+                except ValueError as exc:
+                    raise write_error(exc, "key") from exc
+
+            await asyncio.gather(timed("read", read()), timed("write", write()))
+            return
+        import numpy as np
+
+        import ckptstore
+
         await timed("save", ckptstore.save(b, {"x": np.arange(1000.0)}, step=2))
         await timed("restore", ckptstore.restore(b, step=1))
         await timed("verify", ckptstore.verify(b, step=1))
         await timed("list_steps", ckptstore.list_steps(b))
 
 
+async def main(mode: str, stores: list[dict[str, str]]) -> None:
+    if mode == "kv":  # quick: every store at once
+        await asyncio.gather(*(one(mode, store) for store in stores))
+    else:
+        for store in stores:
+            await one(mode, store)
+
+
 if __name__ == "__main__":
-    for store in json.loads(sys.argv[1]):
-        asyncio.run(one(store))
+    asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
