@@ -23,9 +23,10 @@ import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.gcs import GcsBackend
 from ckptstore.backends.keys import join
+from ckptstore.backends.objectstore import TS_STALL_ENV
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
-from ckptstore.errors import TransientStorageError
+from ckptstore.errors import ConfigError, TransientStorageError
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,3 +221,26 @@ def test_black_hole_for_tensorstore_in_save_restore_verify(
             assert r["error"] is None and r["unreadable"] and not r["problems"], r
         else:  # the byte API still works: the failed save committed nothing
             assert r["error"] is None and r["steps"] == [1], r
+
+
+def test_timeout_and_retry_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timeouts are options (profiles too); TensorStore's context carries the backend's retry
+    policy; its stall timeout defaults to 60 s unless the environment says otherwise."""
+    b = ckptstore.open_backend(
+        "s3://bucket-x/p",
+        endpoint="http://127.0.0.1:1",
+        connect_timeout=2,
+        read_timeout=5,
+        retry={"max_attempts": 4, "base_delay": 0.1, "max_delay": 2.0},
+    )
+    assert isinstance(b, S3Backend) and (b.connect_timeout, b.read_timeout) == (2.0, 5.0)
+    monkeypatch.delenv(TS_STALL_ENV, raising=False)
+    retries = b.ts_context.spec.to_json()["s3_request_retries"]
+    assert retries == {"max_retries": 3, "initial_delay": "100ms", "max_delay": "2s"}
+    assert os.environ[TS_STALL_ENV] == "60"
+    monkeypatch.setenv(TS_STALL_ENV, "7")
+    GcsBackend("bucket-x", endpoint_url="http://127.0.0.1:1").ts_context  # noqa: B018
+    assert os.environ[TS_STALL_ENV] == "7"
+    for bad in (0, -1, "5", True):
+        with pytest.raises(ConfigError, match="read_timeout"):
+            S3Backend("bucket-x", read_timeout=bad)  # type: ignore[arg-type]

@@ -19,8 +19,8 @@ semaphore of ``read_concurrency`` slots (each read's first GET is the read's own
 request and counts against the backend's ``concurrency`` like any other operation).
 
 TensorStore's own requests (`ts_context`) retry under the same `RetryPolicy`
-(its ``<driver>_request_retries`` resource) and give up on a stalled request after
-``read_timeout`` seconds like the byte API does: see `ObjectStoreBackend`.
+(its ``<driver>_request_retries`` resource) and give up on a stalled request too: see
+`ObjectStoreBackend`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import math
 import os
 import re
 from abc import abstractmethod
@@ -56,9 +55,10 @@ MIN_READ_PART = 1 * MiB
 #: counts as failed (transient: retried under the backend's `RetryPolicy`).
 CONNECT_TIMEOUT = 30.0
 READ_TIMEOUT = 60.0
-#: TensorStore's HTTP stall timeout: a request moving fewer than 1 byte/s for this many
-#: seconds fails. Read once per process, at TensorStore's first HTTP request.
+#: TensorStore's HTTP stall timeout: a request moving (almost) no bytes for this many
+#: seconds fails, transiently. Process-wide, read once, at TensorStore's first HTTP request.
 TS_STALL_ENV = "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"
+TS_STALL_SECONDS = 60
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -114,8 +114,9 @@ class ObjectStoreBackend(Backend):
     No request waits forever: ``connect_timeout`` bounds connecting and ``read_timeout``
     a wait for the next byte of a reply (the byte API's client timeouts). TensorStore
     has no per-context timeout; its stall timeout is the process-wide
-    ``$TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``, which the first object-store backend's
-    context sets to ``read_timeout`` unless the environment already has it.
+    ``$TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``, which an object-store backend's context
+    sets to `TS_STALL_SECONDS` unless the environment already has it (set it yourself,
+    before TensorStore's first HTTP request, for another value).
     """
 
     #: TensorStore's context resources bounding and retrying this driver's requests.
@@ -146,7 +147,7 @@ class ObjectStoreBackend(Backend):
         self.ts_request_concurrency = n
 
     def _new_ts_context(self) -> ts.Context:
-        os.environ.setdefault(TS_STALL_ENV, str(math.ceil(self.read_timeout)))
+        os.environ.setdefault(TS_STALL_ENV, str(TS_STALL_SECONDS))
         spec: dict[str, Any] = {self.ts_retries_resource: retry_resource(self.retry)}
         if self.ts_request_concurrency is not None:
             spec[self.ts_concurrency_resource] = {"limit": self.ts_request_concurrency}
