@@ -31,6 +31,7 @@ from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.cli import main
 from ckptstore.errors import (
+    AlreadyExistsError,
     CorruptCheckpointError,
     PermissionDeniedError,
     RetriesExhaustedError,
@@ -278,3 +279,19 @@ async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
             assert late == []
             proxy.set_faults()
             assert await ckptstore.list_steps(backend) == []
+
+
+async def test_create_whose_reply_was_lost_is_recognised(moto_server: Any, s3_bucket: str) -> None:
+    """The marker's PUT landed but its reply was lost; aiohttp resends the PUT itself (within
+    one attempt), which meets the marker: our own bytes, so the create succeeded."""
+    with FaultProxy(moto_server.endpoint) as proxy:
+        backend = S3Backend(
+            s3_bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=POLICY
+        )
+        async with backend:
+            proxy.set_faults(Fault("lost_reply", nth=frozenset({1}), methods=frozenset({"PUT"})))
+            await backend.create("1/COMMITTED", b"token-123")
+            assert proxy.injected == {"lost_reply": 1}
+            assert await backend.read("1/COMMITTED") == b"token-123"
+            with pytest.raises(AlreadyExistsError):
+                await backend.create("1/COMMITTED", b"someone else")

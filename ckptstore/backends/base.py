@@ -123,17 +123,19 @@ class Backend(ABC):
     async def create(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write ``key`` only if it does not exist yet: the commit primitive.
 
-        Raises `AlreadyExistsError` if it exists. If an earlier attempt failed
-        transiently but in fact landed, the retry finds the key holding exactly
-        ``data`` and counts that as success; give commit markers unique content.
+        Raises `AlreadyExistsError` if it exists. If an earlier try failed
+        transiently but in fact landed (its reply was lost), the key holds exactly
+        ``data``: that counts as success; give commit markers unique content. Such a
+        try may be the HTTP client's own: aiohttp resends an idempotent request (a PUT)
+        once when a connection drops, within one of our attempts.
         """
         validate_key(key)
 
-        async def attempt(n: int) -> None:
+        async def attempt(_: int) -> None:
             try:
                 await self._create(key, data)
             except AlreadyExistsError:
-                if n > 1 and await self._read(key, None, None) == bytes(data):
+                if await self._read(key, None, None) == bytes(data):
                     return
                 raise
 
