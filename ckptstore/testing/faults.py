@@ -3,7 +3,9 @@
 Wrap any backend to make chosen operations fail (the Nth call, or a random
 fraction) with a transient or permanent error, or to add latency. The wrapper
 is itself a `Backend` with its own `RetryPolicy`, so the retry machinery every
-real backend uses is what handles the injected faults.
+real backend uses is what handles the injected faults. It fails calls of the byte API
+only: for faults on TensorStore's own HTTP requests too, put a `FaultProxy`
+(`ckptstore.testing.faultproxy`) in front of the server.
 """
 
 from __future__ import annotations
