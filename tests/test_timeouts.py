@@ -6,6 +6,7 @@ within a bounded time, whether the byte API (s3fs/gcsfs timeouts) or TensorStore
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -64,11 +65,18 @@ def store(request: pytest.FixtureRequest) -> tuple[str, str, str]:
     return kind, bucket, server.endpoint
 
 
+def save_step_1(kind: str, bucket: str, endpoint: str) -> None:
+    async def save() -> None:
+        async with make(kind, bucket, endpoint) as b:  # closed: no stray HTTP session
+            await ckptstore.save(b, TREE, step=1)
+
+    asyncio.run(save())
+
+
 @pytest.fixture
 def saved(store: tuple[str, str, str]) -> tuple[str, str, str]:
     """`store`, step 1 committed there."""
-    kind, bucket, endpoint = store
-    ckptstore.save_sync(make(kind, bucket, endpoint), TREE, step=1)
+    save_step_1(*store)
     return store
 
 
@@ -175,7 +183,7 @@ def tensorstore_black_holes(
             ("s3", moto_server, s3_bucket),
             ("gcs", fake_gcs_server, gcs_bucket),
         ):
-            ckptstore.save_sync(make(kind, bucket, server.endpoint), TREE, step=1)
+            save_step_1(kind, bucket, server.endpoint)
             rule = Fault("blackhole", rate=1.0, agent="^tensorstore")
             proxy = FaultProxy(server.endpoint, [rule])
             proxy.start()
