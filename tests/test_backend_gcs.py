@@ -23,8 +23,8 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+from ckptstore.testing.conformance import BackendTests
 from ckptstore.testing.servers import FakeGcsServer
-from tests.conformance import BackendConformance
 
 MiB = 1 << 20
 FAST_RETRY = RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01)
@@ -41,7 +41,7 @@ def make_root(b: GcsBackend) -> GcsBackend:
     return GcsBackend(b.bucket, endpoint_url=b.endpoint_url, credentials="anonymous")
 
 
-class TestGcsBackend(BackendConformance):
+class TestGcsBackend(BackendTests):
     concurrent_create_xfail = (
         "fake-gcs-server ignores ifGenerationMatch; the emulator fallback checks then writes"
     )

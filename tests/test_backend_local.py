@@ -10,10 +10,10 @@ import pytest
 
 from ckptstore.backends.local import LocalBackend
 from ckptstore.errors import InvalidKeyError, NotFoundError, PermissionDeniedError
-from tests.conformance import BackendConformance, keys_of
+from ckptstore.testing.conformance import BackendTests, keys_of
 
 
-class TestLocalBackend(BackendConformance):
+class TestLocalBackend(BackendTests):
     @pytest.fixture
     async def backend(self, tmp_path: Path) -> AsyncIterator[LocalBackend]:
         async with LocalBackend(tmp_path / "root") as b:

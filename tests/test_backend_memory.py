@@ -6,10 +6,10 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.memory import MemoryBackend, forget
-from tests.conformance import BackendConformance
+from ckptstore.testing.conformance import BackendTests
 
 
-class TestMemoryBackend(BackendConformance):
+class TestMemoryBackend(BackendTests):
     @pytest.fixture
     async def backend(self) -> AsyncIterator[MemoryBackend]:
         async with MemoryBackend() as b:

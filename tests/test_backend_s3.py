@@ -23,8 +23,8 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+from ckptstore.testing.conformance import BackendTests
 from ckptstore.testing.servers import MotoS3Server
-from tests.conformance import BackendConformance
 
 MiB = 1 << 20
 FAST_RETRY = RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01)
@@ -36,7 +36,7 @@ def make(server: MotoS3Server, bucket: str, prefix: str = "root/dir", **kw: Any)
     return S3Backend(bucket, prefix, endpoint_url=server.endpoint, **kw)
 
 
-class TestS3Backend(BackendConformance):
+class TestS3Backend(BackendTests):
     @pytest.fixture
     async def backend(self, moto_server: MotoS3Server, s3_bucket: str) -> AsyncIterator[S3Backend]:
         async with make(moto_server, s3_bucket) as b:

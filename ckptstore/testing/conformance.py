@@ -1,15 +1,34 @@
-"""The conformance suite every `Backend` passes.
+"""The conformance suite every `Backend` passes, shipped for third-party backends too.
 
-Subclass `BackendConformance` in a ``test_*.py`` module and provide an async
-fixture named ``backend`` that yields a fresh, empty backend. Set
-``concurrent_create_xfail`` to a reason when the storage cannot enforce
-create-if-absent under a race (an emulator without preconditions).
+One generic test class, one small subclass per backend (the pattern of zarr-python's
+``zarr.testing.store.StoreTests``). In a ``test_*.py`` module::
+
+    import pytest
+    from ckptstore.testing.conformance import BackendTests
+
+    class TestMyBackend(BackendTests):
+        @pytest.fixture
+        async def backend(self, tmp_path):
+            async with MyBackend(tmp_path / "root") as b:  # a fresh, empty backend
+                yield b
+
+The tests are coroutines; with ``ckptstore[testing]`` installed, its pytest plugin runs them
+(and the async fixture) on asyncio with no configuration. They cover whole-object and ranged
+reads, listing (sorted, paged past 1,000 keys), deletes, create-if-absent (the commit
+primitive) including a race, key validation before any I/O, TensorStore reading and writing
+the same bytes through `Backend.kvstore_spec`, and retries through `FaultyBackend`. Set
+``concurrent_create_xfail`` to a reason when the storage cannot decide create-if-absent
+under a race (an emulator without preconditions); the race test is then an expected failure.
+
+Importing this module imports TensorStore (the `Backend` protocol needs it) but not JAX.
+See ``docs/testing.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -25,8 +44,11 @@ from ckptstore.errors import (
 )
 from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
 
+__all__ = ["INVALID_KEYS", "BackendTests", "keys_of"]
+
 MiB = 1 << 20
 
+#: Keys every backend refuses before any I/O.
 INVALID_KEYS = [
     "",
     "/abs",
@@ -41,11 +63,25 @@ INVALID_KEYS = [
 
 
 async def keys_of(backend: Backend, prefix: str = "") -> list[str]:
+    """The keys `Backend.list` yields below ``prefix``, in its order."""
     return [info.key async for info in backend.list(prefix)]
 
 
-class BackendConformance:
-    concurrent_create_xfail: str | None = None
+class BackendTests:
+    """Subclass, define a ``backend`` fixture yielding a fresh, empty backend, and every
+    test here runs against it. The class name has no ``Test`` prefix, so importing it into
+    a test module does not collect it a second time."""
+
+    #: A reason, when the storage cannot decide create-if-absent under a race.
+    concurrent_create_xfail: ClassVar[str | None] = None
+
+    @pytest.fixture
+    def backend(self) -> Backend:
+        """Overridden by each subclass (sync or async, yielding or returning)."""
+        pytest.fail(
+            f"{type(self).__name__} must define a `backend` fixture that yields a fresh, "
+            "empty Backend (see ckptstore.testing.conformance)"
+        )
 
     # ---- whole objects ----
 
@@ -67,7 +103,7 @@ class BackendConformance:
 
     async def test_accepts_buffer_types(self, backend: Backend) -> None:
         arr = np.arange(1000, dtype=np.float32)
-        await backend.write("mv", memoryview(arr))
+        await backend.write("mv", arr.data)  # a memoryview of the array
         await backend.write("ba", bytearray(b"xyz"))
         assert await backend.read("mv") == arr.tobytes()
         assert await backend.read("ba") == b"xyz"
