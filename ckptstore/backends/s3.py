@@ -20,6 +20,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import tensorstore as ts
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -50,6 +51,7 @@ from ckptstore.backends.objectstore import (
     replaced,
 )
 from ckptstore.backends.retry import RetryPolicy
+from ckptstore.backends.sdklog import quiet_aws_sdk
 from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
 
 MiB = 1 << 20
@@ -160,6 +162,7 @@ class S3Backend(ObjectStoreBackend):
         self._fs: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._parts: asyncio.Semaphore | None = None
+        self._ts_root: Any = None  # the bucket held open in ts_context (see _new_ts_context)
 
     # ---- identity ----------------------------------------------------------------------
 
@@ -186,11 +189,29 @@ class S3Backend(ObjectStoreBackend):
             region = "us-east-1"  # S3-compatible servers ignore it; TensorStore must not probe
         if region:
             spec["aws_region"] = region
-        if self.credentials == "profile":
-            spec["aws_credentials"] = {"type": "profile", "profile": self.profile}
-        else:
-            spec["aws_credentials"] = dict(_TS_CREDENTIALS[self.credentials])
+        spec["aws_credentials"] = self._ts_credentials()
         return spec
+
+    def _ts_credentials(self) -> dict[str, Any]:
+        """TensorStore's ``aws_credentials`` for this backend's credential source."""
+        if self.credentials == "profile":
+            return {"type": "profile", "profile": self.profile}
+        return dict(_TS_CREDENTIALS[self.credentials])
+
+    def _new_ts_context(self) -> ts.Context:
+        """The context, with its AWS credential provider built now, while the AWS SDK's
+        error lines about sources it skipped are held back (see `sdklog`).
+
+        TensorStore builds one provider per open bucket in a context, on the first open
+        (synchronously, in the calling thread), and reuses it for every path below while
+        that bucket stays open, so the bucket's root stays open with the backend. Opening
+        it sends no request when the region is known (else TensorStore asks the bucket for
+        it, as the first real open would).
+        """
+        ctx = super()._new_ts_context()
+        with quiet_aws_sdk():
+            self._ts_root = ts.KvStore.open(self.kvstore_spec(), context=ctx)
+        return ctx
 
     # ---- the client --------------------------------------------------------------------
 
