@@ -89,7 +89,12 @@ class Server:
         from ckptstore.backends.gcs import GcsBackend
 
         return GcsBackend(
-            self.bucket, prefix, endpoint_url=self.endpoint, credentials="anonymous", **options
+            self.bucket,
+            prefix,
+            endpoint_url=self.endpoint,
+            credentials="anonymous",
+            emulator=True,
+            **options,
         )
 
 

@@ -341,7 +341,7 @@ async def bench_gcs(data: bytes, reps: Reps) -> list[Measurement]:
             stack.push_async_callback(close_fs)
             stack.push_async_callback(drop_bucket, fs, bucket)
             backend = GcsBackend(
-                bucket, "ckpt", endpoint_url=server.endpoint, credentials="anonymous"
+                bucket, "ckpt", endpoint_url=server.endpoint, credentials="anonymous", emulator=True
             )
             stack.push_async_callback(backend.close)
             return await compare_object_store("gcs", backend, fs, bucket, data, reps)

@@ -41,7 +41,12 @@ async def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path
         server = request.getfixturevalue("fake_gcs_server")
         bucket = request.getfixturevalue("gcs_bucket")
         return GcsBackend(
-            bucket, "ckpt", endpoint_url=server.endpoint, credentials="anonymous", retry=FAST_RETRY
+            bucket,
+            "ckpt",
+            endpoint_url=server.endpoint,
+            credentials="anonymous",
+            emulator=True,
+            retry=FAST_RETRY,
         )
     raise ValueError(kind)
 

@@ -14,6 +14,7 @@ import tensorstore as ts
 
 from ckptstore.backends._errors import error_for
 from ckptstore.backends.gcs import GcsBackend
+from ckptstore.backends.registry import open_backend
 from ckptstore.backends.retry import NO_RETRY, RetryPolicy
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -32,13 +33,14 @@ FAST_RETRY = RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01)
 
 def make(server: FakeGcsServer, bucket: str, prefix: str = "root/dir", **kw: Any) -> GcsBackend:
     kw.setdefault("credentials", "anonymous")
+    kw.setdefault("emulator", True)
     kw.setdefault("retry", FAST_RETRY)
     return GcsBackend(bucket, prefix, endpoint_url=server.endpoint, **kw)
 
 
 def make_root(b: GcsBackend) -> GcsBackend:
     assert b.endpoint_url is not None
-    return GcsBackend(b.bucket, endpoint_url=b.endpoint_url, credentials="anonymous")
+    return GcsBackend(b.bucket, endpoint_url=b.endpoint_url, credentials="anonymous", emulator=True)
 
 
 class TestGcsBackend(BackendTests):
@@ -70,11 +72,75 @@ async def test_keys_live_under_the_prefix(gcs: GcsBackend) -> None:
     assert gcs.url == f"gs://{gcs.bucket}/root/dir"
 
 
-def test_emulator_capabilities(fake_gcs_server: FakeGcsServer) -> None:
-    emulated = GcsBackend("b", endpoint_url=fake_gcs_server.endpoint, credentials="anonymous")
-    assert emulated.emulated and not emulated.capabilities.conditional_create
+def test_emulator_mode_is_explicit(
+    fake_gcs_server: FakeGcsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Emulator mode (anonymous, create checks first) only where said: ``emulator=True`` or
+    the endpoint of ``$STORAGE_EMULATOR_HOST`` (set by the fixture). Any other endpoint, a
+    proxy say, is real GCS: real credentials, the server decides create-if-absent."""
+    from_env = GcsBackend("b", credentials="anonymous")
+    same = GcsBackend("b", endpoint_url=fake_gcs_server.endpoint)
+    assert from_env.emulated and same.emulated and not same.capabilities.conditional_create
+    proxy = GcsBackend("b", endpoint_url="http://gcs-proxy.internal:8080")
+    assert not proxy.emulated and proxy.capabilities.conditional_create
+    assert "emulator" not in repr(proxy) and "emulator" in repr(same)
+    assert GcsBackend("b", endpoint_url="http://gcs-proxy.internal:8080", emulator=True).emulated
+    assert not GcsBackend("b", emulator=False).emulated  # the variable's endpoint, said real
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST")
+    assert not GcsBackend("b", endpoint_url=fake_gcs_server.endpoint).emulated
     real = GcsBackend("b", endpoint_url="https://storage.googleapis.com", credentials="anonymous")
     assert not real.emulated and real.capabilities.conditional_create
+    for endpoint in (None, "https://storage.googleapis.com"):
+        with pytest.raises(ConfigError, match="emulator mode needs the emulator's endpoint"):
+            GcsBackend("b", endpoint_url=endpoint, emulator=True)
+    with pytest.raises(ConfigError, match="true or false"):
+        GcsBackend("b", endpoint_url=fake_gcs_server.endpoint, emulator="yes")  # type: ignore[arg-type]
+
+
+def test_emulator_option_in_profiles(fake_gcs_server: FakeGcsServer, tmp_path: Any) -> None:
+    profile = tmp_path / "emu.toml"
+    profile.write_text(
+        'url = "gs://b/run"\n[options]\nendpoint = "http://127.0.0.1:9"\nemulator = true\n'
+    )
+    assert isinstance(b := open_backend(profile=profile), GcsBackend) and b.emulated
+    assert not open_backend(profile=profile, emulator=False).emulated  # type: ignore[attr-defined]
+
+
+async def test_custom_endpoint_keeps_real_credentials(
+    fake_gcs_server: FakeGcsServer, gcs_bucket: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-emulator endpoint loads the configured credentials (here a broken service
+    account file, refused before any request); emulator mode never does."""
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST")
+    path = tmp_path / "sa.json"
+    path.write_text('{"type": "service_account", "private_key": "TOPSECRET"}')
+    endpoint = fake_gcs_server.endpoint
+    async with GcsBackend(gcs_bucket, endpoint_url=endpoint, credentials=str(path)) as proxied:
+        with pytest.raises(PermissionDeniedError, match="cannot load GCS credentials"):
+            await proxied.write("k", b"x")
+    async with GcsBackend(
+        gcs_bucket, endpoint_url=endpoint, credentials=str(path), emulator=True
+    ) as emulated:
+        await emulated.write("k", b"x")  # anonymous: the file is never read
+        assert await emulated.read("k") == b"x"
+
+
+@pytest.mark.parametrize("emulator", [True, False])
+async def test_create_checks_first_only_on_an_emulator(
+    fake_gcs_server: FakeGcsServer, gcs_bucket: str, emulator: bool
+) -> None:
+    """Off emulator mode the precondition alone decides (no check-then-write window)."""
+    async with make(fake_gcs_server, gcs_bucket, emulator=emulator) as b:
+        methods: list[str] = []
+        real_request = b._request
+
+        async def spy(op: str, key: str | None, method: str, url: str, **kw: Any) -> Any:
+            methods.append(method)
+            return await real_request(op, key, method, url, **kw)
+
+        b._request = spy  # type: ignore[method-assign]
+        await b.create("marker", b"1")
+        assert methods == (["GET", "POST"] if emulator else ["POST"])
 
 
 def test_endpoint_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +225,9 @@ async def test_unreachable_endpoint_is_transient() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    b = GcsBackend("bkt", endpoint_url=f"http://127.0.0.1:{port}", retry=NO_RETRY)
+    b = GcsBackend(
+        "bkt", endpoint_url=f"http://127.0.0.1:{port}", retry=NO_RETRY, credentials="anonymous"
+    )
     with pytest.raises(TransientStorageError) as info:
         await b.read("k")
     assert "'k'" in str(info.value)

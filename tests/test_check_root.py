@@ -41,7 +41,11 @@ async def test_a_missing_s3_bucket(moto_server: MotoS3Server) -> None:
 
 async def test_a_missing_gcs_bucket(fake_gcs_server: FakeGcsServer) -> None:
     async with GcsBackend(
-        "no-such-bucket", "run", endpoint_url=fake_gcs_server.endpoint, credentials="anonymous"
+        "no-such-bucket",
+        "run",
+        endpoint_url=fake_gcs_server.endpoint,
+        credentials="anonymous",
+        emulator=True,
     ) as b:
         with pytest.raises(NotFoundError, match="bucket 'no-such-bucket' does not exist at http"):
             await b.check_root()

@@ -205,7 +205,7 @@ def shared_target(kind: str, request: pytest.FixtureRequest, tmp_path: Path, nam
     else:
         server = request.getfixturevalue("fake_gcs_server")
         bucket = request.getfixturevalue("gcs_bucket")
-        url, options = f"gs://{bucket}/{name}", 'credentials = "anonymous"'
+        url, options = f"gs://{bucket}/{name}", 'credentials = "anonymous"\nemulator = true'
     profile = tmp_path / f"{name}.toml"
     profile.write_text(f'url = "{url}"\n[options]\nendpoint = "{server.endpoint}"\n{options}\n')
     return str(profile)

@@ -45,7 +45,9 @@ def make(kind: str, request: pytest.FixtureRequest, **kw: Any) -> ObjectStoreBac
         return S3Backend(bucket, "r", endpoint_url=server.endpoint, credentials="env", **kw)
     gcs: FakeGcsServer = request.getfixturevalue("fake_gcs_server")
     bucket = request.getfixturevalue("gcs_bucket")
-    return GcsBackend(bucket, "r", endpoint_url=gcs.endpoint, credentials="anonymous", **kw)
+    return GcsBackend(
+        bucket, "r", endpoint_url=gcs.endpoint, credentials="anonymous", emulator=True, **kw
+    )
 
 
 @pytest.fixture(params=["s3", "gcs"])

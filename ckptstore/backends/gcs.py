@@ -7,10 +7,13 @@ mapping and no hidden retry loop (gcsfs retries 6 times with up to 32 s
 sleeps) runs under our `RetryPolicy`.
 
 ``create`` uploads with ``ifGenerationMatch=0``: the server refuses (412) if
-the object exists. fake-gcs-server ignores preconditions, so against an
-emulator endpoint ``create`` also checks for the key first and the backend
-reports ``capabilities.conditional_create = False``: racing creators can both
-"win" there, never on real GCS.
+the object exists. fake-gcs-server ignores preconditions, so in emulator mode
+``create`` also checks for the key first and the backend reports
+``capabilities.conditional_create = False``: racing creators can both "win"
+there, never on real GCS. Emulator mode is explicit (``emulator=True``, or the
+endpoint is ``$STORAGE_EMULATOR_HOST``, the variable's documented meaning): any
+other endpoint (a proxy, a private gateway) keeps real credentials and the
+server-decided create.
 """
 
 from __future__ import annotations
@@ -71,17 +74,18 @@ def _normalize_endpoint(url: str) -> str:
 class GcsBackend(ObjectStoreBackend):
     """Objects under ``gs://bucket/prefix``.
 
-    ``credentials`` is ``"default"`` (application default credentials),
-    ``"anonymous"`` or the path of a service-account JSON file. Against an
-    emulator (``endpoint_url`` or ``$STORAGE_EMULATOR_HOST`` not on
-    googleapis.com) requests are always anonymous: real tokens are never sent
-    to an emulator. Objects of at least ``resumable_threshold`` bytes go up as
-    resumable uploads in ``chunk_size`` chunks; smaller ones in one request.
-    Chunks go up one after another, each waiting for the server's answer, so
-    fewer, larger chunks mean fewer round trips (Google's own client uses
-    100 MiB; chunks are sliced from the caller's buffer, not copied). Reads of
-    more than ``read_part_size`` bytes are ranged GETs of that size, at most
-    ``read_concurrency`` beyond each read's first in flight (see `objectstore`).
+    ``credentials`` is ``"default"`` (application default credentials), ``"anonymous"`` or
+    the path of a service-account JSON file. ``endpoint_url`` defaults to
+    ``$STORAGE_EMULATOR_HOST`` when that is set. ``emulator``: whether the endpoint is an
+    emulator (requests anonymous, so real tokens are never sent to one; ``create`` checks
+    first, as emulators ignore preconditions); None means exactly when the endpoint is
+    ``$STORAGE_EMULATOR_HOST``. Objects of at least ``resumable_threshold`` bytes go up as
+    resumable uploads in ``chunk_size`` chunks; smaller ones in one request. Chunks go up
+    one after another, each waiting for the server's answer, so fewer, larger chunks mean
+    fewer round trips (Google's own client uses 100 MiB; chunks are sliced from the caller's
+    buffer, not copied). Reads of more than ``read_part_size`` bytes are ranged GETs of that
+    size, at most ``read_concurrency`` beyond each read's first in flight (see
+    `objectstore`).
     ``connect_timeout`` and ``read_timeout`` (seconds) end a stalled request.
     """
 
@@ -106,6 +110,7 @@ class GcsBackend(ObjectStoreBackend):
         ts_request_concurrency: int | None = TS_REQUEST_CONCURRENCY,
         connect_timeout: float = CONNECT_TIMEOUT,
         read_timeout: float = READ_TIMEOUT,
+        emulator: bool | None = None,
     ):
         super().__init__(
             retry=retry,
@@ -131,11 +136,12 @@ class GcsBackend(ObjectStoreBackend):
             )
         self.bucket = bucket
         self.root = validate_prefix(prefix)
-        if endpoint_url is None and os.environ.get(EMULATOR_ENV, "default") != "default":
-            endpoint_url = os.environ[EMULATOR_ENV]  # as gcsfs and google-cloud-storage do
+        emulator_host = os.environ.get(EMULATOR_ENV, "default")
+        env_endpoint = None if emulator_host in ("", "default") else emulator_host
+        if endpoint_url is None:
+            endpoint_url = env_endpoint  # as gcsfs and google-cloud-storage do
         self.endpoint_url = _normalize_endpoint(endpoint_url) if endpoint_url else None
-        host = urlsplit(self.endpoint_url).hostname if self.endpoint_url else None
-        self.emulated = host is not None and not host.endswith("googleapis.com")
+        self.emulated = self._emulated(emulator, env_endpoint)
         self.project = project
         self.credentials = credentials
         self.resumable_threshold = resumable_threshold
@@ -154,6 +160,24 @@ class GcsBackend(ObjectStoreBackend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fs_lock: asyncio.Lock | None = None
 
+    def _emulated(self, emulator: bool | None, env_endpoint: str | None) -> bool:
+        """Emulator mode: as asked, else whether the endpoint is ``$STORAGE_EMULATOR_HOST``."""
+        if emulator is None:
+            return env_endpoint is not None and self.endpoint_url == _normalize_endpoint(
+                env_endpoint
+            )
+        if not isinstance(emulator, bool):
+            raise ConfigError(f"GCS emulator must be true or false, got {emulator!r}")
+        if emulator:
+            host = urlsplit(self.endpoint_url).hostname if self.endpoint_url else None
+            if host is None or host.endswith("googleapis.com"):
+                shown = redact_url(self.endpoint_url or GCS_ENDPOINT)
+                raise ConfigError(
+                    f"gs://{self.bucket}: emulator mode needs the emulator's endpoint "
+                    f"(endpoint, or ${EMULATOR_ENV}); got {shown}"
+                )
+        return emulator
+
     # ---- identity ----------------------------------------------------------------------
 
     @property
@@ -163,7 +187,8 @@ class GcsBackend(ObjectStoreBackend):
     def __repr__(self) -> str:
         where = f" endpoint={redact_url(self.endpoint_url)}" if self.endpoint_url else ""
         source = self.credentials if self.credentials in ("default", "anonymous") else "file"
-        return f"<GcsBackend {self.url}{where} credentials={source}>"
+        mode = " emulator" if self.emulated else ""
+        return f"<GcsBackend {self.url}{where}{mode} credentials={source}>"
 
     def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
         """The TensorStore ``gcs`` spec for ``prefix``.

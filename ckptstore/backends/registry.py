@@ -60,7 +60,7 @@ _OPTIONS: dict[str, set[str]] = {
     | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
     "gcs": _COMMON
     | _OBJECT
-    | {"endpoint", "project", "credentials", "resumable_threshold", "chunk_size"},
+    | {"endpoint", "emulator", "project", "credentials", "resumable_threshold", "chunk_size"},
 }
 #: The packages each object-store backend needs, installed by the extra of the same name.
 _EXTRAS = {"s3": ("s3fs",), "gcs": ("gcsfs",)}
