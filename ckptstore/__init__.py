@@ -3,7 +3,8 @@
 The public API on one screen:
 
 - `save`, `restore`, `list_steps` (async) and `save_sync`, `restore_sync`,
-  `list_steps_sync`: checkpoints of JAX pytrees, committed atomically.
+  `list_steps_sync`: checkpoints of JAX pytrees, committed atomically. Every async entry
+  point has a blocking ``_sync`` twin (Ctrl-C in one cancels the work before it returns).
 - `partial_save(target, step)`: a `PartialSave` session (`add` parts, then `finalize`).
 - `verify(target, step)`: a `VerifyReport`: would a restore return exactly what was saved?
 - `delete_step(target, step)` and `gc(target, older_than=...)`: removing steps and garbage.
@@ -38,6 +39,7 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     InsufficientSpaceError,
     InvalidKeyError,
+    InvalidStepError,
     InvalidURLError,
     NotFoundError,
     ObjectChangedError,
@@ -53,19 +55,29 @@ if TYPE_CHECKING:
     from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
     from ckptstore.backends.registry import load_profile, open_backend
     from ckptstore.backends.retry import RetryPolicy
-    from ckptstore.checkpoint.blocking import list_steps_sync, restore_sync, save_sync, verify_sync
+    from ckptstore.checkpoint.blocking import (
+        PartialSaveSync,
+        delete_step_sync,
+        gc_sync,
+        list_steps_sync,
+        partial_save_sync,
+        read_manifest_sync,
+        restore_sync,
+        save_sync,
+        verify_sync,
+    )
     from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
     from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
     from ckptstore.checkpoint.save import SaveResult, save
     from ckptstore.checkpoint.target import Tiered
     from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
     from ckptstore.checkpoint.verify import VerifyReport
-    from ckptstore.importers.orbax_export import export_orbax
-    from ckptstore.importers.orbax_import import import_orbax
+    from ckptstore.importers.orbax_export import export_orbax, export_orbax_sync
+    from ckptstore.importers.orbax_import import import_orbax, import_orbax_sync
     from ckptstore.lifecycle import policies
     from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
     from ckptstore.lifecycle.options import ManagerOptions
-    from ckptstore.lifecycle.tiers import Promotion, promote
+    from ckptstore.lifecycle.tiers import Promotion, promote, promote_sync
 
 #: Each lazily loaded public name and the module that defines it.
 _LAZY = {
@@ -75,7 +87,12 @@ _LAZY = {
     "load_profile": "ckptstore.backends.registry",
     "open_backend": "ckptstore.backends.registry",
     "RetryPolicy": "ckptstore.backends.retry",
+    "PartialSaveSync": "ckptstore.checkpoint.blocking",
+    "delete_step_sync": "ckptstore.checkpoint.blocking",
+    "gc_sync": "ckptstore.checkpoint.blocking",
     "list_steps_sync": "ckptstore.checkpoint.blocking",
+    "partial_save_sync": "ckptstore.checkpoint.blocking",
+    "read_manifest_sync": "ckptstore.checkpoint.blocking",
     "restore_sync": "ckptstore.checkpoint.blocking",
     "save_sync": "ckptstore.checkpoint.blocking",
     "verify_sync": "ckptstore.checkpoint.blocking",
@@ -95,7 +112,9 @@ _LAZY = {
     "VerifyReport": "ckptstore.checkpoint.verify",
     "verify": "ckptstore.checkpoint.tiered",
     "export_orbax": "ckptstore.importers.orbax_export",
+    "export_orbax_sync": "ckptstore.importers.orbax_export",
     "import_orbax": "ckptstore.importers.orbax_import",
+    "import_orbax_sync": "ckptstore.importers.orbax_import",
     "policies": "ckptstore.lifecycle.policies",  # a module
     "CheckpointManager": "ckptstore.lifecycle.manager",
     "SaveHandle": "ckptstore.lifecycle.manager",
@@ -103,6 +122,7 @@ _LAZY = {
     "ManagerOptions": "ckptstore.lifecycle.options",
     "Promotion": "ckptstore.lifecycle.tiers",
     "promote": "ckptstore.lifecycle.tiers",
+    "promote_sync": "ckptstore.lifecycle.tiers",
 }
 
 
@@ -134,6 +154,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InsufficientSpaceError",
     "InvalidKeyError",
+    "InvalidStepError",
     "InvalidURLError",
     "ManagerOptions",
     "NotFoundError",
@@ -141,6 +162,7 @@ __all__ = [
     "ObjectInfo",
     "Part",
     "PartialSave",
+    "PartialSaveSync",
     "PermissionDeniedError",
     "Promotion",
     "Removal",
@@ -156,17 +178,24 @@ __all__ = [
     "UnsupportedOperationError",
     "VerifyReport",
     "delete_step",
+    "delete_step_sync",
     "export_orbax",
+    "export_orbax_sync",
     "gc",
+    "gc_sync",
     "import_orbax",
+    "import_orbax_sync",
     "list_steps",
     "list_steps_sync",
     "load_profile",
     "open_backend",
     "partial_save",
+    "partial_save_sync",
     "policies",
     "promote",
+    "promote_sync",
     "read_manifest",
+    "read_manifest_sync",
     "restore",
     "restore_sync",
     "save",

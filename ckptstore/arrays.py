@@ -25,6 +25,7 @@ import tensorstore as ts
 
 from ckptstore import chunks
 from ckptstore.backends._errors import gather_first_error
+from ckptstore.backends.base import finish_first
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.futures import wait_all
@@ -159,7 +160,7 @@ async def write_leaves(
         if not pieces and not write_metadata:
             return
         if write_metadata:
-            arr = await ts.open(zarr_spec(store, info), create=True, context=context)
+            arr = await finish_first(ts.open(zarr_spec(store, info), create=True, context=context))
         else:  # the metadata comes from process 0; only chunks are written here
             arr = await ts.open(
                 zarr_spec(store, info), open=True, assume_metadata=True, context=context
@@ -190,12 +191,13 @@ async def write_leaves(
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
-            await arr[index].write(view, can_reference_source_data_indefinitely=True)
+            await finish_first(arr[index].write(view, can_reference_source_data_indefinitely=True))
         else:
             async with budget.hold(nbytes):
                 host = np.asarray(data)  # device-to-host copy for jax shards
                 # A numpy leaf is the caller's array: TensorStore copies it.
-                await arr[index].write(host, can_reference_source_data_indefinitely=private)
+                write = arr[index].write(host, can_reference_source_data_indefinitely=private)
+                await finish_first(write)
         stats.shards += 1
         stats.bytes += nbytes
 

@@ -83,6 +83,10 @@ class ConfigError(CkptStoreError, ValueError):
     """Backend options or a profile file are invalid."""
 
 
+class InvalidStepError(CkptStoreError, ValueError):
+    """A step is not a non-negative integer (a tree passed where the step goes, say)."""
+
+
 class CheckpointNotFoundError(NotFoundError):
     """No committed checkpoint matches the request (step, item or leaf)."""
 

@@ -1,8 +1,12 @@
-"""Waiting on many TensorStore futures at once.
+"""Waiting on TensorStore futures: many at once, and past a cancellation.
 
 Awaiting a TensorStore future on the event loop costs an asyncio future and a
 GIL hand-off from TensorStore's thread; for thousands of small reads or writes
 (small leaves, the merge's metadata checks) that overhead outweighs the I/O.
+
+A cancelled `wait_all` cancels its futures and returns only once each has ended, so
+nothing it started still writes after its caller unwinds (as with
+`ckptstore.backends.base.finish_first`).
 """
 
 from __future__ import annotations

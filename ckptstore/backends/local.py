@@ -26,7 +26,7 @@ import aiofiles
 import aiofiles.os
 import tensorstore as ts
 
-from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
+from ckptstore.backends.base import Backend, Capabilities, ObjectInfo, finish_first
 from ckptstore.backends.keys import TEMP_MARKER, join, validate_prefix
 from ckptstore.backends.pagecache import PageCacheEvictor
 from ckptstore.errors import (
@@ -211,7 +211,7 @@ class LocalBackend(Backend):
     async def _delete(self, key: str) -> None:
         path = self._path(key)
         try:
-            await aiofiles.os.remove(path)
+            await finish_first(aiofiles.os.remove(path))
         except FileNotFoundError:
             return
         except OSError as exc:
@@ -219,7 +219,7 @@ class LocalBackend(Backend):
 
     async def _delete_prefix(self, prefix: str) -> int:
         path = self._path(prefix)
-        return await aiofiles.os.wrap(_remove_tree)(path)
+        return await finish_first(aiofiles.os.wrap(_remove_tree)(path))
 
 
 async def _walk(base: Path, prefix: str) -> list[ObjectInfo]:
@@ -280,7 +280,8 @@ def _remove_tree(path: Path) -> int:
 async def _durable_put(
     path: Path, data: bytes | bytearray | memoryview, *, exclusive: bool, fsync: bool
 ) -> None:
-    await aiofiles.os.wrap(put_file)(path, data, exclusive=exclusive, fsync=fsync)
+    """`put_file` in a worker thread; cancelled, it still finishes first (see `finish_first`)."""
+    await finish_first(aiofiles.os.wrap(put_file)(path, data, exclusive=exclusive, fsync=fsync))
 
 
 def put_file(

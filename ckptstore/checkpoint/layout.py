@@ -27,9 +27,10 @@ from __future__ import annotations
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ckptstore.errors import CkptStoreError, InvalidKeyError
+from ckptstore.errors import InvalidKeyError, InvalidStepError
 
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
@@ -43,10 +44,22 @@ _ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 
 
 def check_step(step: int) -> int:
-    """Steps are non-negative integers."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CkptStoreError(f"step must be a non-negative int, got {step!r}")
-    return step
+    """Steps are non-negative integers.
+
+    The error names what was given by type when its repr is long: a tree passed where the
+    step goes (``restore(target, state)``) is not printed whole.
+    """
+    if isinstance(step, int) and not isinstance(step, bool):
+        if step >= 0:
+            return step
+        raise InvalidStepError(f"step must be a non-negative int, got {step}")
+    shown = repr(step)
+    if len(shown) > 40 or "\n" in shown:
+        shown = f"a {type(step).__module__}.{type(step).__qualname__}".replace("builtins.", "")
+    hint = ""
+    if isinstance(step, Mapping | list | tuple) or hasattr(step, "shape"):
+        hint = " (a tree where the step goes? restore(target, step, like) takes it as like=)"
+    raise InvalidStepError(f"step must be a non-negative int, got {shown}{hint}")
 
 
 _ITEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import tensorstore as ts
 
 from ckptstore.arrays import ocdbt_spec
-from ckptstore.backends.base import Backend
+from ckptstore.backends.base import Backend, finish_first
 from ckptstore.backends.tserrors import write_error
 from ckptstore.errors import CkptStoreError, IncompleteCheckpointError
 from ckptstore.futures import wait_all
@@ -83,7 +83,7 @@ async def merge(
             raise IncompleteCheckpointError(
                 f"merge of {len(children)} store(s) into {parent!r} is incomplete", leaves=problems
             )
-        await txn.commit_async()
+        await finish_first(txn.commit_async())
     except BaseException as exc:
         if not txn.commit_started:
             txn.abort()

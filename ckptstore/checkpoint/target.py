@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import load_profile, open_backend
+from ckptstore.backends.registry import PROFILE_ENV, load_profile, open_backend, resolve_profile
 from ckptstore.errors import ConfigError
 
 #: A URL or path, a ``.toml`` profile file, or an open `Backend`.
@@ -94,11 +94,17 @@ def single(target: AnyTarget) -> Target:
 
 
 def as_tiered(target: AnyTarget | None) -> Tiered | None:
-    """``target`` as tiers: a `Tiered`, or a ``.toml`` profile with a ``[tiers]`` table."""
+    """``target`` as tiers: a `Tiered`, or a ``.toml`` profile with a ``[tiers]`` table
+    (for None: the profile ``$CKPTSTORE_PROFILE`` names, if it has one)."""
     if isinstance(target, Tiered):
         return target
-    if target is None or isinstance(target, Backend):
+    if isinstance(target, Backend):
         return None
+    if target is None:
+        named = os.environ.get(PROFILE_ENV)
+        if not named:
+            return None
+        target = resolve_profile(named)
     path = os.fspath(target)
     if path.endswith(".toml") and os.path.isfile(path) and "tiers" in load_profile(path):
         return Tiered.from_profile(path)

@@ -34,6 +34,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tensorstore as ts
 
@@ -41,10 +42,12 @@ from ckptstore.arrays import ByteBudget, ocdbt_spec
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.blocking import run
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
 from ckptstore.checkpoint.stored import settle
-from ckptstore.checkpoint.target import Target, open_target, opened
+from ckptstore.checkpoint.target import AnyTarget, Target, as_tiered, open_target, opened, single
+from ckptstore.checkpoint.tiered import nearest
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -79,7 +82,7 @@ class ExportResult:
 
 
 async def export_orbax(
-    source: Target,
+    source: AnyTarget,
     destination: Target,
     *,
     step: int | None = None,
@@ -98,46 +101,68 @@ async def export_orbax(
     ``link=False`` copies even where hard links would do. ``verify`` reads every leaf
     back through the new view (each chunk's crc32c checked) before the export is
     finished; ``verify=False`` checks only that the view holds every key. An existing destination
-    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``.
+    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``. On tiers the
+    step is read from the nearest tier with a good copy (see `ckptstore.checkpoint.tiered`).
     """
+
+    async def export_from(src: Backend, at: int | None) -> ExportResult:
+        return await _export(src, destination, at, item, manager, link, verify, progress)
+
+    tiers = as_tiered(source)
+    if tiers is not None:
+        return await nearest(tiers, step, export_from)
+    async with opened(single(source)) as src:
+        return await export_from(src, step)
+
+
+async def _export(
+    src: Backend,
+    destination: Target,
+    step: int | None,
+    item: str,
+    manager: bool,
+    link: bool,
+    verify: bool,
+    progress: bool | Progress,
+) -> ExportResult:
+    """`export_orbax` from one backend."""
     started = time.time()
-    async with opened(source) as src:
-        manifest = await latest_manifest(src, step)
-        if item not in manifest.items:
-            raise CheckpointNotFoundError(
-                f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
-                backend=src.url,
+    manifest = await latest_manifest(src, step)
+    if item not in manifest.items:
+        raise CheckpointNotFoundError(
+            f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
+            backend=src.url,
+        )
+    saved = manifest.items[item]
+    found = entries(saved.structure, saved.leaves)  # refuse before writing anything
+    where = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+    objects = await _objects_to_copy(src, where, saved.parts)
+    out = await _Destination.open(destination, manifest.step, manager)
+    try:
+        bar = (
+            progress
+            if isinstance(progress, Progress)
+            else Progress(
+                len(objects), sum(o.size for o in objects), enabled=progress, label="objects"
             )
-        saved = manifest.items[item]
-        found = entries(saved.structure, saved.leaves)  # refuse before writing anything
-        where = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
-        objects = await _objects_to_copy(src, where, saved.parts)
-        out = await _Destination.open(destination, manifest.step, manager)
-        try:
-            bar = (
-                progress
-                if isinstance(progress, Progress)
-                else Progress(
-                    len(objects), sum(o.size for o in objects), enabled=progress, label="objects"
-                )
-            )
-            dst, item_dir, step_dir = out.backend, out.item_dir, out.step_dir
-            mirror = _join(item_dir, f"ckptstore.{item}")
-            counts = await _mirror(src, where, objects, dst, mirror, link=link, bar=bar)
-            bar.close()
-            await _build_view(dst, mirror, item_dir, found)
-            if verify:
-                await _read_back(dst, item_dir, found, saved.leaves)
-            await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
-            if manager:
-                await dst.write(_join(item_dir, COMMIT_SUCCESS), _success(out.final))
-            doc = checkpoint_metadata(manager=manager, started=started)
-            await dst.write(_join(step_dir, CHECKPOINT_METADATA), doc)
-            await dst.write(_join(step_dir, COMMIT_SUCCESS), _success(out.final))  # last
-        except BaseException:
-            await out.discard()
-            raise
-        await out.finish()
+        )
+        dst, item_dir, step_dir = out.backend, out.item_dir, out.step_dir
+        mirror = _join(item_dir, f"ckptstore.{item}")
+        counts = await _mirror(src, where, objects, dst, mirror, link=link, bar=bar)
+        bar.close()
+        await _build_view(dst, mirror, item_dir, found)
+        if verify:
+            await _read_back(dst, item_dir, found, saved.leaves)
+        await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
+        if manager:
+            await dst.write(_join(item_dir, COMMIT_SUCCESS), _success(out.final))
+        doc = checkpoint_metadata(manager=manager, started=started)
+        await dst.write(_join(step_dir, CHECKPOINT_METADATA), doc)
+        await dst.write(_join(step_dir, COMMIT_SUCCESS), _success(out.final))  # last
+    except BaseException:
+        await out.discard()
+        raise
+    await out.finish()
     return ExportResult(
         step=manifest.step,
         path=out.final,
@@ -370,3 +395,8 @@ async def _read_back(
             await read_all(arr, leaves[e.leaf])
 
     await settle(one(e) for e in found if e.leaf is not None)
+
+
+def export_orbax_sync(*args: Any, **kwargs: Any) -> ExportResult:
+    """`ckptstore.export_orbax`, blocking (see `ckptstore.checkpoint.blocking`)."""
+    return run(export_orbax(*args, **kwargs))

@@ -20,10 +20,11 @@ from urllib.parse import unquote
 from ckptstore.arrays import read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout, orbax
+from ckptstore.checkpoint.blocking import run
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
-from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.target import AnyTarget, Target, opened
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.importers.progress import Progress
 from ckptstore.leaves import LeafInfo
@@ -92,7 +93,7 @@ async def _load(stored: StoredItem, info: LeafInfo) -> Any:
 
 async def import_orbax(
     source: Target,
-    target: Target,
+    target: AnyTarget,
     *,
     step: int | None = None,
     item: str | None = None,
@@ -143,3 +144,8 @@ async def import_orbax(
         parts=parts,
         save=result,
     )
+
+
+def import_orbax_sync(*args: Any, **kwargs: Any) -> OrbaxImportResult:
+    """`ckptstore.import_orbax`, blocking (see `ckptstore.checkpoint.blocking`)."""
+    return run(import_orbax(*args, **kwargs))

@@ -23,6 +23,7 @@ from ckptstore import distributed
 from ckptstore.arrays import ByteBudget
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.blocking import run
 from ckptstore.checkpoint.cleanup import delete_step
 from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest
 from ckptstore.checkpoint.handoff import Handoff
@@ -36,12 +37,14 @@ from ckptstore.checkpoint.hostlocal import (
     staged_key,
     staged_steps,
 )
+from ckptstore.checkpoint.target import AnyTarget, as_tiered
 from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old home
 from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
 from ckptstore.checkpoint.tiered import restore as nearest_restore
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
     NotFoundError,
 )
@@ -147,7 +150,7 @@ async def list_steps(tiered: Tiered) -> list[int]:
 
 
 async def promote(
-    tiered: Tiered,
+    tiered: AnyTarget | None,
     step: int | None = None,
     *,
     max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
@@ -161,21 +164,30 @@ async def promote(
     In a multi-process job every process calls it: with one shared fast tier process 0
     promotes (the others get ``[]``); with host-local fast tiers (see
     `ckptstore.checkpoint.hostlocal`) every process uploads its part of each staged step
-    and process 0 merges and commits on the durable tier.
+    and process 0 merges and commits on the durable tier. ``tiered`` is a `Tiered`, a
+    profile with a ``[tiers]`` table, or None for ``$CKPTSTORE_PROFILE``.
     """
-    async with tiered.opened() as (fast, durable):
+    tiers = as_tiered(tiered)
+    if tiers is None:
+        raise ConfigError(f"promote needs two tiers (a Tiered or a [tiers] profile): {tiered!r}")
+    async with tiers.opened() as (fast, durable):
         if distributed.process_count() > 1:
             handoff = Handoff("promote", timeout)
             if not await fast_is_shared(fast, handoff):
                 return await promote_staged(
-                    fast, durable, handoff, step, tiered.keep_fast, max_bytes_in_flight, progress
+                    fast, durable, handoff, step, tiers.keep_fast, max_bytes_in_flight, progress
                 )
 
             async def here() -> list[Promotion]:
-                return await _promote(tiered, fast, durable, step, max_bytes_in_flight, progress)
+                return await _promote(tiers, fast, durable, step, max_bytes_in_flight, progress)
 
             return await handoff.primary(here) or []
-        return await _promote(tiered, fast, durable, step, max_bytes_in_flight, progress)
+        return await _promote(tiers, fast, durable, step, max_bytes_in_flight, progress)
+
+
+def promote_sync(*args: Any, **kwargs: Any) -> list[Promotion]:
+    """`ckptstore.promote`, blocking (see `ckptstore.checkpoint.blocking`)."""
+    return run(promote(*args, **kwargs))
 
 
 async def _promote(

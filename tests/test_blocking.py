@@ -1,0 +1,215 @@
+"""The blocking API: a twin for every async entry point, the same kinds of target everywhere,
+a clear error for a tree where the step goes, and Ctrl-C that stops the work."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends.local import LocalBackend
+
+TREE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": {"c": np.ones(2)}}
+
+
+def test_every_async_entry_point_has_a_blocking_twin() -> None:
+    coroutines = [
+        name for name in ckptstore.__all__ if inspect.iscoroutinefunction(getattr(ckptstore, name))
+    ]
+    assert {"save", "restore", "partial_save", "read_manifest", "promote"} <= set(coroutines)
+    for name in coroutines:
+        twin = getattr(ckptstore, f"{name}_sync", None)
+        assert twin is not None and f"{name}_sync" in ckptstore.__all__, name
+        assert not inspect.iscoroutinefunction(twin) and f"`ckptstore.{name}`" in twin.__doc__
+
+
+def test_partial_save_sync(tmp_path: Path) -> None:
+    with ckptstore.partial_save_sync(tmp_path, 5) as session:
+        session.add({"w": TREE["w"]})
+        session.add({"b": TREE["b"]})
+        assert sorted(session.leaves) == ["b/c", "w"] and len(session.parts) == 2
+        result = session.finalize()
+    assert result.step == 5 and result.attempt == session.attempt
+    back = ckptstore.restore_sync(tmp_path, 5)
+    np.testing.assert_array_equal(back["w"], TREE["w"])
+    np.testing.assert_array_equal(back["b"]["c"], TREE["b"]["c"])
+    dropped = ckptstore.partial_save_sync(tmp_path, 6)
+    dropped.add({"x": np.zeros(3)})
+    dropped.abandon()
+    assert ckptstore.list_steps_sync(tmp_path) == [5]
+
+
+def targets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Callable[[], Any]]:
+    """Each kind of target, as a function making it (a fresh open backend each call)."""
+    root = tmp_path / "plain"
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "plain.toml").write_text(f'url = "{root}"\n')
+    tiers = profiles / "tiers.toml"
+    tiers.write_text(f'[tiers]\nfast = "{tmp_path}/fast"\ndurable = "{tmp_path}/durable"\n')
+    monkeypatch.setenv("CKPTSTORE_PROFILES_DIR", str(profiles))
+    monkeypatch.setenv("CKPTSTORE_PROFILE", "plain")
+    return {
+        "str": lambda: str(root),
+        "Path": lambda: root,
+        "file URL": lambda: f"file://{root}",
+        "Backend": lambda: LocalBackend(root),
+        "profile file": lambda: str(profiles / "plain.toml"),
+        "None with $CKPTSTORE_PROFILE": lambda: None,
+        "Tiered": lambda: ckptstore.Tiered(tmp_path / "fast", tmp_path / "durable"),
+        "tiers profile": lambda: tiers,
+        "None with $CKPTSTORE_PROFILE of tiers": lambda: None,
+    }
+
+
+KINDS = [
+    "str",
+    "Path",
+    "file URL",
+    "Backend",
+    "profile file",
+    "None with $CKPTSTORE_PROFILE",
+    "Tiered",
+    "tiers profile",
+    "None with $CKPTSTORE_PROFILE of tiers",
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_entry_point_takes_every_kind_of_target(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make = targets(tmp_path, monkeypatch)[kind]
+    if kind.endswith("of tiers"):
+        monkeypatch.setenv("CKPTSTORE_PROFILE", "tiers")
+    ckptstore.save_sync(make(), TREE, step=1)
+    with ckptstore.partial_save_sync(make(), 2) as session:
+        session.add(TREE)
+        session.finalize()
+    assert ckptstore.list_steps_sync(make()) == [1, 2]
+    assert ckptstore.read_manifest_sync(make(), 2).step == 2
+    assert ckptstore.verify_sync(make(), 1).ok
+    np.testing.assert_array_equal(ckptstore.restore_sync(make(), 1)["w"], TREE["w"])
+    assert ckptstore.delete_step_sync(make(), 1).objects > 0
+    assert isinstance(ckptstore.gc_sync(make(), older_than=0), ckptstore.Removal)
+    assert ckptstore.list_steps_sync(make()) == [2]
+    exported = ckptstore.export_orbax_sync(make(), tmp_path / "orbax", step=2)
+    assert exported.step == 2 and exported.leaves == 2
+    ckptstore.import_orbax_sync(tmp_path / "orbax", make(), as_step=3)
+    np.testing.assert_array_equal(ckptstore.restore_sync(make(), 3)["b"]["c"], TREE["b"]["c"])
+    if "tiers" in kind or kind == "Tiered":
+        assert [p.step for p in ckptstore.promote_sync(make())] == [2, 3]
+        assert ckptstore.list_steps_sync(tmp_path / "durable") == [2, 3]
+    else:
+        with pytest.raises(ckptstore.ConfigError, match="promote needs two tiers"):
+            ckptstore.promote_sync(make())
+    assert asyncio.run(ckptstore.read_manifest(make())).step == 3  # the async one too
+
+
+@pytest.mark.parametrize("call", ["restore_sync", "verify_sync", "delete_step_sync", "save"])
+def test_a_tree_where_the_step_goes(call: str, tmp_path: Path) -> None:
+    big = {f"layer{i}": np.zeros((100, 100)) for i in range(50)}
+    ckptstore.save_sync(tmp_path, TREE, step=1)
+    with pytest.raises(ckptstore.InvalidStepError) as info:
+        if call == "save":
+            ckptstore.save_sync(tmp_path, TREE, step=big)
+        else:
+            getattr(ckptstore, call)(tmp_path, big)
+    message = str(info.value)
+    assert message.startswith("step must be a non-negative int, got a dict")
+    assert "like=" in message and len(message) < 200 and "layer" not in message
+    with pytest.raises(ckptstore.InvalidStepError, match=r"got -1$"):
+        ckptstore.restore_sync(tmp_path, -1)
+    with pytest.raises(ckptstore.InvalidStepError, match=r"got '3'$"):
+        ckptstore.restore_sync(tmp_path, "3")
+
+
+INTERRUPTED_SAVE = """
+import json, os, signal, sys, time
+import numpy as np
+import ckptstore
+
+root = sys.argv[1]
+rng = np.random.default_rng(0)
+tree = {f"w{i}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(12)}  # 48 MiB
+signalled = []
+
+def on_sigint(signum, frame):
+    signalled.append(time.monotonic())
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGINT, on_sigint)
+
+def files():
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            st = os.stat(os.path.join(folder, name))
+            out[os.path.join(folder, name)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+print("saving", flush=True)
+try:
+    ckptstore.save_sync(root, tree, step=3)
+    outcome = "completed"
+except KeyboardInterrupt:
+    outcome = "interrupted"
+unwound = time.monotonic()
+before = files()
+time.sleep(1.5)
+after = files()
+report = {
+    "outcome": outcome,
+    "unwind_seconds": unwound - signalled[0] if signalled else None,
+    "files": len(before),
+    "changed_after": sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)),
+    "steps_after": ckptstore.list_steps_sync(root),
+}
+ckptstore.save_sync(root, tree, step=3)  # the same step again, from scratch
+back = ckptstore.restore_sync(root, 3)
+report["resaved"] = ckptstore.list_steps_sync(root)
+report["restored_equal"] = all(np.array_equal(back[k], v) for k, v in tree.items())
+print(json.dumps(report), flush=True)
+"""
+
+
+def test_ctrl_c_in_a_blocking_save_stops_it(tmp_path: Path) -> None:
+    """SIGINT while save_sync writes 48 MiB: KeyboardInterrupt once the work has stopped,
+    nothing committed, nothing written afterwards, and the same step saves again."""
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_SAVE, str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "saving"
+    deadline = time.monotonic() + 120
+    while not (root / "3").is_dir() or not any(p.is_file() for p in (root / "3").rglob("*")):
+        assert time.monotonic() < deadline and child.poll() is None, "the save never started"
+        time.sleep(0.002)
+    child.send_signal(signal.SIGINT)  # the save has begun writing step 3
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["outcome"] == "interrupted", "the save finished before SIGINT arrived"
+    assert report["files"] > 0  # it had written something of step 3
+    assert report["changed_after"] == []  # nothing kept writing after KeyboardInterrupt
+    assert report["steps_after"] == []  # not committed
+    assert report["resaved"] == [3] and report["restored_equal"]
+    print(f"unwound {report['unwind_seconds']:.2f} s after SIGINT")
