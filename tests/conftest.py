@@ -30,16 +30,16 @@ async def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path
     if kind == "s3":
         from ckptstore.backends.s3 import S3Backend
 
-        server = request.getfixturevalue("moto_server")
-        bucket = request.getfixturevalue("s3_bucket")
+        server = request.getfixturevalue("ckptstore_s3_server")
+        bucket = request.getfixturevalue("ckptstore_s3_bucket")
         return S3Backend(
             bucket, "ckpt", endpoint_url=server.endpoint, credentials="env", retry=FAST_RETRY
         )
     if kind == "gcs":
         from ckptstore.backends.gcs import GcsBackend
 
-        server = request.getfixturevalue("fake_gcs_server")
-        bucket = request.getfixturevalue("gcs_bucket")
+        server = request.getfixturevalue("ckptstore_gcs_server")
+        bucket = request.getfixturevalue("ckptstore_gcs_bucket")
         return GcsBackend(
             bucket,
             "ckpt",

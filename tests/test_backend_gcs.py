@@ -50,15 +50,17 @@ class TestGcsBackend(BackendTests):
 
     @pytest.fixture
     async def backend(
-        self, fake_gcs_server: FakeGcsServer, gcs_bucket: str
+        self, ckptstore_gcs_server: FakeGcsServer, ckptstore_gcs_bucket: str
     ) -> AsyncIterator[GcsBackend]:
-        async with make(fake_gcs_server, gcs_bucket) as b:
+        async with make(ckptstore_gcs_server, ckptstore_gcs_bucket) as b:
             yield b
 
 
 @pytest.fixture
-async def gcs(fake_gcs_server: FakeGcsServer, gcs_bucket: str) -> AsyncIterator[GcsBackend]:
-    async with make(fake_gcs_server, gcs_bucket) as b:
+async def gcs(
+    ckptstore_gcs_server: FakeGcsServer, ckptstore_gcs_bucket: str
+) -> AsyncIterator[GcsBackend]:
+    async with make(ckptstore_gcs_server, ckptstore_gcs_bucket) as b:
         yield b
 
 
@@ -73,13 +75,13 @@ async def test_keys_live_under_the_prefix(gcs: GcsBackend) -> None:
 
 
 def test_emulator_mode_is_explicit(
-    fake_gcs_server: FakeGcsServer, monkeypatch: pytest.MonkeyPatch
+    ckptstore_gcs_server: FakeGcsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Emulator mode (anonymous, create checks first) only where said: ``emulator=True`` or
     the endpoint of ``$STORAGE_EMULATOR_HOST`` (set by the fixture). Any other endpoint, a
     proxy say, is real GCS: real credentials, the server decides create-if-absent."""
     from_env = GcsBackend("b", credentials="anonymous")
-    same = GcsBackend("b", endpoint_url=fake_gcs_server.endpoint)
+    same = GcsBackend("b", endpoint_url=ckptstore_gcs_server.endpoint)
     assert from_env.emulated and same.emulated and not same.capabilities.conditional_create
     proxy = GcsBackend("b", endpoint_url="http://gcs-proxy.internal:8080")
     assert not proxy.emulated and proxy.capabilities.conditional_create
@@ -87,17 +89,17 @@ def test_emulator_mode_is_explicit(
     assert GcsBackend("b", endpoint_url="http://gcs-proxy.internal:8080", emulator=True).emulated
     assert not GcsBackend("b", emulator=False).emulated  # the variable's endpoint, said real
     monkeypatch.delenv("STORAGE_EMULATOR_HOST")
-    assert not GcsBackend("b", endpoint_url=fake_gcs_server.endpoint).emulated
+    assert not GcsBackend("b", endpoint_url=ckptstore_gcs_server.endpoint).emulated
     real = GcsBackend("b", endpoint_url="https://storage.googleapis.com", credentials="anonymous")
     assert not real.emulated and real.capabilities.conditional_create
     for endpoint in (None, "https://storage.googleapis.com"):
         with pytest.raises(ConfigError, match="emulator mode needs the emulator's endpoint"):
             GcsBackend("b", endpoint_url=endpoint, emulator=True)
     with pytest.raises(ConfigError, match="true or false"):
-        GcsBackend("b", endpoint_url=fake_gcs_server.endpoint, emulator="yes")  # type: ignore[arg-type]
+        GcsBackend("b", endpoint_url=ckptstore_gcs_server.endpoint, emulator="yes")  # type: ignore[arg-type]
 
 
-def test_emulator_option_in_profiles(fake_gcs_server: FakeGcsServer, tmp_path: Any) -> None:
+def test_emulator_option_in_profiles(ckptstore_gcs_server: FakeGcsServer, tmp_path: Any) -> None:
     profile = tmp_path / "emu.toml"
     profile.write_text(
         'url = "gs://b/run"\n[options]\nendpoint = "http://127.0.0.1:9"\nemulator = true\n'
@@ -107,19 +109,24 @@ def test_emulator_option_in_profiles(fake_gcs_server: FakeGcsServer, tmp_path: A
 
 
 async def test_custom_endpoint_keeps_real_credentials(
-    fake_gcs_server: FakeGcsServer, gcs_bucket: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    ckptstore_gcs_server: FakeGcsServer,
+    ckptstore_gcs_bucket: str,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A non-emulator endpoint loads the configured credentials (here a broken service
     account file, refused before any request); emulator mode never does."""
     monkeypatch.delenv("STORAGE_EMULATOR_HOST")
     path = tmp_path / "sa.json"
     path.write_text('{"type": "service_account", "private_key": "TOPSECRET"}')
-    endpoint = fake_gcs_server.endpoint
-    async with GcsBackend(gcs_bucket, endpoint_url=endpoint, credentials=str(path)) as proxied:
+    endpoint = ckptstore_gcs_server.endpoint
+    async with GcsBackend(
+        ckptstore_gcs_bucket, endpoint_url=endpoint, credentials=str(path)
+    ) as proxied:
         with pytest.raises(PermissionDeniedError, match="cannot load GCS credentials"):
             await proxied.write("k", b"x")
     async with GcsBackend(
-        gcs_bucket, endpoint_url=endpoint, credentials=str(path), emulator=True
+        ckptstore_gcs_bucket, endpoint_url=endpoint, credentials=str(path), emulator=True
     ) as emulated:
         await emulated.write("k", b"x")  # anonymous: the file is never read
         assert await emulated.read("k") == b"x"
@@ -127,10 +134,10 @@ async def test_custom_endpoint_keeps_real_credentials(
 
 @pytest.mark.parametrize("emulator", [True, False])
 async def test_create_checks_first_only_on_an_emulator(
-    fake_gcs_server: FakeGcsServer, gcs_bucket: str, emulator: bool
+    ckptstore_gcs_server: FakeGcsServer, ckptstore_gcs_bucket: str, emulator: bool
 ) -> None:
     """Off emulator mode the precondition alone decides (no check-then-write window)."""
-    async with make(fake_gcs_server, gcs_bucket, emulator=emulator) as b:
+    async with make(ckptstore_gcs_server, ckptstore_gcs_bucket, emulator=emulator) as b:
         methods: list[str] = []
         real_request = b._request
 
@@ -163,9 +170,11 @@ def test_invalid_options(tmp_path: Any) -> None:
 # ---- uploads ------------------------------------------------------------------------------
 
 
-async def test_resumable_upload(fake_gcs_server: FakeGcsServer, gcs_bucket: str) -> None:
+async def test_resumable_upload(
+    ckptstore_gcs_server: FakeGcsServer, ckptstore_gcs_bucket: str
+) -> None:
     async with make(
-        fake_gcs_server, gcs_bucket, resumable_threshold=MiB, chunk_size=256 * 1024
+        ckptstore_gcs_server, ckptstore_gcs_bucket, resumable_threshold=MiB, chunk_size=256 * 1024
     ) as b:
         data = os.urandom(MiB + 12345)  # 5 chunks, the last one short
         await b.write("big", data)
@@ -212,8 +221,8 @@ async def test_server_412_is_already_exists(gcs: GcsBackend) -> None:
 # ---- errors -------------------------------------------------------------------------------
 
 
-async def test_missing_bucket_is_not_found(fake_gcs_server: FakeGcsServer) -> None:
-    async with make(fake_gcs_server, "no-such-bucket-here", retry=NO_RETRY) as b:
+async def test_missing_bucket_is_not_found(ckptstore_gcs_server: FakeGcsServer) -> None:
+    async with make(ckptstore_gcs_server, "no-such-bucket-here", retry=NO_RETRY) as b:
         with pytest.raises(NotFoundError) as info:
             await b.read("k")
         assert "gs://no-such-bucket-here" in str(info.value)
@@ -279,9 +288,9 @@ async def test_bad_service_account_file_is_clean_error(
 
 
 def test_kvstore_spec_requires_matching_tensorstore_endpoint(
-    fake_gcs_server: FakeGcsServer, monkeypatch: pytest.MonkeyPatch
+    ckptstore_gcs_server: FakeGcsServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    b = GcsBackend("bkt", "p", endpoint_url=fake_gcs_server.endpoint, credentials="anonymous")
+    b = GcsBackend("bkt", "p", endpoint_url=ckptstore_gcs_server.endpoint, credentials="anonymous")
     assert b.kvstore_spec("x") == {"driver": "gcs", "bucket": "bkt", "path": "p/x/"}
     monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL")
     with pytest.raises(ConfigError, match="TENSORSTORE_GCS_HTTP_URL"):

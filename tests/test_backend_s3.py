@@ -38,14 +38,18 @@ def make(server: MotoS3Server, bucket: str, prefix: str = "root/dir", **kw: Any)
 
 class TestS3Backend(BackendTests):
     @pytest.fixture
-    async def backend(self, moto_server: MotoS3Server, s3_bucket: str) -> AsyncIterator[S3Backend]:
-        async with make(moto_server, s3_bucket) as b:
+    async def backend(
+        self, ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
+    ) -> AsyncIterator[S3Backend]:
+        async with make(ckptstore_s3_server, ckptstore_s3_bucket) as b:
             yield b
 
 
 @pytest.fixture
-async def s3(moto_server: MotoS3Server, s3_bucket: str) -> AsyncIterator[S3Backend]:
-    async with make(moto_server, s3_bucket) as b:
+async def s3(
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
+) -> AsyncIterator[S3Backend]:
+    async with make(ckptstore_s3_server, ckptstore_s3_bucket) as b:
         yield b
 
 
@@ -64,13 +68,15 @@ async def test_keys_live_under_the_prefix(s3: S3Backend) -> None:
     assert s3.url == f"s3://{s3.bucket}/root/dir"
 
 
-async def test_bucket_root_backend(moto_server: MotoS3Server, s3_bucket: str) -> None:
-    async with make(moto_server, s3_bucket, prefix="") as b:
+async def test_bucket_root_backend(
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
+) -> None:
+    async with make(ckptstore_s3_server, ckptstore_s3_bucket, prefix="") as b:
         await b.write("top", b"1")
         await b.write("d/x", b"2")
         assert [i.key async for i in b.list()] == ["d/x", "top"]
         assert await b.list_dir() == ["d", "top"]
-        assert b.url == f"s3://{s3_bucket}"
+        assert b.url == f"s3://{ckptstore_s3_bucket}"
         assert b.kvstore_spec()["path"] == ""
         assert b.kvstore_spec("d")["path"] == "d/"
 
@@ -78,8 +84,12 @@ async def test_bucket_root_backend(moto_server: MotoS3Server, s3_bucket: str) ->
 # ---- multipart --------------------------------------------------------------------------------
 
 
-async def test_large_write_uses_multipart(moto_server: MotoS3Server, s3_bucket: str) -> None:
-    async with make(moto_server, s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB) as b:
+async def test_large_write_uses_multipart(
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
+) -> None:
+    async with make(
+        ckptstore_s3_server, ckptstore_s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB
+    ) as b:
         data = os.urandom(12 * MiB + 7)
         await b.write("big", data)
         assert await b.read("big") == data
@@ -92,8 +102,12 @@ async def test_large_write_uses_multipart(moto_server: MotoS3Server, s3_bucket: 
         assert "-" not in head["ETag"]  # a single PutObject
 
 
-async def test_large_create_is_conditional(moto_server: MotoS3Server, s3_bucket: str) -> None:
-    async with make(moto_server, s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB) as b:
+async def test_large_create_is_conditional(
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
+) -> None:
+    async with make(
+        ckptstore_s3_server, ckptstore_s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB
+    ) as b:
         first, second = os.urandom(6 * MiB), os.urandom(6 * MiB)
         await b.create("big-marker", first)
         with pytest.raises(AlreadyExistsError):
@@ -104,10 +118,12 @@ async def test_large_create_is_conditional(moto_server: MotoS3Server, s3_bucket:
 
 
 async def test_large_create_loses_race_at_completion(
-    moto_server: MotoS3Server, s3_bucket: str
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
 ) -> None:
     """If the key appears during the upload, CompleteMultipartUpload's If-None-Match refuses."""
-    async with make(moto_server, s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB) as b:
+    async with make(
+        ckptstore_s3_server, ckptstore_s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB
+    ) as b:
         real_call = b._call
 
         async def sneaky(op: str, key: str | None, method: str, **kw: Any) -> Any:
@@ -123,9 +139,15 @@ async def test_large_create_loses_race_at_completion(
         assert not (await raw(b, "list_multipart_uploads")).get("Uploads")
 
 
-async def test_failed_multipart_is_aborted(moto_server: MotoS3Server, s3_bucket: str) -> None:
+async def test_failed_multipart_is_aborted(
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
+) -> None:
     async with make(
-        moto_server, s3_bucket, multipart_threshold=5 * MiB, part_size=5 * MiB, retry=NO_RETRY
+        ckptstore_s3_server,
+        ckptstore_s3_bucket,
+        multipart_threshold=5 * MiB,
+        part_size=5 * MiB,
+        retry=NO_RETRY,
     ) as b:
         real_call = b._call
 
@@ -163,8 +185,8 @@ async def test_create_race_has_one_winner_repeatedly(s3: S3Backend) -> None:
 
 @pytest.mark.parametrize("source", ["default", "profile"])
 async def test_credential_sources_reach_moto(
-    moto_server: MotoS3Server,
-    s3_bucket: str,
+    ckptstore_s3_server: MotoS3Server,
+    ckptstore_s3_bucket: str,
     source: str,
     tmp_path: Any,
     monkeypatch: pytest.MonkeyPatch,
@@ -176,28 +198,37 @@ async def test_credential_sources_reach_moto(
         monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
         monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
         profile = "ckpt-test"
-    async with make(moto_server, s3_bucket, credentials=source, profile=profile) as b:
+    async with make(
+        ckptstore_s3_server, ckptstore_s3_bucket, credentials=source, profile=profile
+    ) as b:
         await b.write("k", source.encode())
         assert await b.read("k") == source.encode()
 
 
 async def test_anonymous_read_of_private_object_is_permission_denied(
-    moto_server: MotoS3Server, s3_bucket: str
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
 ) -> None:
     """Unsigned requests reach moto; its 403 for a private object maps to PermissionDeniedError."""
-    async with make(moto_server, s3_bucket) as signed:
+    async with make(ckptstore_s3_server, ckptstore_s3_bucket) as signed:
         await signed.write("private", b"x")
-    async with make(moto_server, s3_bucket, credentials="anonymous", retry=NO_RETRY) as anon:
+    async with make(
+        ckptstore_s3_server, ckptstore_s3_bucket, credentials="anonymous", retry=NO_RETRY
+    ) as anon:
         with pytest.raises(PermissionDeniedError, match="403"):
             await anon.read("private")
 
 
 async def test_unknown_profile_is_config_error(
-    moto_server: MotoS3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    ckptstore_s3_server: MotoS3Server,
+    ckptstore_s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
 ) -> None:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    async with make(moto_server, s3_bucket, credentials="profile", profile="nope") as b:
+    async with make(
+        ckptstore_s3_server, ckptstore_s3_bucket, credentials="profile", profile="nope"
+    ) as b:
         with pytest.raises(ConfigError, match="nope"):
             await b.read("k")
 
@@ -205,8 +236,8 @@ async def test_unknown_profile_is_config_error(
 # ---- errors -----------------------------------------------------------------------------------
 
 
-async def test_missing_bucket_is_not_found(moto_server: MotoS3Server) -> None:
-    async with make(moto_server, "no-such-bucket-here", retry=NO_RETRY) as b:
+async def test_missing_bucket_is_not_found(ckptstore_s3_server: MotoS3Server) -> None:
+    async with make(ckptstore_s3_server, "no-such-bucket-here", retry=NO_RETRY) as b:
         with pytest.raises(NotFoundError) as info:
             await b.read("k")
         assert "NoSuchBucket" in str(info.value)
@@ -231,21 +262,21 @@ async def test_unreachable_endpoint_is_transient() -> None:
 
 
 async def test_env_credentials_missing_is_permission_error(
-    moto_server: MotoS3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    async with make(moto_server, s3_bucket, retry=NO_RETRY) as b:
+    async with make(ckptstore_s3_server, ckptstore_s3_bucket, retry=NO_RETRY) as b:
         with pytest.raises(PermissionDeniedError, match="AWS_ACCESS_KEY_ID"):
             await b.read("k")
 
 
 async def test_secrets_never_shown(
-    moto_server: MotoS3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     secret = "TOPSECRETvalue1234567890"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    async with make(moto_server, s3_bucket, retry=NO_RETRY) as b:
+    async with make(ckptstore_s3_server, ckptstore_s3_bucket, retry=NO_RETRY) as b:
         await b.write("k", b"v")  # moto does not check signatures: the secret is in use
         with pytest.raises(NotFoundError) as info:
             await b.read("missing")
@@ -313,20 +344,23 @@ async def test_zarr3_over_ocdbt_roundtrip(s3: S3Backend) -> None:
 
 @pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
 async def test_the_standard_endpoint_variable_reaches_bytes_and_arrays(
-    moto_server: MotoS3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch, variable: str
+    ckptstore_s3_server: MotoS3Server,
+    ckptstore_s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
 ) -> None:
     """A plain s3:// URL with AWS_ENDPOINT_URL set: s3fs and TensorStore both use it."""
     import numpy as np
 
     import ckptstore
 
-    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):  # s3_bucket sets one of them
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):  # ckptstore_s3_bucket sets one of them
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(variable, moto_server.endpoint)
-    url = f"s3://{s3_bucket}/run"
+    monkeypatch.setenv(variable, ckptstore_s3_server.endpoint)
+    url = f"s3://{ckptstore_s3_bucket}/run"
     backend = ckptstore.open_backend(url, credentials="env")
-    assert isinstance(backend, S3Backend) and backend.endpoint_url == moto_server.endpoint
-    assert backend.kvstore_spec("x")["endpoint"] == moto_server.endpoint
+    assert isinstance(backend, S3Backend) and backend.endpoint_url == ckptstore_s3_server.endpoint
+    assert backend.kvstore_spec("x")["endpoint"] == ckptstore_s3_server.endpoint
     await backend.close()
     await asyncio.wait_for(ckptstore.save(url, {"w": np.arange(64.0)}, step=3), 120)
     assert await ckptstore.list_steps(url) == [3]

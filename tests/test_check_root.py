@@ -31,19 +31,19 @@ async def test_a_missing_or_non_directory_local_root(tmp_path: Path) -> None:
             await file.check_root()
 
 
-async def test_a_missing_s3_bucket(moto_server: MotoS3Server) -> None:
+async def test_a_missing_s3_bucket(ckptstore_s3_server: MotoS3Server) -> None:
     async with S3Backend(
-        "no-such-bucket", "run", endpoint_url=moto_server.endpoint, credentials="env"
+        "no-such-bucket", "run", endpoint_url=ckptstore_s3_server.endpoint, credentials="env"
     ) as b:
         with pytest.raises(NotFoundError, match="bucket 'no-such-bucket' does not exist at http"):
             await b.check_root()
 
 
-async def test_a_missing_gcs_bucket(fake_gcs_server: FakeGcsServer) -> None:
+async def test_a_missing_gcs_bucket(ckptstore_gcs_server: FakeGcsServer) -> None:
     async with GcsBackend(
         "no-such-bucket",
         "run",
-        endpoint_url=fake_gcs_server.endpoint,
+        endpoint_url=ckptstore_gcs_server.endpoint,
         credentials="anonymous",
         emulator=True,
     ) as b:

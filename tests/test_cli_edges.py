@@ -77,15 +77,15 @@ def test_a_mistyped_url_says_so(
 
 
 def test_object_stores_missing_bucket_or_empty_prefix(
-    moto_server: MotoS3Server,
-    s3_bucket: str,
-    fake_gcs_server: FakeGcsServer,
-    gcs_bucket: str,
+    ckptstore_s3_server: MotoS3Server,
+    ckptstore_s3_bucket: str,
+    ckptstore_gcs_server: FakeGcsServer,
+    ckptstore_gcs_bucket: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     for scheme, server, bucket in [
-        ("s3", moto_server, s3_bucket),
-        ("gs", fake_gcs_server, gcs_bucket),
+        ("s3", ckptstore_s3_server, ckptstore_s3_bucket),
+        ("gs", ckptstore_gcs_server, ckptstore_gcs_bucket),
     ]:
         endpoint = ["--endpoint", server.endpoint]
         assert main([*endpoint, "ls", f"{scheme}://{bucket}/no/such/prefix"]) == 0
@@ -97,15 +97,19 @@ def test_object_stores_missing_bucket_or_empty_prefix(
 
 
 def test_endpoint_reaches_the_server_for_arrays_too(
-    moto_server: MotoS3Server, s3_bucket: str, capsys: pytest.CaptureFixture[str]
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = f"s3://{s3_bucket}/run"
+    url = f"s3://{ckptstore_s3_bucket}/run"
     ckptstore.save_sync(
-        ckptstore.open_backend(url, endpoint=moto_server.endpoint), {"x": np.arange(5)}, step=3
+        ckptstore.open_backend(url, endpoint=ckptstore_s3_server.endpoint),
+        {"x": np.arange(5)},
+        step=3,
     )
-    assert main(["--endpoint", moto_server.endpoint, "verify", url]) == 0
+    assert main(["--endpoint", ckptstore_s3_server.endpoint, "verify", url]) == 0
     assert "step 3: intact; 1 leaf" in capsys.readouterr().out
-    assert main(["info", url, "--endpoint", moto_server.endpoint]) == 0  # after the command too
+    assert (
+        main(["info", url, "--endpoint", ckptstore_s3_server.endpoint]) == 0
+    )  # after the command too
     assert "step 3" in capsys.readouterr().out
     assert main(["--endpoint", "http://127.0.0.1:1", "ls", "/tmp"]) == 2
     assert "unknown option(s) ['endpoint'] for a local backend" in capsys.readouterr().err

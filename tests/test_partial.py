@@ -198,13 +198,13 @@ def shared_target(kind: str, request: pytest.FixtureRequest, tmp_path: Path, nam
         return str(tmp_path / name)
     if kind == "s3":
         server, bucket = (
-            request.getfixturevalue("moto_server"),
-            request.getfixturevalue("s3_bucket"),
+            request.getfixturevalue("ckptstore_s3_server"),
+            request.getfixturevalue("ckptstore_s3_bucket"),
         )
         url, options = f"s3://{bucket}/{name}", 'credentials = "env"'
     else:
-        server = request.getfixturevalue("fake_gcs_server")
-        bucket = request.getfixturevalue("gcs_bucket")
+        server = request.getfixturevalue("ckptstore_gcs_server")
+        bucket = request.getfixturevalue("ckptstore_gcs_bucket")
         url, options = f"gs://{bucket}/{name}", 'credentials = "anonymous"\nemulator = true'
     profile = tmp_path / f"{name}.toml"
     profile.write_text(f'url = "{url}"\n[options]\nendpoint = "{server.endpoint}"\n{options}\n')

@@ -37,20 +37,22 @@ def test_loading_the_plugin_imports_neither_jax_nor_tensorstore() -> None:
     assert proc.stdout.strip() == "[]"
 
 
-async def test_plain_urls_reach_the_emulators(s3_bucket: str, gcs_bucket: str) -> None:
+async def test_plain_urls_reach_the_emulators(
+    ckptstore_s3_bucket: str, ckptstore_gcs_bucket: str
+) -> None:
     tree = {"w": np.arange(8, dtype=np.float32)}
-    for url in (f"s3://{s3_bucket}/run", f"gs://{gcs_bucket}/run"):
+    for url in (f"s3://{ckptstore_s3_bucket}/run", f"gs://{ckptstore_gcs_bucket}/run"):
         await ckptstore.save(url, tree, step=2)
         assert await ckptstore.list_steps(url) == [2]
         np.testing.assert_array_equal((await ckptstore.restore(url))["w"], tree["w"])
 
 
 def test_s3_endpoint_is_set_for_the_test_only(
-    moto_server: MotoS3Server, fake_gcs_server: FakeGcsServer
+    ckptstore_s3_server: MotoS3Server, ckptstore_gcs_server: FakeGcsServer
 ) -> None:
-    """Without ``s3_bucket`` no endpoint leaks in from another test."""
+    """Without ``ckptstore_s3_bucket`` no endpoint leaks in from another test."""
     assert "AWS_ENDPOINT_URL_S3" not in os.environ
-    assert os.environ["STORAGE_EMULATOR_HOST"] == fake_gcs_server.endpoint
+    assert os.environ["STORAGE_EMULATOR_HOST"] == ckptstore_gcs_server.endpoint
     assert os.environ["AWS_REGION"] == "us-east-1" and os.environ["AWS_CONFIG_FILE"]
 
 
@@ -65,10 +67,17 @@ DOWNSTREAM_CONFTEST = """
 import os
 import sys
 
+import pytest
+
 os.environ["JAX_PLATFORMS"] = "cpu"
 # The plugin is loaded before this file: it must not have imported JAX or TensorStore.
 LOADED = sorted(m for m in ("jax", "jaxlib", "tensorstore") if m in sys.modules)
 assert not LOADED, f"imported before conftest.py: {LOADED}"
+
+
+@pytest.fixture
+def s3_bucket():
+    return "the project's own"  # a common name: the plugin's fixtures do not take it
 """
 
 DOWNSTREAM_GCS_TEST = """
@@ -78,11 +87,12 @@ import numpy as np
 import ckptstore
 
 
-async def test_gcs_plain_url(gcs_bucket):
-    url = f"gs://{gcs_bucket}/run"
+async def test_gcs_plain_url(ckptstore_gcs_bucket, s3_bucket):
+    url = f"gs://{ckptstore_gcs_bucket}/run"
     await ckptstore.save(url, {"x": np.ones(3)}, step=7)
     assert await ckptstore.list_steps(url) == [7]
     assert jax.default_backend() == "cpu"
+    assert s3_bucket == "the project's own"
 """
 
 
@@ -128,3 +138,23 @@ def test_claiming_async_tests_can_be_turned_off(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0  # pytest refuses an async test no plugin runs
     assert "async def functions are not natively supported" in proc.stdout
+
+
+def test_every_plugin_fixture_is_prefixed(tmp_path: Path) -> None:
+    """What ``pytest --fixtures`` lists from the plugin: only ``ckptstore_*`` names."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--fixtures", "-q", "-p", "no:cacheprovider", "."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+    )
+    section = proc.stdout.split("fixtures defined from ckptstore.testing.plugin")[1]
+    names = re.findall(r"^(\w+)(?: \[\w+ scope\])? -- ", section.split("\n---")[0], re.M)
+    assert sorted(names) == [
+        "ckptstore_gcs_bucket",
+        "ckptstore_gcs_server",
+        "ckptstore_s3_bucket",
+        "ckptstore_s3_server",
+    ]

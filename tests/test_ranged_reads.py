@@ -40,11 +40,11 @@ def make(kind: str, request: pytest.FixtureRequest, **kw: Any) -> ObjectStoreBac
     kw.setdefault("read_part_size", PART)
     kw.setdefault("read_concurrency", 3)
     if kind == "s3":
-        server: MotoS3Server = request.getfixturevalue("moto_server")
-        bucket = request.getfixturevalue("s3_bucket")
+        server: MotoS3Server = request.getfixturevalue("ckptstore_s3_server")
+        bucket = request.getfixturevalue("ckptstore_s3_bucket")
         return S3Backend(bucket, "r", endpoint_url=server.endpoint, credentials="env", **kw)
-    gcs: FakeGcsServer = request.getfixturevalue("fake_gcs_server")
-    bucket = request.getfixturevalue("gcs_bucket")
+    gcs: FakeGcsServer = request.getfixturevalue("ckptstore_gcs_server")
+    bucket = request.getfixturevalue("ckptstore_gcs_bucket")
     return GcsBackend(
         bucket, "r", endpoint_url=gcs.endpoint, credentials="anonymous", emulator=True, **kw
     )

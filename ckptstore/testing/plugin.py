@@ -1,20 +1,24 @@
 """pytest plugin: S3 and GCS emulators for any test suite (registered as ``ckptstore``).
 
 Installing ``ckptstore[testing]`` registers this plugin through the ``pytest11`` entry
-point, so these fixtures are available without any ``conftest.py``:
+point, so these fixtures are available without any ``conftest.py``. Their names all start
+with ``ckptstore_``, so they do not collide with a project's own ``s3_bucket`` or another
+plugin's ``moto_server``:
 
-- ``moto_server`` (session): a `MotoS3Server` on 127.0.0.1. For the session it sets
-  ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` to ``testing``, ``AWS_REGION`` /
+- ``ckptstore_s3_server`` (session): a `MotoS3Server` on 127.0.0.1. For the session it
+  sets ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` to ``testing``, ``AWS_REGION`` /
   ``AWS_DEFAULT_REGION`` to ``us-east-1``, points ``AWS_CONFIG_FILE`` and
   ``AWS_SHARED_CREDENTIALS_FILE`` at empty files (your own AWS configuration stays out),
   disables the EC2 metadata service and unsets ``AWS_PROFILE``, ``AWS_SESSION_TOKEN`` and
   any ``AWS_ENDPOINT_URL(_S3)`` of your own.
-- ``fake_gcs_server`` (session): a `FakeGcsServer`. Sets ``STORAGE_EMULATOR_HOST`` (gcsfs,
-  google-cloud-storage) and ``TENSORSTORE_GCS_HTTP_URL`` (TensorStore) to its endpoint.
-- ``s3_bucket`` / ``gcs_bucket`` (function): a freshly created, empty bucket on the
-  corresponding server, unique per test. ``s3_bucket`` also sets ``AWS_ENDPOINT_URL_S3``
-  to the moto server for that test, so plain ``s3://{s3_bucket}/...`` URLs reach it (as
-  ``gs://{gcs_bucket}/...`` URLs reach fake-gcs-server).
+- ``ckptstore_gcs_server`` (session): a `FakeGcsServer`. Sets ``STORAGE_EMULATOR_HOST``
+  (gcsfs, google-cloud-storage) and ``TENSORSTORE_GCS_HTTP_URL`` (TensorStore) to its
+  endpoint.
+- ``ckptstore_s3_bucket`` / ``ckptstore_gcs_bucket`` (function): a freshly created, empty
+  bucket on the corresponding server, unique per test. ``ckptstore_s3_bucket`` also sets
+  ``AWS_ENDPOINT_URL_S3`` to the moto server for that test, so plain
+  ``s3://{ckptstore_s3_bucket}/...`` URLs reach it (as ``gs://{ckptstore_gcs_bucket}/...``
+  URLs reach fake-gcs-server).
 
 Every variable is restored afterwards (at the end of the test or of the session). Servers
 start lazily, only in sessions that request them. Example, with no configuration at all::
@@ -24,8 +28,8 @@ start lazily, only in sessions that request them. Example, with no configuration
     import ckptstore
 
     @pytest.fixture
-    async def backend(s3_bucket):
-        async with ckptstore.open_backend(f"s3://{s3_bucket}/run") as b:
+    async def backend(ckptstore_s3_bucket):
+        async with ckptstore.open_backend(f"s3://{ckptstore_s3_bucket}/run") as b:
             yield b
 
     async def test_roundtrip(backend):
@@ -117,7 +121,7 @@ def pytest_fixture_setup(
 
 
 @pytest.fixture(scope="session")
-def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3Server]:
+def ckptstore_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3Server]:
     """moto's S3 server for the session, with the AWS environment pointed at test credentials."""
     empty = tmp_path_factory.mktemp("aws") / "empty"
     empty.write_text("")
@@ -136,7 +140,7 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3Serv
 
 
 @pytest.fixture(scope="session")
-def fake_gcs_server() -> Iterator[FakeGcsServer]:
+def ckptstore_gcs_server() -> Iterator[FakeGcsServer]:
     """fake-gcs-server for the session, with gcsfs and TensorStore pointed at it."""
     with FakeGcsServer() as server, pytest.MonkeyPatch.context() as env:
         env.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
@@ -145,13 +149,13 @@ def fake_gcs_server() -> Iterator[FakeGcsServer]:
 
 
 @pytest.fixture
-def s3_bucket(moto_server: MotoS3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+def ckptstore_s3_bucket(ckptstore_s3_server: MotoS3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     """A new, empty bucket on the moto server; plain ``s3://`` URLs reach it in this test."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint)
-    return moto_server.create_bucket()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", ckptstore_s3_server.endpoint)
+    return ckptstore_s3_server.create_bucket()
 
 
 @pytest.fixture
-def gcs_bucket(fake_gcs_server: FakeGcsServer) -> str:
+def ckptstore_gcs_bucket(ckptstore_gcs_server: FakeGcsServer) -> str:
     """A new, empty bucket on fake-gcs-server."""
-    return fake_gcs_server.create_bucket()
+    return ckptstore_gcs_server.create_bucket()
