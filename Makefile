@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck bench clean
+.PHONY: test test-wheel demo lint typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check ckptstore tests benchmarks demo
 	$(VENV)/bin/mypy ckptstore
 	$(PY) -m pytest -q
+
+# The built wheel in a fresh venv next to another JAX in the supported range (~1.5 min,
+# needs the package index; skipped in `make test`).
+test-wheel: $(STAMP)
+	CKPTSTORE_WHEEL_TEST=1 $(PY) -m pytest -q tests/test_wheel_install.py
 
 # `make demo`: train, get preempted, resume bit-exact, finish; `make demo S3=1`: on moto S3.
 demo: $(STAMP)
