@@ -53,8 +53,12 @@ def behind_proxy(
 ) -> Iterator[tuple[FaultProxy, Make]]:
     """A proxy in front of the emulator, and a maker of backends (and TensorStore) using it."""
     kind = request.param
-    server = request.getfixturevalue("moto_server" if kind == "s3" else "fake_gcs_server")
-    bucket = request.getfixturevalue("s3_bucket" if kind == "s3" else "gcs_bucket")
+    server = request.getfixturevalue(
+        "ckptstore_s3_server" if kind == "s3" else "ckptstore_gcs_server"
+    )
+    bucket = request.getfixturevalue(
+        "ckptstore_s3_bucket" if kind == "s3" else "ckptstore_gcs_bucket"
+    )
     with FaultProxy(server.endpoint) as proxy:
 
         def make(**kw: Any) -> Backend:
@@ -64,7 +68,12 @@ def behind_proxy(
                     bucket, "run", endpoint_url=proxy.endpoint, credentials="env", **kw
                 )
             return GcsBackend(
-                bucket, "run", endpoint_url=proxy.endpoint, credentials="anonymous", **kw
+                bucket,
+                "run",
+                endpoint_url=proxy.endpoint,
+                credentials="anonymous",
+                emulator=True,
+                **kw,
             )
 
         if kind == "gcs":  # TensorStore reads its GCS endpoint from the environment
@@ -200,10 +209,14 @@ async def test_verify_tells_unreadable_storage_from_corrupt_data(
             await ckptstore.restore(backend, step=1)
 
 
-async def test_tensorstore_error_texts_are_redacted(moto_server: Any, s3_bucket: str) -> None:
+async def test_tensorstore_error_texts_are_redacted(
+    ckptstore_s3_server: Any, ckptstore_s3_bucket: str
+) -> None:
     """TensorStore quotes the whole spec, endpoint and all, in some errors; never shown."""
-    endpoint = moto_server.endpoint.replace("http://", "http://user:s3cr3t@")
-    backend = S3Backend(s3_bucket, "run", endpoint_url=endpoint, credentials="env", retry=POLICY)
+    endpoint = ckptstore_s3_server.endpoint.replace("http://", "http://user:s3cr3t@")
+    backend = S3Backend(
+        ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env", retry=POLICY
+    )
     info = describe_leaf("missing", np.zeros(4, np.float32))
     with pytest.raises(CorruptCheckpointError) as caught:
         await open_leaf(backend.kvstore_spec("nothing"), backend.ts_context, info)
@@ -245,7 +258,7 @@ def test_read_errors_by_status_code(text: str, kind: type[Exception]) -> None:
 
 
 async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
-    moto_server: Any, s3_bucket: str
+    ckptstore_s3_server: Any, ckptstore_s3_bucket: str
 ) -> None:
     """When one of a save's writes fails for good, every other write of the save is cancelled
     and has ended before the error is raised: none runs on, racing whatever the caller does
@@ -254,9 +267,9 @@ async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
     big = NamedSharding(mesh, P("x", "y"))
     tree = {f"l{i}": jax.device_put(np.full((64, 64), i, np.float32), big) for i in range(12)}
     tree |= {f"s{i}": np.arange(100) + i for i in range(12)}  # small leaves: batched writes
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(ckptstore_s3_server.endpoint) as proxy:
         backend = S3Backend(
-            s3_bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=POLICY
+            ckptstore_s3_bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=POLICY
         )
         async with backend:
             proxy.set_faults(
@@ -281,12 +294,14 @@ async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
             assert await ckptstore.list_steps(backend) == []
 
 
-async def test_create_whose_reply_was_lost_is_recognised(moto_server: Any, s3_bucket: str) -> None:
+async def test_create_whose_reply_was_lost_is_recognised(
+    ckptstore_s3_server: Any, ckptstore_s3_bucket: str
+) -> None:
     """The marker's PUT landed but its reply was lost; aiohttp resends the PUT itself (within
     one attempt), which meets the marker: our own bytes, so the create succeeded."""
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(ckptstore_s3_server.endpoint) as proxy:
         backend = S3Backend(
-            s3_bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=POLICY
+            ckptstore_s3_bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=POLICY
         )
         async with backend:
             proxy.set_faults(Fault("lost_reply", nth=frozenset({1}), methods=frozenset({"PUT"})))

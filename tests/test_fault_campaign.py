@@ -64,8 +64,12 @@ def store(
 ) -> Iterator[tuple[FaultProxy, Callable[[RetryPolicy], Backend]]]:
     """A proxy in front of the emulator, and a maker of backends using it."""
     kind = request.param
-    server = request.getfixturevalue("moto_server" if kind == "s3" else "fake_gcs_server")
-    bucket = request.getfixturevalue("s3_bucket" if kind == "s3" else "gcs_bucket")
+    server = request.getfixturevalue(
+        "ckptstore_s3_server" if kind == "s3" else "ckptstore_gcs_server"
+    )
+    bucket = request.getfixturevalue(
+        "ckptstore_s3_bucket" if kind == "s3" else "ckptstore_gcs_bucket"
+    )
     with FaultProxy(server.endpoint, seed=SEED) as proxy:
 
         def make(retry: RetryPolicy) -> Backend:
@@ -74,7 +78,12 @@ def store(
                     bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=retry
                 )
             return GcsBackend(
-                bucket, "run", endpoint_url=proxy.endpoint, credentials="anonymous", retry=retry
+                bucket,
+                "run",
+                endpoint_url=proxy.endpoint,
+                credentials="anonymous",
+                retry=retry,
+                emulator=True,
             )
 
         monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", proxy.endpoint)

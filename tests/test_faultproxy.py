@@ -22,8 +22,8 @@ from ckptstore.testing.servers import FakeGcsServer, MotoS3Server
 
 
 @pytest.fixture
-def proxy(moto_server: MotoS3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(moto_server.endpoint) as p:
+def proxy(ckptstore_s3_server: MotoS3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(ckptstore_s3_server.endpoint) as p:
         yield p
 
 
@@ -41,10 +41,10 @@ def s3(proxy: FaultProxy, bucket: str) -> S3Backend:
     return S3Backend(bucket, "p", endpoint_url=proxy.endpoint, credentials="env", retry=NO_RETRY)
 
 
-async def test_idle_proxy_is_transparent(proxy: FaultProxy, s3_bucket: str) -> None:
+async def test_idle_proxy_is_transparent(proxy: FaultProxy, ckptstore_s3_bucket: str) -> None:
     """Writes, whole and ranged reads, stat (a HEAD: its length header), listing, delete."""
     data = bytes(range(256)) * 40
-    async with s3(proxy, s3_bucket) as b:
+    async with s3(proxy, ckptstore_s3_bucket) as b:
         await b.write("a/x", data)
         assert await b.read("a/x") == data
         assert await b.read("a/x", 100, 300) == data[100:300]
@@ -56,8 +56,8 @@ async def test_idle_proxy_is_transparent(proxy: FaultProxy, s3_bucket: str) -> N
     assert {s.method for s in proxy.seen} >= {"PUT", "GET", "HEAD", "DELETE"}
 
 
-async def test_status_on_the_nth_request(proxy: FaultProxy, s3_bucket: str) -> None:
-    async with s3(proxy, s3_bucket) as b:
+async def test_status_on_the_nth_request(proxy: FaultProxy, ckptstore_s3_bucket: str) -> None:
+    async with s3(proxy, ckptstore_s3_bucket) as b:
         await b.write("k", b"v")
         proxy.set_faults(Fault("status", nth=frozenset({2}), methods=frozenset({"GET"})))
         assert await b.read("k") == b"v"  # GET 1
@@ -69,12 +69,12 @@ async def test_status_on_the_nth_request(proxy: FaultProxy, s3_bucket: str) -> N
     assert [s.fault for s in proxy.seen if s.fault] == ["status 503"]
 
 
-def test_rate_is_seeded(moto_server: MotoS3Server) -> None:
+def test_rate_is_seeded(ckptstore_s3_server: MotoS3Server) -> None:
     """The same seed hits the same requests; another seed, others; about `rate` of them."""
 
     def pattern(seed: int) -> list[int]:
         rules = [Fault("status", rate=0.3), Fault("status", status=404, rate=1.0)]  # no upstream
-        with FaultProxy(moto_server.endpoint, rules, seed=seed) as p:
+        with FaultProxy(ckptstore_s3_server.endpoint, rules, seed=seed) as p:
             return [get(p.endpoint + "/")[0] for _ in range(60)]
 
     first, again, other = pattern(7), pattern(7), pattern(8)
@@ -84,22 +84,30 @@ def test_rate_is_seeded(moto_server: MotoS3Server) -> None:
     assert 6 <= first.count(503) <= 30
 
 
-def test_filters_and_limit(proxy: FaultProxy, s3_bucket: str) -> None:
+def test_filters_and_limit(proxy: FaultProxy, ckptstore_s3_bucket: str) -> None:
     proxy.set_faults(
-        Fault("status", status=500, rate=1.0, path=f"^/{s3_bucket}", methods=frozenset({"GET"}))
+        Fault(
+            "status",
+            status=500,
+            rate=1.0,
+            path=f"^/{ckptstore_s3_bucket}",
+            methods=frozenset({"GET"}),
+        )
     )
     assert get(proxy.endpoint + "/")[0] == 200  # another path
-    assert get(proxy.endpoint + f"/{s3_bucket}", method="HEAD")[0] == 200  # another method
-    status, body = get(proxy.endpoint + f"/{s3_bucket}")
+    assert (
+        get(proxy.endpoint + f"/{ckptstore_s3_bucket}", method="HEAD")[0] == 200
+    )  # another method
+    status, body = get(proxy.endpoint + f"/{ckptstore_s3_bucket}")
     assert status == 500 and b"<Code>InternalError</Code>" in body
     proxy.set_faults(Fault("status", status=429, rate=1.0, agent="^Python-urllib", limit=2))
     assert [get(proxy.endpoint + "/")[0] for _ in range(3)] == [429, 429, 200]
 
 
-async def test_drop_truncate_and_lost_reply(proxy: FaultProxy, s3_bucket: str) -> None:
+async def test_drop_truncate_and_lost_reply(proxy: FaultProxy, ckptstore_s3_bucket: str) -> None:
     """(aiohttp itself sends an idempotent request again once when a connection drops:
     every such request is hit here.)"""
-    async with s3(proxy, s3_bucket) as b:
+    async with s3(proxy, ckptstore_s3_bucket) as b:
         proxy.set_faults(Fault("drop", rate=1.0))
         with pytest.raises(TransientStorageError):
             await b.write("dropped", b"v")
@@ -120,8 +128,8 @@ async def test_drop_truncate_and_lost_reply(proxy: FaultProxy, s3_bucket: str) -
     assert proxy.injected["drop"] >= 1 and proxy.injected["lost_reply"] >= 1
 
 
-def test_latency_and_blackhole(moto_server: MotoS3Server) -> None:
-    with FaultProxy(moto_server.endpoint, [Fault("latency", rate=1.0, delay=0.3)]) as p:
+def test_latency_and_blackhole(ckptstore_s3_server: MotoS3Server) -> None:
+    with FaultProxy(ckptstore_s3_server.endpoint, [Fault("latency", rate=1.0, delay=0.3)]) as p:
         start = time.monotonic()
         assert get(p.endpoint + "/")[0] == 200
         assert time.monotonic() - start >= 0.3
@@ -137,16 +145,17 @@ def test_latency_and_blackhole(moto_server: MotoS3Server) -> None:
 
 
 async def test_gcs_resumable_upload_stays_behind_the_proxy(
-    fake_gcs_server: FakeGcsServer, gcs_bucket: str
+    ckptstore_gcs_server: FakeGcsServer, ckptstore_gcs_bucket: str
 ) -> None:
     """fake-gcs-server's session URL names itself; the proxy rewrites it to its own."""
     data = bytes(range(256)) * 2048  # 512 KiB: two 256 KiB chunks
-    with FaultProxy(fake_gcs_server.endpoint) as p:
+    with FaultProxy(ckptstore_gcs_server.endpoint) as p:
         b = GcsBackend(
-            gcs_bucket,
+            ckptstore_gcs_bucket,
             "p",
             endpoint_url=p.endpoint,
             credentials="anonymous",
+            emulator=True,
             retry=NO_RETRY,
             resumable_threshold=1,
             chunk_size=256 * 1024,

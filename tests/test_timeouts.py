@@ -52,7 +52,13 @@ def make(kind: str, bucket: str, endpoint: str, **kw: Any) -> Backend:
             bucket, "run", endpoint_url=endpoint, credentials="env", retry=POLICY, **kw
         )
     return GcsBackend(
-        bucket, "run", endpoint_url=endpoint, credentials="anonymous", retry=POLICY, **kw
+        bucket,
+        "run",
+        endpoint_url=endpoint,
+        credentials="anonymous",
+        retry=POLICY,
+        emulator=True,
+        **kw,
     )
 
 
@@ -60,8 +66,12 @@ def make(kind: str, bucket: str, endpoint: str, **kw: Any) -> Backend:
 def store(request: pytest.FixtureRequest) -> tuple[str, str, str]:
     """(kind, bucket, emulator endpoint)."""
     kind = request.param
-    server = request.getfixturevalue("moto_server" if kind == "s3" else "fake_gcs_server")
-    bucket = request.getfixturevalue("s3_bucket" if kind == "s3" else "gcs_bucket")
+    server = request.getfixturevalue(
+        "ckptstore_s3_server" if kind == "s3" else "ckptstore_gcs_server"
+    )
+    bucket = request.getfixturevalue(
+        "ckptstore_s3_bucket" if kind == "s3" else "ckptstore_gcs_bucket"
+    )
     return kind, bucket, server.endpoint
 
 
@@ -135,7 +145,14 @@ async def test_closed_port_for_tensorstore_only(
         b.ts_endpoint = dead
     else:
         monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", dead)
-        b = _SplitGcs(bucket, "run", endpoint_url=endpoint, credentials="anonymous", retry=POLICY)
+        b = _SplitGcs(
+            bucket,
+            "run",
+            endpoint_url=endpoint,
+            credentials="anonymous",
+            retry=POLICY,
+            emulator=True,
+        )
     async with b:
         assert await ends_typed(lambda: ckptstore.save(b, TREE, step=2)) < BOUND
         assert await ends_typed(lambda: ckptstore.restore(b, step=1)) < BOUND
@@ -174,14 +191,17 @@ def run_worker(mode: str, stores: list[dict[str, str]]) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def tensorstore_black_holes(
-    moto_server: Any, s3_bucket: str, fake_gcs_server: Any, gcs_bucket: str
+    ckptstore_s3_server: Any,
+    ckptstore_s3_bucket: str,
+    ckptstore_gcs_server: Any,
+    ckptstore_gcs_bucket: str,
 ) -> Iterator[list[dict[str, str]]]:
     """A proxy per emulator that black-holes TensorStore's requests only (step 1 saved)."""
     stores, proxies = [], []
     try:
         for kind, server, bucket in (
-            ("s3", moto_server, s3_bucket),
-            ("gcs", fake_gcs_server, gcs_bucket),
+            ("s3", ckptstore_s3_server, ckptstore_s3_bucket),
+            ("gcs", ckptstore_gcs_server, ckptstore_gcs_bucket),
         ):
             save_step_1(kind, bucket, server.endpoint)
             rule = Fault("blackhole", rate=1.0, agent="^tensorstore")
