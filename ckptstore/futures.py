@@ -4,9 +4,9 @@ Awaiting a TensorStore future on the event loop costs an asyncio future and a
 GIL hand-off from TensorStore's thread; for thousands of small reads or writes
 (small leaves, the merge's metadata checks) that overhead outweighs the I/O.
 
-A cancelled `wait_all` cancels its futures and returns only once each has ended, so
-nothing it started still writes after its caller unwinds (as with
-`ckptstore.backends.base.finish_first`).
+A cancelled `wait_all` returns only once each future has ended (see
+`ckptstore.backends.base.finish_first`), so nothing it started still writes after its
+caller unwinds.
 """
 
 from __future__ import annotations
@@ -17,25 +17,19 @@ from typing import Any
 
 import tensorstore as ts
 
+from ckptstore.backends.base import finish_first
+
 
 async def wait_all(futures: Sequence[ts.Future[Any]]) -> list[Any]:
     """The results of many TensorStore futures, awaited by one worker thread.
 
     Awaiting each future on the event loop costs an asyncio future and a GIL
     hand-off per key; a batch of thousands of small writes is cheaper this way.
-    Every future finishes before the first error is raised. Cancelled, it cancels the
-    futures and returns once the worker thread has seen each of them end.
+    Every future finishes before the first error is raised, or before a cancellation goes
+    on: a cancelled TensorStore future does not stop the I/O it started, so its writes are
+    left to finish rather than to land after the caller has moved on.
     """
-    waiter = asyncio.ensure_future(asyncio.to_thread(_results, futures))
-    try:
-        return await asyncio.shield(waiter)
-    except asyncio.CancelledError:
-        for future in futures:
-            future.cancel()
-        await asyncio.wait([waiter])
-        if not waiter.cancelled():
-            waiter.exception()  # retrieved: the cancellation is what propagates
-        raise
+    return await finish_first(asyncio.to_thread(_results, futures))
 
 
 def _results(futures: Sequence[ts.Future[Any]]) -> list[Any]:

@@ -140,6 +140,8 @@ INTERRUPTED_SAVE = """
 import json, os, signal, sys, time
 import numpy as np
 import ckptstore
+from ckptstore.backends.local import LocalBackend
+from ckptstore.testing.faults import FaultyBackend
 
 root = sys.argv[1]
 rng = np.random.default_rng(0)
@@ -161,8 +163,11 @@ def files():
     return out
 
 print("saving", flush=True)
+# Each byte-API call (the manifest, the marker) waits 0.5 s: the save is still running when
+# SIGINT arrives, however fast the machine writes the data.
+slow = FaultyBackend(LocalBackend(root), latency=0.5)
 try:
-    ckptstore.save_sync(root, tree, step=3)
+    ckptstore.save_sync(slow, tree, step=3)
     outcome = "completed"
 except KeyboardInterrupt:
     outcome = "interrupted"
