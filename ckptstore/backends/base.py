@@ -135,8 +135,9 @@ class Backend(ABC):
             try:
                 await self._create(key, data)
             except AlreadyExistsError:
-                if await self._read(key, None, None) == bytes(data):
-                    return
+                with contextlib.suppress(NotFoundError):  # gone again: still not ours
+                    if await self._read(key, None, None) == bytes(data):
+                        return
                 raise
 
         await self._run(attempt)
