@@ -14,8 +14,6 @@ import re
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
-import aiohttp
-
 from ckptstore.errors import (
     AlreadyExistsError,
     NotFoundError,
@@ -61,9 +59,18 @@ TRANSIENT_CODES = frozenset(
 )
 TRANSIENT_STATUSES = frozenset({408, 429})
 
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    try:  # only the object stores' extras install aiohttp; local use needs none of it
+        import aiohttp
+    except ImportError:
+        return ()
+    return (aiohttp.ClientError,)
+
+
 #: Exceptions of the HTTP stack that mean "the request may not have happened": retry.
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
-    aiohttp.ClientError,
+    *_client_errors(),
     asyncio.TimeoutError,
     ConnectionError,
     TimeoutError,
