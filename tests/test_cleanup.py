@@ -216,3 +216,44 @@ def test_cli_rm_gc_and_ls_all(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["gc", root, "--older-than", "soon"])
     assert "not a duration: 'soon'" in capsys.readouterr().err
+
+
+KILLED_AT_LINK = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    import ckptstore
+    import ckptstore.backends.local as local
+
+    real_link = os.link
+
+    def link(src, dst, *args, **kwargs):  # the marker's temporary file is written: die
+        if str(dst).endswith("COMMITTED"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_link(src, dst, *args, **kwargs)
+
+    local.os.link = link
+    ckptstore.save_sync(sys.argv[1], {"x": np.arange(5)}, step=2)
+    """
+)
+
+
+def test_gc_removes_the_temporary_file_of_a_commit_killed_midway(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    ckptstore.save_sync(str(root), tree_of(1), step=1)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_AT_LINK, str(root)], timeout=120, capture_output=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    (temporary,) = (root / "2").glob(".COMMITTED.ckptstore-tmp.*")  # beside no marker
+    assert ckptstore.list_steps_sync(str(root)) == [1]
+    assert asyncio.run(ckptstore.gc(str(root))).kept_young  # the attempt: too young
+    assert temporary.exists()  # and the temporary file too
+    dry = asyncio.run(ckptstore.gc(str(root), older_than=0, dry_run=True))
+    assert f"2/{temporary.name}" in dry.entries and temporary.exists()
+    removal = asyncio.run(ckptstore.gc(str(root), older_than=0))
+    assert f"2/{temporary.name}" in removal.entries and len(removal.entries) == 2
+    assert not [p for p in (root / "2").rglob("*") if p.is_file()]
+    assert_is_tree(ckptstore.restore_sync(str(root), step=1), 1)
+    ckptstore.save_sync(str(root), {"x": np.arange(5)}, step=2)  # and saved again
+    assert ckptstore.list_steps_sync(str(root)) == [1, 2]

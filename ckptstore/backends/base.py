@@ -223,6 +223,13 @@ class Backend(ABC):
         filesystem); None where it cannot (object stores: no such limit to check)."""
         return None
 
+    async def remove_temporaries(self, older_than: float, *, dry_run: bool = False) -> Infos:
+        """Remove what writes killed midway left behind: temporary objects `list` never
+        shows, untouched for ``older_than`` seconds (0: every one, so only while no writer
+        runs). Returns them. None here: object stores make an upload visible whole or not
+        at all, with nothing on the side."""
+        return []
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""
 

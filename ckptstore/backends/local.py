@@ -18,6 +18,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,33 @@ class LocalBackend(Backend):
     async def _delete_prefix(self, prefix: str) -> int:
         path = self._path(prefix)
         return await finish_first(aiofiles.os.wrap(_remove_tree)(path))
+
+    async def remove_temporaries(
+        self, older_than: float, *, dry_run: bool = False
+    ) -> list[ObjectInfo]:
+        """Temporary files of writes killed before their rename or link (`put_file`): a
+        killed commit leaves one beside ``COMMITTED``, a killed part record one in a
+        session that is resumed and committed later. Keys are relative to the root."""
+
+        def sweep() -> list[ObjectInfo]:
+            now, found = time.time(), []
+            for dirpath, _dirs, files in os.walk(self.root):
+                for name in files:
+                    path = os.path.join(dirpath, name)
+                    try:
+                        st = os.stat(path) if TEMP_MARKER in name else None
+                    except FileNotFoundError:  # its writer finished meanwhile
+                        continue
+                    if st is None or (older_than > 0 and now - st.st_mtime < older_than):
+                        continue
+                    if not dry_run:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(path)
+                    key = os.path.relpath(path, self.root).replace(os.sep, "/")
+                    found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+            return sorted(found, key=lambda info: info.key)
+
+        return await aiofiles.os.wrap(sweep)()
 
 
 async def _walk(base: Path, prefix: str) -> list[ObjectInfo]:

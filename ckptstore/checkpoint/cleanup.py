@@ -4,10 +4,11 @@
   every listing), then the attempt it named. Killed in between, it leaves an
   uncommitted attempt, which `gc` removes later.
 - `gc` removes what no commit marker names: uncommitted attempts, leftovers of
-  format-version-1 saves that never committed, and part directories a committed
-  attempt does not use. Only what nobody has written to for ``older_than``
-  seconds goes, so an in-flight writer is never collected; and never anything a
-  committed attempt's manifest lists under ``references``.
+  format-version-1 saves that never committed, part directories a committed
+  attempt does not use, and the temporary files of writes killed midway (local
+  disk: `Backend.remove_temporaries`). Only what nobody has written to for
+  ``older_than`` seconds goes, so an in-flight writer is never collected; and
+  never anything a committed attempt's manifest lists under ``references``.
 """
 
 from __future__ import annotations
@@ -245,6 +246,8 @@ async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
             if not dry_run:
                 await _remove(backend, key, objects)
             removal.add(key, objects)
+    for info in await backend.remove_temporaries(older_than, dry_run=dry_run):
+        removal.add(info.key, [info])
     return removal
 
 

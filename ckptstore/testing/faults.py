@@ -91,6 +91,11 @@ class FaultyBackend(Backend):
     def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
         return self.inner.write_behind(prefix)
 
+    async def remove_temporaries(
+        self, older_than: float, *, dry_run: bool = False
+    ) -> list[ObjectInfo]:
+        return await self.inner.remove_temporaries(older_than, dry_run=dry_run)
+
     async def close(self) -> None:
         await self.inner.close()
 
