@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-wheel demo lint typecheck bench clean
+.PHONY: test test-wheel demo lint typecheck bench torture clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/partial.py
 	$(PY) benchmarks/training_loop.py
 	$(PY) benchmarks/tiered.py
+
+# `make torture`: 300 SIGKILLs at random moments of saves, partial saves, merges, commits,
+# delete_step and gc, on local disk and moto S3, by one process and by two; after each, every
+# committed step must restore bit-exact. Results: benchmarks/results/torture.json.
+torture: $(STAMP)
+	$(PY) -m tests.torture --points 300
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

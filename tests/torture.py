@@ -1,0 +1,553 @@
+"""SIGKILL torture: kill real processes at random moments of every write path, then check.
+
+Each kill point runs one operation in freshly forked worker processes
+(`tests.torture_worker`): a save (whole, or aimed at its merge or its commit), a
+partial save's ``add`` or ``finalize``, ``delete_step`` or ``gc``, on local disk or on
+moto's S3 server, by one process or by two joined with ``jax.distributed``. When the
+aimed phase starts, the driver waits a random fraction of that phase's usual duration
+and SIGKILLs the worker (of two, one or both; the rest die a random moment later, as a
+job's surviving processes would be killed by the scheduler). Then, in the driver:
+
+- only committed steps are listed: the steps committed before, give or take the step
+  the killed operation was saving (or deleting);
+- every listed step restores bit-exact (a step missing or restoring wrong is *lost* or
+  *torn*);
+- the killed step can be saved again (a killed partial save is resumed and finalized);
+- ``gc`` removes every leftover and nothing committed.
+
+The kill points come from one seeded random generator (printed): the same seed gives the
+same operations, processes, victims and fractions; where in the code a kill lands still
+depends on timing, so each point records the phase it landed in. Usage::
+
+    python -m tests.torture [--points 300] [--seed N] [--json benchmarks/results/torture.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ckptstore
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import read_marker
+from tests import torture_worker as worker
+from tests.test_multiprocess import free_port
+from tests.torture_report import summary, table
+
+#: (operation, processes) cells; each runs on every backend.
+CELLS = [
+    ("save", 1),
+    ("merge", 1),
+    ("commit", 1),
+    ("add", 1),
+    ("finalize", 1),
+    ("delete", 1),
+    ("gc", 1),
+    ("save", 2),
+    ("add", 2),
+    ("finalize", 2),
+]
+#: The phase each operation aims its kill at.
+AIM = {"save": "save", "merge": "merge", "commit": "commit", "add": "add"}
+AIM |= {"finalize": "finalize", "delete": "delete", "gc": "gc"}
+#: First guesses of phase durations (s), replaced by what the campaign observes.
+GUESS = {"save": 0.4, "merge": 0.05, "commit": 0.02, "add": 0.15}
+GUESS |= {"finalize": 0.1, "delete": 0.03, "gc": 0.1}
+RESULTS = Path(__file__).parents[1] / "benchmarks" / "results" / "torture.json"
+
+
+@dataclass
+class Point:
+    """One kill point: what was run, where the kill landed, what the checks found."""
+
+    index: int
+    op: str
+    backend: str
+    processes: int
+    step: int
+    victims: list[int]
+    occurrence: int  # which start of the aimed phase (the part index, for "add")
+    fraction: float  # of the aimed phase's usual duration, after it starts
+    later: float  # the other processes' kill, after the victims', in the same unit
+    window: float = 0.0  # the usual duration used (s)
+    landed: str = ""  # innermost phase running when the kill came; "after" if done
+    committed: bool | None = None  # the killed operation's step, listed afterwards
+    lost: list[int] = field(default_factory=list)
+    torn: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    #: Typed errors of the processes killed later, after a victim died (a peer gone).
+    survivors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    timing: list[float] = field(default_factory=list)  # prepare, run and kill, check (s)
+
+    @property
+    def in_op(self) -> bool:
+        return self.landed not in ("after", "")
+
+
+@dataclass
+class Store:
+    """One backend's checkpoints as the driver knows them."""
+
+    name: str
+    url: str  # what workers open: a path or an S3 profile
+    backend: Backend
+    weight: int = 1  # its cells' copies in each deck
+    committed: dict[int, int] = field(default_factory=dict)  # step -> processes that saved it
+    stray: set[str] = field(default_factory=set)  # objects gc left, already reported
+    next_step: int = 1
+
+    def fresh_step(self) -> int:
+        self.next_step += 1
+        return self.next_step - 1
+
+
+def expected(step: int, processes: int) -> dict[str, Any]:
+    return worker.tree(step) if processes == 1 else worker.sharded_tree(step)
+
+
+class Campaign:
+    def __init__(
+        self, stores: list[Store], seed: int, env: dict[str, str], keep: int, worker_log: str
+    ) -> None:
+        self.stores = stores
+        self.keep = keep  # committed steps kept per backend (older ones deleted between points)
+        self.worker_log = worker_log
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.env = env
+        self.zygote = worker.Zygote()
+        self.durations: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+        self.bounds: dict[tuple[str, int, str], list[float]] = defaultdict(list)  # killed at
+        self.points: list[Point] = []
+        self.deck: list[tuple[tuple[str, int], Store]] = []
+
+    # ---- planning ----
+
+    def plan(self, index: int) -> tuple[Point, Store]:
+        """The next kill point: cells come from a shuffled deck of every (operation,
+        processes, backend), each backend ``weight`` times, so every one is hit before any
+        is hit again."""
+        if not self.deck:
+            self.deck = [(c, s) for c in CELLS for s in self.stores for _ in range(s.weight)]
+            self.rng.shuffle(self.deck)
+        (op, processes), store = self.deck.pop()
+        victims = [0] if processes == 1 else self.rng.choice([[0], [1], [0, 1]])
+        point = Point(
+            index=index,
+            op=op,
+            backend=store.name,
+            processes=processes,
+            step=-1,
+            victims=victims,
+            occurrence=self.rng.randrange(len(expected(0, processes))) if op == "add" else 0,
+            fraction=self.rng.random(),
+            later=self.rng.random(),
+        )
+        return point, store
+
+    def window(self, store: Store, processes: int, phase: str) -> float:
+        """The span a kill is drawn from: a quarter more than the phase usually lasts (so
+        some kills come after it, and its length keeps being measured)."""
+        key = (store.name, processes, phase)
+        seen = self.durations.get(key, [])[-5:]
+        usual = statistics.median(seen) if seen else GUESS[phase]
+        bound = max(self.bounds.get(key, [])[-5:], default=0.0)
+        if bound > usual:  # killed later than it usually ends: it takes longer here
+            usual = 1.5 * bound
+        return 1.25 * usual
+
+    # ---- one kill point ----
+
+    async def run_point(self, index: int) -> Point:
+        start = time.monotonic()
+        point, store = self.plan(index)
+        await self.prepare(point, store)
+        t0 = time.monotonic()
+        events, t_kill = self.kill(point, store)
+        t1 = time.monotonic()
+        point.landed = self.landed(events, point, t_kill)
+        self.learn(store, point, events, t_kill)
+        await self.check(point, store)
+        point.seconds = time.monotonic() - start
+        point.timing = [round(t0 - start, 2), round(t1 - t0, 2), round(time.monotonic() - t1, 2)]
+        self.points.append(point)
+        return point
+
+    async def prepare(self, point: Point, store: Store) -> None:
+        if point.op == "delete":
+            if not store.committed:
+                step = store.fresh_step()
+                await ckptstore.save(store.backend, worker.tree(step), step=step)
+                store.committed[step] = 1
+            point.step = self.rng.choice(sorted(store.committed))
+        elif point.op == "gc":  # garbage: a partial save left unfinished
+            step = store.fresh_step()
+            session = await ckptstore.partial_save(store.backend, step)
+            for k in range(2):
+                await session.add({str(k): worker.tree(step)[str(k)]})
+            point.step = step
+        else:
+            point.step = store.fresh_step()
+
+    def kill(self, point: Point, store: Store) -> tuple[list[tuple[Any, ...]], float | None]:
+        """Run the operation and SIGKILL it as planned; the events the workers sent, and
+        when the kill came (None: the operation ended first)."""
+        coordinator = f"127.0.0.1:{free_port()}"
+        jobs = [
+            {
+                "op": point.op,
+                "target": store.url,
+                "step": point.step,
+                "process": i,
+                "processes": point.processes,
+                "coordinator": coordinator,
+                "env": self.env,
+                "log": self.worker_log,
+            }
+            for i in range(point.processes)
+        ]
+        aim = AIM[point.op]
+        point.window = self.window(store, point.processes, aim)
+        procs, conn = self.zygote.start(jobs)
+        events: list[tuple[Any, ...]] = []
+        deadline: float | None = None
+        t_kill: float | None = None
+        give_up = time.monotonic() + 120
+        try:
+            while True:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    t_kill = time.monotonic()
+                    for i in point.victims:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(procs[i].pid, signal.SIGKILL)
+                    break
+                wait = 0.05 if deadline is None else max(0.0, deadline - now)
+                if conn.poll(wait):
+                    try:
+                        event = conn.recv()
+                    except EOFError:  # every worker is gone (crashed: see problems)
+                        break
+                    events.append(event)
+                    proc, phase, edge, at, n = event
+                    aimed = (proc, phase, edge, n) == (0, aim, "start", point.occurrence)
+                    if aimed and deadline is None:
+                        deadline = at + point.fraction * point.window
+                    elif phase == "error":
+                        break
+                finished = {e[0] for e in events if e[1] in ("done", "error")}
+                if len(finished) == point.processes or now > give_up:
+                    break
+            if t_kill is not None and point.processes > 1:  # the rest, a moment later
+                time.sleep(point.later * point.window)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join(timeout=30)
+            while conn.poll(0):
+                try:
+                    events.append(conn.recv())
+                except EOFError:
+                    break
+            conn.close()
+        for proc, phase, text, at, typed in events:
+            if phase != "error":
+                continue
+            if t_kill is not None and at > t_kill and typed and proc not in point.victims:
+                point.survivors.append(f"process {proc}: {text.splitlines()[0]}")
+            else:
+                point.problems.append(f"process {proc} raised: {text}")
+        if deadline is None and not point.problems:
+            point.problems.append(f"the aimed phase ({aim} {point.occurrence}) never started")
+        return events, t_kill
+
+    @staticmethod
+    def landed(events: list[tuple[Any, ...]], point: Point, t_kill: float | None) -> str:
+        """The innermost phase a victim was in when killed ("write": a save's, outside its
+        merge and commit); "after" if the operation had ended."""
+        if t_kill is None:  # the operation ended (or failed) before the kill was due
+            return "after"
+        open_phases: list[tuple[float, str]] = []
+        for victim in point.victims:
+            mine = [e for e in events if e[0] == victim and e[3] <= t_kill]
+            started: dict[tuple[str, int], float] = {}
+            for _, phase, edge, at, n in mine:
+                if edge == "start":
+                    started[(phase, n)] = at
+                elif (phase, n) in started:
+                    del started[(phase, n)]
+            open_phases += [(at, phase) for (phase, _), at in started.items()]
+        if not open_phases:
+            return "after"
+        phase = max(open_phases)[1]
+        return "write" if phase == "save" else phase
+
+    def learn(
+        self, store: Store, point: Point, events: list[tuple[Any, ...]], t_kill: float | None
+    ) -> None:
+        """Remember how long each phase that ended took (process 0's view), and how long
+        the aimed phase had run when it was killed."""
+        started: dict[tuple[str, int], float] = {}
+        for proc, phase, edge, at, n in events:
+            if proc != 0:
+                continue
+            if edge == "start":
+                started[(phase, n)] = at
+            elif (phase, n) in started:
+                key = (store.name, point.processes, phase)
+                self.durations[key].append(at - started.pop((phase, n)))
+        for (phase, _), at in started.items():
+            if phase == AIM[point.op] and t_kill is not None:
+                self.bounds[(store.name, point.processes, phase)].append(t_kill - at)
+
+    # ---- the checks ----
+
+    async def check(self, point: Point, store: Store) -> None:
+        backend, step = store.backend, point.step
+        listed = set(await ckptstore.list_steps(backend))
+        before = dict(store.committed)
+        maybe = {step} if point.op != "gc" else set()
+        point.committed = step in listed
+        if point.op == "delete" and not point.committed:
+            del store.committed[step]
+        elif point.op not in ("delete", "gc") and point.committed:
+            store.committed[step] = point.processes
+        point.lost = sorted(set(before) - listed - maybe)
+        extra = sorted(listed - set(before) - maybe)
+        if extra:
+            point.problems.append(f"steps listed that were never committed: {extra}")
+        mine = sorted(s for s in listed if s in store.committed)
+        exact = await asyncio.gather(*(self.restores(store, s) for s in mine))
+        point.torn = [s for s, ok in zip(mine, exact, strict=True) if not ok]
+        for s in point.lost + point.torn:
+            store.committed.pop(s, None)
+        # The killed step can be saved again (a partial save resumes where it was killed).
+        if point.op != "gc" and not point.committed:
+            processes = before[step] if point.op == "delete" else point.processes
+            await self.save_again(point, store, processes)
+        await self.collect(point, store)
+        while len(store.committed) > self.keep:
+            oldest = min(store.committed)
+            await ckptstore.delete_step(backend, oldest)
+            del store.committed[oldest]
+
+    async def restores(self, store: Store, step: int) -> bool:
+        try:
+            restored = await ckptstore.restore(store.backend, step=step)
+        except ckptstore.CkptStoreError:
+            return False
+        return worker.same(restored, expected(step, store.committed[step]))
+
+    async def save_again(self, point: Point, store: Store, processes: int) -> None:
+        backend, step = store.backend, point.step
+        value = expected(step, processes)
+        try:
+            if point.op in ("add", "finalize"):
+                session = await ckptstore.partial_save(backend, step)
+                for name in list(value)[len(session.parts) :]:
+                    await session.add({name: value[name]})
+                await session.finalize()
+            else:
+                await ckptstore.save(backend, value, step=step)
+        except ckptstore.CkptStoreError as exc:
+            point.problems.append(f"saving step {step} again failed: {exc!r}")
+            return
+        store.committed[step] = processes
+        if not await self.restores(store, step):
+            point.problems.append(f"step {step}, saved again, does not restore bit-exact")
+
+    async def collect(self, point: Point, store: Store) -> None:
+        """gc removes every leftover and nothing a committed step uses: afterwards only the
+        committed steps' objects are left, less the unused parts gc said it removed."""
+        backend = store.backend
+        kept = await committed_keys(backend, await everything(backend))
+        removed = (await ckptstore.gc(backend, older_than=0)).entries
+        unused = {k for k in kept if any(k.startswith(e + "/") for e in removed)}
+        left = await everything(backend)
+        if await committed_keys(backend, left) != kept - unused:
+            point.problems.append("gc removed objects of a committed step it did not announce")
+        stray = sorted(left - (kept - unused) - store.stray)
+        if stray:  # reported once (an earlier point's may still be there)
+            point.problems.append(f"objects no committed step uses survived gc: {stray[:5]}")
+            store.stray |= set(stray)
+        if point.op in ("add", "finalize"):  # an unused part may sit in a committed attempt
+            again = await ckptstore.gc(backend, older_than=0, dry_run=True)
+            if again.entries:
+                point.problems.append(f"gc left garbage: {again.entries}")
+        if point.step in store.committed and not await self.restores(store, point.step):
+            point.problems.append(f"step {point.step} does not restore after gc")
+
+    # ---- the whole campaign ----
+
+    async def run(self, points: int, log: Callable[[str], None]) -> None:
+        index = 0
+        while sum(p.in_op for p in self.points) < points:
+            if index >= 3 * points:
+                raise RuntimeError(f"only {self.landed_count()} of {index} kills landed")
+            p = await self.run_point(index)
+            index += 1
+            flags = "" if not (p.lost or p.torn or p.problems) else f" PROBLEM {p.problems}"
+            log(
+                f"[{self.landed_count():4d}/{points}] {p.backend:5} {p.op:8} x{p.processes} "
+                f"step {p.step:3d} kill {p.victims} at {p.fraction:.2f} of {p.window * 1e3:.0f} ms "
+                f"-> {p.landed:8} committed={p.committed} lost={p.lost} torn={p.torn} "
+                f"{p.timing}{flags}"
+            )
+
+    def landed_count(self) -> int:
+        return sum(p.in_op for p in self.points)
+
+
+async def everything(backend: Backend) -> set[str]:
+    """Every stored key; a local root is walked on disk, so temporary files count too."""
+    root = getattr(backend, "root", None)
+    if backend.kind == "local" and isinstance(root, Path):
+        return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    return {info.key async for info in backend.list()}
+
+
+async def committed_keys(backend: Backend, keys: set[str]) -> set[str]:
+    """Those of ``keys`` that belong to a committed step (its marker, its attempt)."""
+    steps = {layout.parse_step(k.split("/")[0]) for k in keys if k.endswith("/COMMITTED")}
+    markers = await asyncio.gather(*(read_marker(backend, s) for s in steps if s is not None))
+    roots = [m.where.root + "/" for m in markers if m is not None]
+    marks = {layout.commit_key(m.step) for m in markers if m is not None}
+    return {k for k in keys if k in marks or any(k.startswith(r) for r in roots)}
+
+
+async def torture(
+    targets: dict[str, str],
+    *,
+    points: int,
+    seed: int,
+    env: dict[str, str],
+    log: Callable[[str], None],
+    worker_log: Path,
+    keep: int = 3,
+    weights: dict[str, int] | None = None,
+) -> tuple[dict[str, Any], list[Point]]:
+    """Run a campaign of ``points`` kills on ``targets`` (name -> path or profile); the
+    workers' stderr goes to ``worker_log``. ``env`` reaches the workers (the driver's
+    own environment is the caller's business). ``weights`` (default 1) repeats a backend's
+    cells in the deck."""
+    start = time.monotonic()
+    backends = {
+        name: ckptstore.open_backend(profile=url)
+        if url.endswith(".toml")
+        else ckptstore.open_backend(url)
+        for name, url in targets.items()
+    }
+    weight = weights or {}
+    stores = [Store(name, targets[name], b, weight.get(name, 1)) for name, b in backends.items()]
+    campaign = Campaign(stores, seed, env, keep, str(worker_log))
+    log(f"torture: seed {seed}, {points} kill points on {', '.join(targets)}")
+    try:
+        await campaign.run(points, log)
+    finally:
+        campaign.zygote.stop()
+        for b in backends.values():
+            await b.close()
+    report = summary(campaign.points)
+    report["seed"] = seed
+    report["seconds"] = round(time.monotonic() - start, 1)
+    report["windows_ms"] = {
+        f"{b} x{n} {phase}": round(statistics.median(v) * 1e3, 1)
+        for (b, n, phase), v in sorted(campaign.durations.items())
+    }
+    return report, campaign.points
+
+
+def s3_profile(folder: Path, endpoint: str, bucket: str, name: str) -> str:
+    profile = folder / f"{name}.toml"
+    profile.write_text(
+        f'url = "s3://{bucket}/{name}"\n[options]\nendpoint = "{endpoint}"\ncredentials = "env"\n'
+    )
+    return str(profile)
+
+
+def moto_env(folder: Path) -> dict[str, str]:
+    """What the workers and the driver need to reach moto (the pytest plugin's settings)."""
+    empty = folder / "aws-empty"
+    empty.write_text("")
+    return {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(empty),
+        "AWS_SHARED_CREDENTIALS_FILE": str(empty),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--points", type=int, default=300, help="kills that land in an operation")
+    parser.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
+    parser.add_argument("--backends", default="local,s3", help="comma-separated: local, s3")
+    parser.add_argument("--keep", type=int, default=3, help="committed steps kept per backend")
+    parser.add_argument("--json", default=str(RESULTS), help="where to write results ('': nowhere)")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    command = f"python -m tests.torture --points {args.points} --seed {seed}"
+    if args.backends != "local,s3" or args.keep != 3:
+        command += f" --backends {args.backends} --keep {args.keep}"
+    from ckptstore.testing.servers import MotoS3Server
+
+    with tempfile.TemporaryDirectory(prefix="torture-") as tmp, MotoS3Server() as moto:
+        folder = Path(tmp)
+        targets: dict[str, str] = {}
+        names = args.backends.split(",")
+        if "local" in names:
+            targets["local"] = str(folder / "local")
+        if "s3" in names:
+            targets["s3"] = s3_profile(folder, moto.endpoint, moto.create_bucket(), "torture")
+        env = moto_env(folder)
+        os.environ.update(env)
+        worker_log = folder / "workers.log"
+        report, points = asyncio.run(
+            torture(
+                targets,
+                points=args.points,
+                seed=seed,
+                env=env,
+                log=print,
+                worker_log=worker_log,
+                keep=args.keep,
+            )
+        )
+        failed = any(p.lost or p.torn or p.problems for p in points)
+        if failed and worker_log.exists():
+            print("the workers' stderr (last 3000 characters):")
+            print(worker_log.read_text(errors="replace")[-3000:])
+    print(table(report))
+    print(f"seed {seed}; {report['seconds']} s; rerun: {command}")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {**report, "command": command, "points": [asdict(p) for p in points]}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
