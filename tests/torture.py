@@ -544,9 +544,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {**report, "command": command, "points": [asdict(p) for p in points]}
+        doc = {
+            **report,
+            "command": command,
+            "commit": _commit(),
+            "points": [asdict(p) for p in points],
+        }
         path.write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if failed else 0
+
+
+def _commit() -> str:
+    """The checked-out commit, for the results file ("" outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip()
 
 
 if __name__ == "__main__":
