@@ -29,6 +29,7 @@ from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    InvalidKeyError,
     NotFoundError,
 )
 
@@ -113,6 +114,8 @@ async def commit(backend: Backend, manifest: Manifest) -> Marker:
         raise ValueError("only attempt-scoped (format version 2) checkpoints are written")
     where = AttemptDir(manifest.step, manifest.attempt)
     data = manifest.to_bytes()
+    # What a reader would refuse is never committed (a hand-edited part record, say).
+    Manifest.from_bytes(data, where=f"{backend.url}/{where.manifest} (not written)")
     await backend.write(where.manifest, data)
     marker = Marker(
         step=manifest.step,
@@ -141,8 +144,15 @@ async def committed_steps(backend: Backend) -> list[int]:
     candidates = sorted(
         s for s in (layout.parse_step(n) for n in await backend.list_dir()) if s is not None
     )
-    flags = await asyncio.gather(*(backend.exists(layout.commit_key(s)) for s in candidates))
+    flags = await asyncio.gather(*(_has_marker(backend, s) for s in candidates))
     return [s for s, ok in zip(candidates, flags, strict=True) if ok]
+
+
+async def _has_marker(backend: Backend, step: int) -> bool:
+    try:
+        return await backend.exists(layout.commit_key(step))
+    except InvalidKeyError:  # the step's directory leads out of the root (a symlink): listed,
+        return True  # so that reading it says so (`read_marker`) rather than hiding it
 
 
 async def read_marker(backend: Backend, step: int) -> Marker | None:
@@ -152,6 +162,8 @@ async def read_marker(backend: Backend, step: int) -> Marker | None:
         data = await backend.read(key)
     except NotFoundError:
         return None
+    except InvalidKeyError as exc:
+        raise CorruptCheckpointError(f"step {step} cannot be read: {exc}") from exc
     return Marker.from_bytes(data, step=step, where=f"{backend.url}/{key}")
 
 

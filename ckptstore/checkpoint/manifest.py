@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore.backends.keys import validate_key
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.tree import check_structure
+from ckptstore.checkpoint.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.leaves import LeafInfo, dtype_of
 
@@ -108,6 +109,15 @@ def _parse(doc: Any) -> Manifest:
     _expect(isinstance(doc.get("metadata", {}), dict), "metadata is not an object")
     for name in ("processes", "references"):
         _expect(isinstance(doc.get(name, []), list), f"{name} is not a list")
+    for ref in doc.get("references", []):  # gc and delete_step keep what these name
+        _expect(
+            isinstance(ref, dict)
+            and _is_int(ref.get("step"))
+            and ref["step"] >= 0
+            and isinstance(ref.get("attempt"), str)
+            and layout.is_attempt(ref["attempt"]),
+            f"bad reference {str(ref)[:80]}",
+        )
     timings = doc.get("timings", {})
     _expect(
         isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values()),
@@ -132,11 +142,14 @@ def _parse_item(name: str, item: Any) -> ItemManifest:
     _expect(isinstance(item, dict), f"item {name!r} is not an object")
     leaves_doc = item["leaves"]
     _expect(isinstance(leaves_doc, dict), f"item {name!r}: leaves is not an object")
-    leaves = {n: _parse_leaf(n, d) for n, d in leaves_doc.items()}
+    leaves = {n: parse_leaf(n, d) for n, d in leaves_doc.items()}
     parts = item.get("parts", [])
     _expect(isinstance(parts, list) and all(isinstance(p, str) for p in parts), "bad parts")
+    for part in parts:  # store directories below the item: relative, never up and out
+        validate_key(part)
     structure = item["structure"]
     named = check_structure(structure)
+    check_leaf_paths(structure)
     _expect(
         named == set(leaves),
         f"item {name!r}: the structure's leaves and the leaf table differ "
@@ -145,21 +158,25 @@ def _parse_item(name: str, item: Any) -> ItemManifest:
     return ItemManifest(structure=structure, leaves=leaves, parts=list(parts))
 
 
-def _parse_leaf(name: str, d: Any) -> LeafInfo:
+def parse_leaf(name: str, d: Any) -> LeafInfo:
+    """One leaf's record, checked field by field (a manifest's, or a partial save's part
+    record's); raises ValueError (or its subclasses) naming the problem."""
     _expect(isinstance(name, str) and name != "", "empty leaf name")
+    check_leaf_name(name)
     _expect(isinstance(d, dict), f"leaf {name!r} is not an object")
     shape, chunks = d["shape"], d["chunk_shape"]
     _expect(
-        isinstance(shape, list) and len(shape) <= MAX_RANK and all(_is_int(x) for x in shape),
+        isinstance(shape, list)
+        and len(shape) <= MAX_RANK
+        and all(_is_int(x) and 0 <= x < 2**63 for x in shape),
         f"leaf {name!r}: bad shape",
     )
-    _expect(
+    _expect(  # a save's chunks are never larger than the leaf (1 along an empty axis)
         isinstance(chunks, list)
         and len(chunks) == len(shape)
-        and all(_is_int(c) and c >= 1 for c in chunks),
+        and all(_is_int(c) and 1 <= c <= max(1, n) for c, n in zip(chunks, shape, strict=True)),
         f"leaf {name!r}: bad chunk shape",
     )
-    _expect(all(0 <= x < 2**63 for x in shape), f"leaf {name!r}: bad shape")
     _expect(isinstance(d["dtype"], str), f"leaf {name!r}: bad dtype")
     dtype_of(d["dtype"])  # raises for dtypes TensorStore cannot hold
     _expect(d["kind"] in KINDS, f"leaf {name!r}: bad kind {d['kind']!r}")

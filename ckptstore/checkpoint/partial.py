@@ -33,11 +33,17 @@ from ckptstore.checkpoint.commit import commit, ensure_uncommitted
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import fast_is_shared
 from ckptstore.checkpoint.layout import AttemptDir
-from ckptstore.checkpoint.manifest import ItemManifest, Manifest
+from ckptstore.checkpoint.manifest import ItemManifest, Manifest, parse_leaf
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
-from ckptstore.checkpoint.tree import TreeError, check_structure, describe, flatten
+from ckptstore.checkpoint.tree import (
+    TreeError,
+    check_leaf_paths,
+    check_structure,
+    describe,
+    flatten,
+)
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -89,21 +95,32 @@ class Part:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Part:
+        """A part record, checked as strictly as a manifest (its leaves and structure go
+        into one when the session is finalized)."""
         try:
             doc = json.loads(data)
             index, name = doc["index"], doc["dir"]
             match = _PART_DIR.fullmatch(name) if isinstance(name, str) else None
-            if not isinstance(index, int) or match is None or int(match[1]) != index:
+            if type(index) is not int or match is None or int(match[1]) != index:
                 raise ValueError(f"part {index!r} names directory {name!r}")
+            leaves = {n: parse_leaf(n, d) for n, d in doc["leaves"].items()}
+            if check_structure(doc["structure"]) != set(leaves):
+                raise ValueError("its structure and its leaves name different leaves")
+            check_leaf_paths(doc["structure"])
+            processes = doc["processes"]
+            if not isinstance(processes, list) or any(
+                not isinstance(p, dict) or p.get("process") != i for i, p in enumerate(processes)
+            ):
+                raise ValueError("its processes are not the reports of processes 0, 1, ...")
             return cls(
                 index=index,
                 dir=name,
-                leaves={n: LeafInfo.from_json(n, d) for n, d in doc["leaves"].items()},
+                leaves=leaves,
                 structure=doc["structure"],
                 replace=bool(doc["replace"]),
-                processes=list(doc["processes"]),
+                processes=processes,
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(f"unreadable part record {where}: {exc}") from exc
 
 
@@ -234,7 +251,7 @@ class PartialSave:
             record = json.loads(await self.backend.read(key))
         except NotFoundError:
             return None
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CorruptCheckpointError(f"unreadable session record {key}: {exc}") from exc
         if not isinstance(record, dict) or record.get("item") != self.item:
             return None

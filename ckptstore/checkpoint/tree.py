@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import keyword
+import re
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, unquote
@@ -120,6 +121,20 @@ def describe(tree: Any, name: str = "") -> dict[str, Any]:
     }
 
 
+_NAME_SEGMENT = re.compile(r"[A-Za-z0-9_.~%-]+")
+
+
+def check_leaf_name(name: Any) -> str:
+    """``name`` if `path_name` could have made it (percent-encoded segments joined by
+    ``/``, none empty, ``.`` or ``..``), else `TreeError`: a stored name is a path in
+    the store, so a hand-edited one must not reach anywhere else."""
+    if isinstance(name, str) and all(
+        _NAME_SEGMENT.fullmatch(s) and s not in (".", "..") for s in name.split("/")
+    ):
+        return name
+    raise TreeError(f"bad leaf name {str(name)[:80]!r}: not a stored tree path")
+
+
 MAX_DEPTH = 200  # far deeper than any real model; deep enough JSON would exhaust the stack
 
 
@@ -139,9 +154,9 @@ def check_structure(desc: Any) -> set[str]:
             raise TreeError(f"malformed node in the stored tree structure: {str(node)[:80]}")
         kind = node["t"]
         if kind == "leaf":
-            name = node.get("name")
-            if not isinstance(name, str) or not name or name in names:
-                raise TreeError(f"bad or repeated leaf name {name!r} in the stored structure")
+            name = check_leaf_name(node.get("name"))
+            if name in names:
+                raise TreeError(f"leaf name {name!r} appears twice in the stored structure")
             names.add(name)
             continue
         items = node.get("items", [])
@@ -160,6 +175,32 @@ def check_structure(desc: Any) -> set[str]:
 
 
 _NODE_TYPES = ("none", "leaf", "dict", "list", "tuple", "namedtuple", "custom")
+
+
+def check_leaf_paths(desc: dict[str, Any]) -> None:
+    """Every leaf of a structure that passed `check_structure` is named by its path, as
+    `describe` names it; else `TreeError`. So a key renamed in a stored structure cannot
+    quietly hand a leaf to another place of the rebuilt tree."""
+    stack: list[tuple[dict[str, Any], str]] = [(desc, "")]
+    while stack:
+        node, prefix = stack.pop()
+        kind = node["t"]
+        if kind == "leaf":
+            if node["name"] != (prefix or "%root"):
+                raise TreeError(f"leaf {node['name']!r} is stored at {prefix or '%root'!r}")
+            continue
+        items = node.get("items", [])
+        if kind == "dict":
+            keys = [segment(jax.tree_util.DictKey(k[1])) for k in node["keys"]]
+        elif kind == "namedtuple":
+            keys = [segment(jax.tree_util.GetAttrKey(f)) for f in node["fields"]]
+        elif kind == "custom":
+            keys = list(node["keys"])
+        else:
+            keys = [str(i) for i in range(len(items))]
+        stack.extend(
+            (c, f"{prefix}/{k}" if prefix else k) for c, k in zip(items, keys, strict=True)
+        )
 
 
 def _check_keys(keys: Any, count: int, ok: Callable[[Any], bool]) -> None:
