@@ -62,6 +62,13 @@ _OPTIONS: dict[str, set[str]] = {
     | _OBJECT
     | {"endpoint", "emulator", "project", "credentials", "resumable_threshold", "chunk_size"},
 }
+#: Option types checked before a backend sees them (the rest check themselves).
+_OPTION_TYPES: dict[str, type] = {
+    **dict.fromkeys(("endpoint", "region", "credentials", "profile", "project"), str),
+    **dict.fromkeys(("fsync", "drop_cache", "create"), bool),
+    **dict.fromkeys(("multipart_threshold", "part_size", "resumable_threshold", "chunk_size"), int),
+    **dict.fromkeys(("read_part_size", "read_concurrency"), int),
+}
 #: The packages each object-store backend needs, installed by the extra of the same name.
 _EXTRAS = {"s3": ("s3fs",), "gcs": ("gcsfs",)}
 _SCHEMES = {"file": "local", "memory": "memory", "s3": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -102,6 +109,8 @@ def parse_url(url: str) -> tuple[str, tuple[str, str]]:
     """Split a backend URL into its kind and ``(bucket-or-root, prefix)``."""
     if not url:
         raise InvalidURLError("empty backend URL")
+    if "\x00" in url:
+        raise InvalidURLError(f"{redact(url)!r} contains a NUL character")
     if "://" not in url:
         return "local", (os.path.abspath(url), "")
     parts = urlsplit(url)
@@ -174,8 +183,9 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
         raw = tomllib.loads(file.read_text())
     except FileNotFoundError:
         raise ConfigError(f"profile {file} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"profile {file} is not valid TOML: {exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise ConfigError(f"profile {file} is not valid TOML: {why}") from None
     unknown = set(raw) - {"url", "options", "description", "manager", "tiers"}
     if unknown:
         raise ConfigError(f"profile {file}: unknown top-level keys {sorted(unknown)}")
@@ -244,6 +254,11 @@ def _check_options(kind: str, options: Mapping[str, Any], *, source: str) -> Non
             f"{source}: unknown option(s) {sorted(unknown)} for a {kind} backend "
             f"(allowed: {allowed})"
         )
+    for name, value in options.items():
+        want = _OPTION_TYPES.get(name)
+        if want is not None and (type(value) is not want):  # a bool is no int here
+            shown = "a value" if name == "credentials" else repr(value)[:40]  # maybe a secret
+            raise ConfigError(f"{source}: option {name!r} must be a {want.__name__}, not {shown}")
 
 
 def _retry(value: Any, source: str) -> RetryPolicy:
