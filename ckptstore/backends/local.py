@@ -138,9 +138,13 @@ class LocalBackend(Backend):
             return AlreadyExistsError("object already exists", backend=self.url, key=key)
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return PermissionDeniedError("permission denied", backend=self.url, key=key)
-        if exc.errno in (errno.EISDIR, errno.ENOTDIR):
+        if exc.errno == errno.EISDIR:
             return NotFoundError(
                 "not an object (a directory is in the way)", backend=self.url, key=key
+            )
+        if exc.errno == errno.ENOTDIR:
+            return NotFoundError(
+                "a file is in the way where a directory should be", backend=self.url, key=key
             )
         return StorageError(f"{exc.strerror or exc}", backend=self.url, key=key)
 
@@ -189,15 +193,25 @@ class LocalBackend(Backend):
 
     async def _list(self, prefix: str) -> list[ObjectInfo]:
         base = self._path(prefix) if prefix else self.root
+        if not prefix:
+            await self._root_is_no_file()
         return await _walk(base, prefix)
 
     async def _list_dir(self, prefix: str) -> list[str]:
         base = self._path(prefix) if prefix else self.root
         try:
             names = await aiofiles.os.listdir(base)
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            if not prefix:  # a file where the root should be: not an empty store
+                await self._root_is_no_file()
             return []
         return sorted(n for n in names if TEMP_MARKER not in n)
+
+    async def _root_is_no_file(self) -> None:
+        if await aiofiles.os.path.isfile(self.root):
+            raise NotFoundError(f"{self.root} is a file, not a directory", backend=self.url)
 
     async def _stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
