@@ -381,7 +381,7 @@ class Campaign:
         backend = store.backend
         kept = await committed_keys(backend, await everything(backend))
         removed = (await ckptstore.gc(backend, older_than=0)).entries
-        unused = {k for k in kept if any(k.startswith(e + "/") for e in removed)}
+        unused = {k for k in kept if any(k == e or k.startswith(e + "/") for e in removed)}
         left = await everything(backend)
         if await committed_keys(backend, left) != kept - unused:
             point.problems.append("gc removed objects of a committed step it did not announce")
