@@ -175,8 +175,9 @@ SAFETENSORS: dict[str, tuple[bytes, str]] = {
 #: Step directory names that are not steps (each holds a copy of step 1, marker included).
 STEP_NAMES = ["05", "-1", "1.0", " 1", "1 ", "+1", "0x1", "\u0967", "\u0661", "1\u0301"]
 
-#: Hostile-input cases other test files cover: (file, test, kind, cases, parameter). A
-#: parametrized test's count is checked against its parameter's values.
+#: Hostile-input cases other test files cover: (module, test, kind, cases, parameter), the
+#: module below tests/ unless dotted. A parametrized test's count is checked against its
+#: parameter's values.
 ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
     ("test_commit", "test_hostile_manifests_are_corrupt_not_tracebacks", "manifest", 6, "edit"),
     ("test_commit", "test_manifest_edited_to_another_step_is_caught", "manifest", 2, None),
@@ -211,6 +212,12 @@ ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
     ("test_check_root", "test_a_missing_or_non_directory_local_root", "root", 2, None),
     ("test_check_root", "test_a_missing_s3_bucket", "root", 1, None),
     ("test_check_root", "test_a_missing_gcs_bucket", "root", 1, None),
-    ("conformance", "BackendConformance.test_invalid_keys_rejected_before_io", "key", 9, "key"),
+    (
+        "ckptstore.testing.conformance",
+        "BackendTests.test_invalid_keys_rejected_before_io",
+        "key",
+        9,
+        "key",
+    ),
     ("test_partial", "test_sessions_resume_start_anew_and_abandon", "session", 2, None),
 ]

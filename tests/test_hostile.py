@@ -473,11 +473,16 @@ def test_any_profile_is_a_typed_error_or_a_backend(text: bytes, tmp_path: Path) 
 # ---- the count ----
 
 
-def parameter_values(module: str, test: str, parameter: str) -> int:
-    """How many values ``parameter`` of ``module.test`` is parametrized with."""
-    target: Any = importlib.import_module(f"tests.{module}")
+def _test_function(module: str, test: str) -> Any:
+    target: Any = importlib.import_module(module if "." in module else f"tests.{module}")
     for attr in test.split("."):
         target = getattr(target, attr)
+    return target
+
+
+def parameter_values(module: str, test: str, parameter: str) -> int:
+    """How many values ``parameter`` of ``module.test`` is parametrized with."""
+    target = _test_function(module, test)
     for mark in getattr(target, "pytestmark", []):
         if mark.name == "parametrize":
             names = mark.args[0]
@@ -508,9 +513,7 @@ def test_the_count() -> None:
             assert count in (0, found), f"{module}.{test}: {found} cases, not {count}"
             count = found
         else:
-            target: Any = importlib.import_module(f"tests.{module}")
-            for attr in test.split("."):
-                target = getattr(target, attr)
+            _test_function(module, test)  # it exists
         elsewhere[kind] = elsewhere.get(kind, 0) + count
     kinds = sorted(set(NEW) | set(elsewhere))
     print(f"\n{'kind':24} {'here':>5} {'elsewhere':>9}")

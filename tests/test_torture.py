@@ -19,7 +19,10 @@ POINTS = 30
 
 
 def test_thirty_kills_lose_and_tear_no_committed_step(
-    moto_server: MotoS3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ckptstore_s3_server: MotoS3Server,
+    ckptstore_s3_bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seed = int(os.environ.get("CKPTSTORE_TORTURE_SEED") or random.SystemRandom().randrange(2**32))
     env = moto_env(tmp_path)
@@ -27,7 +30,7 @@ def test_thirty_kills_lose_and_tear_no_committed_step(
         monkeypatch.setenv(name, value)
     targets = {
         "local": str(tmp_path / "local"),
-        "s3": s3_profile(tmp_path, moto_server.endpoint, s3_bucket, "torture"),
+        "s3": s3_profile(tmp_path, ckptstore_s3_server.endpoint, ckptstore_s3_bucket, "torture"),
     }
     lines: list[str] = []
     report, points = asyncio.run(
