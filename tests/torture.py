@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
@@ -37,7 +36,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import read_marker
 from tests import torture_worker as worker
 from tests.test_multiprocess import free_port
-from tests.torture_report import summary, table
+from tests.torture_report import RESULTS, Point, summary, table, write
 
 #: (operation, processes) cells; each runs on every backend.
 CELLS = [
@@ -68,36 +67,6 @@ AIM |= {"finalize": "finalize", "delete": "delete", "gc": "gc"}
 #: First guesses of phase durations (s), replaced by what the campaign observes.
 GUESS = {"save": 0.4, "merge": 0.05, "commit": 0.02, "add": 0.15}
 GUESS |= {"finalize": 0.1, "delete": 0.03, "gc": 0.1}
-RESULTS = Path(__file__).parents[1] / "benchmarks" / "results" / "torture.json"
-
-
-@dataclass
-class Point:
-    """One kill point: what was run, where the kill landed, what the checks found."""
-
-    index: int
-    op: str
-    backend: str
-    processes: int
-    step: int
-    victims: list[int]
-    occurrence: int  # which start of the aimed phase (the part index, for "add")
-    fraction: float  # of the aimed phase's usual duration, after it starts
-    later: float  # the other processes' kill, after the victims', in the same unit
-    window: float = 0.0  # the usual duration used (s)
-    landed: str = ""  # innermost phase running when the kill came; "after" if done
-    committed: bool | None = None  # the killed operation's step, listed afterwards
-    lost: list[int] = field(default_factory=list)
-    torn: list[int] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    #: Typed errors of the processes killed later, after a victim died (a peer gone).
-    survivors: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    timing: list[float] = field(default_factory=list)  # prepare, run and kill, check (s)
-
-    @property
-    def in_op(self) -> bool:
-        return self.landed not in ("after", "")
 
 
 @dataclass
@@ -542,15 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(report))
     print(f"seed {seed}; {report['seconds']} s; rerun: {command}")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            **report,
-            "command": command,
-            "commit": _commit(),
-            "points": [asdict(p) for p in points],
-        }
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        write(Path(args.json), report, points, command=command, commit=_commit())
     return 1 if failed else 0
 
 

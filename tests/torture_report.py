@@ -1,13 +1,49 @@
 """The torture campaign's report: kill points per operation and backend, and what the
-checks after each kill found (tests/torture.py)."""
+checks after each kill found (tests/torture.py).
+
+``python -m tests.torture_report [RESULTS]`` prints the table of a results file
+(default benchmarks/results/torture.json) from its points.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-if TYPE_CHECKING:
-    from tests.torture import Point
+RESULTS = Path(__file__).parents[1] / "benchmarks" / "results" / "torture.json"
+
+
+@dataclass
+class Point:
+    """One kill point: what was run, where the kill landed, what the checks found."""
+
+    index: int
+    op: str
+    backend: str
+    processes: int
+    step: int
+    victims: list[int]
+    occurrence: int  # which start of the aimed phase (the part index, for "add")
+    fraction: float  # of the aimed phase's usual duration, after it starts
+    later: float  # the other processes' kill, after the victims', in the same unit
+    window: float = 0.0  # the usual duration used (s)
+    landed: str = ""  # innermost phase running when the kill came; "after" if done
+    committed: bool | None = None  # the killed operation's step, listed afterwards
+    lost: list[int] = field(default_factory=list)
+    torn: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    #: Typed errors of the processes killed later, after a victim died (a peer gone).
+    survivors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    timing: list[float] = field(default_factory=list)  # prepare, run and kill, check (s)
+
+    @property
+    def in_op(self) -> bool:
+        return self.landed not in ("after", "")
 
 
 def summary(points: list[Point]) -> dict[str, Any]:
@@ -23,7 +59,7 @@ def summary(points: list[Point]) -> dict[str, Any]:
                 "backend": p.backend,
                 "kills": 0,
                 "landed_after": 0,
-                "committed": 0,
+                "listed": 0,
                 "lost": 0,
                 "torn": 0,
                 "problems": 0,
@@ -35,7 +71,7 @@ def summary(points: list[Point]) -> dict[str, Any]:
             row["phases"][p.landed] += 1
         else:
             row["landed_after"] += 1
-        row["committed"] += bool(p.committed) and p.op != "gc"
+        row["listed"] += bool(p.committed) and p.op != "gc"
         row["lost"] += len(p.lost)
         row["torn"] += len(p.torn)
         row["problems"] += bool(p.problems)
@@ -53,14 +89,18 @@ def summary(points: list[Point]) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
+    """kills: landed while the operation ran; after: came once it had ended; listed: the
+    operation's step was listed afterwards (committed by the save, not yet deleted); lost,
+    torn: committed steps missing or not restoring bit-exact; bad: points where another
+    check failed; landed in: the innermost phase the kills came in."""
     head = f"{'operation':10} {'procs':>5} {'backend':7} {'kills':>5} {'after':>5} "
-    head += f"{'commit':>6} {'lost':>4} {'torn':>4} {'bad':>4}  landed in"
+    head += f"{'listed':>6} {'lost':>4} {'torn':>4} {'bad':>4}  landed in"
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         phases = ", ".join(f"{k} {v}" for k, v in sorted(r["phases"].items()))
         lines.append(
             f"{r['op']:10} {r['processes']:>5} {r['backend']:7} {r['kills']:>5} "
-            f"{r['landed_after']:>5} {r['committed']:>6} {r['lost']:>4} {r['torn']:>4} "
+            f"{r['landed_after']:>5} {r['listed']:>6} {r['lost']:>4} {r['torn']:>4} "
             f"{r['problems']:>4}  {phases}"
         )
     t = report["total"]
@@ -71,3 +111,24 @@ def table(report: dict[str, Any]) -> str:
         f"{t['committed_torn']}; points with other problems: {t['points_with_problems']}"
     )
     return "\n".join(lines)
+
+
+def write(path: Path, report: dict[str, Any], points: list[Point], **extra: Any) -> None:
+    """The results file: the report, ``extra`` (command, commit), then one line per point."""
+    head = json.dumps({**report, **extra}, indent=1)
+    lines = ",\n  ".join(json.dumps(asdict(p), separators=(",", ":")) for p in points)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{head[:-2]},\n "points": [\n  {lines}\n ]\n}}\n')
+
+
+def main(argv: list[str]) -> int:
+    doc = json.loads(Path(argv[0] if argv else RESULTS).read_text())
+    report = summary([Point(**p) for p in doc["points"]])
+    print(table(report))
+    print(f"seed {doc['seed']}, {doc['seconds']} s, commit {doc.get('commit', '?')[:12]}")
+    print(f"rerun: {doc['command']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
