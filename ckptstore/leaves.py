@@ -153,11 +153,12 @@ Index = tuple[slice, ...]
 @dataclass(frozen=True)
 class HostShards:
     """A jax array as staged for a save: the shards this process writes (addressable,
-    replica 0), copied into host memory that only the save uses, so the array itself
-    may be donated, deleted or overwritten as soon as staging returns. ``extra``: the
-    other addressable slices (replicas whose replica 0 is on another process), staged
-    for a host-local fast tier's copy (`ckptstore.arrays.host_view_slices`); None when
-    not staged."""
+    replica 0), copied into host memory that only the save uses, or (CPU devices)
+    zero-copy views that keep the shards' own buffers alive and unchanged; either way
+    the array itself may be donated, deleted or overwritten as soon as staging returns.
+    ``extra``: the other addressable slices (replicas whose replica 0 is on another
+    process), staged for a host-local fast tier's copy
+    (`ckptstore.arrays.host_view_slices`); None when not staged."""
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]

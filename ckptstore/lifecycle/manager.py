@@ -60,7 +60,7 @@ class SaveStats:
     durable: float  # from the call to save() until the step was committed
     bytes: int  # payload of the whole step
     bytes_written: int  # by this process
-    staged_bytes: int  # copied to host memory by this process
+    staged_bytes: int  # held for the save by this process: host copies, or views ("view")
 
 
 class SaveHandle:
@@ -227,7 +227,6 @@ class CheckpointManager:
         start: float,
         waited: float,
     ) -> SaveStats:
-        await asyncio.to_thread(self._stager.finish, staged)  # copies "view" staging defers
         target: Backend | Tiered = self.backend
         if self.durable is not None and self.tiered is not None:  # checks room on the fast tier
             target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
@@ -237,7 +236,7 @@ class CheckpointManager:
             step=step,
             metadata={**metadata, "metrics": metrics} if metrics else metadata,
             timeout=self.options.timeout,
-            timings={"staging": staged.seconds, "deferred_copy": staged.deferred_seconds},
+            timings={"staging": staged.seconds},
         )
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
