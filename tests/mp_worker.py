@@ -19,6 +19,10 @@ then (host-local) tries a partial save of step 2;
 every shard, then the whole tree as numpy arrays, and prints where each read its step;
 "tiered-promote" promotes what is staged; "tiered-manager" runs "manager" on the tiers
 (keep_fast=1).
+"preempt" resumes from the latest committed step (if any), then trains (x -> x + 1, donating
+the state) calling the manager's `save` at every step with saves every 1000 steps or on
+preemption, prints "training from STEP" once running and, when the manager says the job is
+preempted, "preempted at STEP", and exits once that step is committed.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ def main() -> None:
     )
     devices = np.array(jax.devices())
     assert devices.size == 4 * int(num), devices
+    if mode == "preempt":
+        run_preempt(root, devices)
+        jax.distributed.shutdown()
+        return
     if mode in ("manager", "tiered-manager"):
         tiers = ckptstore.Tiered(fast, str(durable), keep_fast=1) if durable else None
         run_manager(tiers or root, devices)
@@ -262,6 +270,48 @@ def run_manager(root: str | ckptstore.Tiered, devices: np.ndarray) -> None:
             for shard in arr.addressable_shards:  # step 6 holds the state after 5 steps
                 np.testing.assert_array_equal(np.asarray(shard.data), trained(k, 5)[shard.index])
     print(f"manager ok saved {saved}" + "".join(f", read {w}" for w in where), flush=True)
+
+
+def run_preempt(root: str, devices: np.ndarray) -> None:
+    import time
+
+    from ckptstore import policies
+
+    mesh = Mesh(devices.reshape(2, -1), ("x", "y"))
+    specs = {"w": P("x", "y"), "v": P("y"), "replicated": P()}
+    shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+    save = policies.AnyOf(policies.EveryNSteps(1000), policies.OnPreemption())
+    opts = ckptstore.ManagerOptions(timeout=60)  # SIGTERM: JAX's preemption service
+    with ckptstore.CheckpointManager(root, save_policy=save, options=opts) as mgr:
+        start = mgr.latest_step() or 0
+        if start:  # the state saved at step S is expected + S
+            like = {
+                k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=shardings[k])
+                for k in SHAPES
+            }
+            state = mgr.restore(like=like)
+            for k, arr in state.items():
+                for shard in arr.addressable_shards:
+                    want = expected(k)[shard.index] + start
+                    np.testing.assert_array_equal(np.asarray(shard.data), want)
+        else:
+            state = {
+                k: jax.make_array_from_callback(
+                    SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i]
+                )
+                for k in SHAPES
+            }
+        print(f"training from {start}", flush=True)
+        for step in range(start + 1, start + 20_000):
+            state = step_fn(state)
+            mgr.save(step, state)
+            if mgr.preempted:
+                print(f"preempted at {step}", flush=True)
+                break
+            time.sleep(0.005)
+        else:
+            raise AssertionError("never preempted")
 
 
 if __name__ == "__main__":

@@ -344,6 +344,19 @@ def test_sigterm_saves_the_step_and_tells_the_loop(root: str) -> None:
     assert_same(ckptstore.restore_sync(root), expected)
 
 
+def test_a_preemption_save_is_never_skipped(root: str) -> None:
+    slow = FaultyBackend(ckptstore.open_backend(root), latency=0.2)
+    policy = pol.AnyOf(pol.EveryNSteps(1), pol.OnPreemption())
+    opts = ckptstore.ManagerOptions(if_busy="skip")  # SIGTERM handled
+    with ckptstore.CheckpointManager(slow, save_policy=policy, options=opts) as mgr:
+        first = mgr.save(1, {"x": np.arange(3)})
+        assert first is not None and mgr.save(2, {"x": np.arange(3)}) is None  # busy: skipped
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert not first.done()  # still in flight, yet the preemption's step is saved
+        assert mgr.save(3, {"x": np.arange(3)}) is not None and mgr.preempted
+    assert ckptstore.list_steps_sync(root) == [1, 3]
+
+
 def test_a_restarted_manager_cleans_up_and_resumes(root: str) -> None:
     with ckptstore.CheckpointManager(root, options=options()) as mgr:
         for step in (1, 2):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -270,3 +271,53 @@ def test_two_hosts_train_with_a_manager_on_their_own_fast_tiers(tmp_path: Path) 
     assert ckptstore.list_steps_sync(durable) == [4, 6]  # the keep policy, on the durable tier
     for i in (0, 1):  # keep_fast=1: each host keeps its part of the latest step only
         assert sorted(p.name for p in (tmp_path / f"fast{i}").iterdir()) == ["6"]
+
+
+def start_job(root: Path, mode: str, logs: Path, num: int = 2) -> list[subprocess.Popen[str]]:
+    """Start ``num`` workers; each one's stderr goes to ``logs/<mode>-<i>.err``."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    logs.mkdir(exist_ok=True)
+    return [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), coordinator, str(num), str(i), str(root), mode],
+            stdout=subprocess.PIPE,
+            stderr=(logs / f"{mode}-{i}.err").open("w"),
+            text=True,
+            cwd=WORKER.parents[1],
+        )
+        for i in range(num)
+    ]
+
+
+def preempt(procs: list[subprocess.Popen[str]], which: list[int], logs: Path) -> list[str]:
+    """Wait until every worker trains, SIGTERM ``which``, and return what each printed."""
+    started = [p.stdout.readline() for p in procs if p.stdout is not None]
+    assert all(line.startswith("training from") for line in started), started
+    time.sleep(0.5)  # some steps on both
+    for i in which:
+        procs[i].send_signal(signal.SIGTERM)
+    outputs = []
+    for i, proc in enumerate(procs):
+        out, _ = proc.communicate(timeout=120)
+        err = (logs / f"preempt-{i}.err").read_text()
+        assert proc.returncode == 0, f"process {i} failed:\n{err[-3000:]}"
+        outputs.append(started[i] + out)
+    return outputs
+
+
+def test_sigterm_on_one_or_both_processes_saves_the_same_step_on_both(tmp_path: Path) -> None:
+    root, logs = tmp_path / "ckpt", tmp_path / "logs"
+    # SIGTERM reaches process 1 only; JAX's preemption sync point tells both which step.
+    first = preempt(start_job(root, "preempt", logs), [1], logs)
+    step = int(first[0].split()[-1])
+    assert first == [f"training from 0\npreempted at {step}\n"] * 2
+    assert ckptstore.list_steps_sync(str(root))[-1] == step
+    # A restart resumes from that step (each process checks its shards), then both get it.
+    second = preempt(start_job(root, "preempt", logs), [0, 1], logs)
+    later = int(second[0].split()[-1])
+    assert later > step
+    assert second == [f"training from {step}\npreempted at {later}\n"] * 2
+    assert ckptstore.list_steps_sync(str(root))[-1] == later
+    restored = ckptstore.restore_sync(str(root))
+    for name in SHAPES:
+        np.testing.assert_array_equal(restored[name], expected(name) + later)

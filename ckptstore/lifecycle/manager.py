@@ -193,16 +193,18 @@ class CheckpointManager:
 
     def _decide(self, step: int, force: bool) -> bool:
         busy = self._inflight is not None and not self._inflight.done()
+        preempted = self._check_preemption(step)
         ctx = P.SaveContext(
             step=step,
             now=time.monotonic(),
             last_step=self._last_step,
             last_time=self._last_time,
             in_flight=busy,
-            preempted=self._check_preemption(step),
+            preempted=preempted,
         )
         wanted = force or self.save_policy.should_save(ctx)
-        go = wanted and not (busy and self.options.if_busy == "skip")
+        # A preemption's save is never skipped: it waits for the one in flight.
+        go = wanted and not (busy and self.options.if_busy == "skip" and not preempted)
         agreed_alone = force or (self.save_policy.deterministic and self.options.if_busy == "wait")
         if self._count > 1 and not agreed_alone:  # clocks and progress differ: process 0 decides
             go = self._call(self._agree(step, go))
@@ -340,22 +342,28 @@ class CheckpointManager:
 
     @property
     def preempted(self) -> bool:
-        """Whether this process received SIGTERM (the loop should save and stop)."""
+        """Whether the job is being preempted, so the loop should stop once this step is
+        saved: this process got SIGTERM (one process), or every process reached JAX's
+        preemption sync point at the same step (several; `save` must then be called at
+        every step, as the sync point is one step that every process must pass through)."""
         return self._preempted.is_set()
 
     def _check_preemption(self, step: int) -> bool:
-        if self._count > 1:  # every process must agree on the step: JAX's sync point does
-            try:
-                from jax.experimental import multihost_utils
-
-                return bool(multihost_utils.reached_preemption_sync_point(step))
-            except RuntimeError:  # no preemption service in this job
-                return False
-        return self.preempted
+        if self._count > 1 and not self._preempted.is_set():
+            # SIGTERM on any process reaches every process through JAX's coordination
+            # service, which names one step (the largest any process had reached, plus
+            # one) that all of them then save: a process's own signal is not enough.
+            if _reached_preemption_sync_point(step):
+                log.warning("ckptstore: preemption: every process saves step %d", step)
+                self._preempted.set()
+        return self._preempted.is_set()
 
     def _install_sigterm(self) -> None:
-        if self._count > 1 or threading.current_thread() is not threading.main_thread():
+        if self._count > 1:
             return  # JAX's preemption service owns SIGTERM in multi-process jobs
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("ckptstore: SIGTERM not handled: the manager is not on the main thread")
+            return
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
             self._preempted.set()
@@ -473,6 +481,24 @@ class CheckpointManager:
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the manager's loop and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+_warned_no_preemption_service = False
+
+
+def _reached_preemption_sync_point(step: int) -> bool:
+    """JAX's multi-host preemption sync point; False (with a warning, once) where the job
+    runs without JAX's preemption service."""
+    global _warned_no_preemption_service
+    from jax.experimental import multihost_utils
+
+    try:
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+    except RuntimeError as exc:  # jax_enable_preemption_service is off
+        if not _warned_no_preemption_service:
+            _warned_no_preemption_service = True
+            log.warning("ckptstore: no preemption handling across processes: %s", exc)
+        return False
 
 
 def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[str, Any]:
