@@ -17,8 +17,9 @@ from ckptstore import cli_orbax
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
+from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan
-from ckptstore.checkpoint.commit import committed_steps, load_committed
+from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import Tiered, open_target
 from ckptstore.checkpoint.tiered import read_manifest, verify
@@ -173,12 +174,12 @@ def _per_process(manifest: Manifest) -> list[str]:
     ]
 
 
-def _print_info(manifest: Manifest) -> None:
+def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
     print(f"step {manifest.step}, created {when(manifest.created)}, {human(manifest.nbytes)}")
     if manifest.attempt:
         print(f"  attempt {manifest.attempt}")
-    if manifest.timings:
-        phases = ", ".join(f"{k} {v:.3f} s" for k, v in manifest.timings.items())
+    if manifest.timings or after:
+        phases = ", ".join(f"{k} {v:.3f} s" for k, v in {**manifest.timings, **after}.items())
         print(f"  timings: {phases}")
     for line in _per_process(manifest):
         print(line)
@@ -208,8 +209,38 @@ async def cmd_info(target: Backend | Tiered, step: int | None, as_json: bool) ->
     if as_json:
         print(manifest.to_bytes().decode())
     else:
-        _print_info(manifest)
+        _print_info(manifest, await _after_manifest(target, manifest))
     return 0
+
+
+async def _after_manifest(target: Backend | Tiered, manifest: Manifest) -> dict[str, float]:
+    """The phases after the manifest was written, which it cannot record: "commit" (from the
+    manifest to the marker on the tier the step was saved to, by the marker's time) and, on
+    tiers, "promotion" (from that marker to the durable tier's, by when that was stored)."""
+    out: dict[str, float] = {}
+
+    async def marker_time(backend: Backend) -> float | None:
+        try:
+            marker = await read_marker(backend, manifest.step)
+        except CorruptCheckpointError:
+            return None
+        ok = marker is not None and marker.attempt == manifest.attempt and marker.time > 0
+        return marker.time if ok and marker is not None else None
+
+    if isinstance(target, Backend):
+        committed = await marker_time(target)
+    else:
+        async with target.opened() as (fast, durable):
+            committed = await marker_time(fast)
+            if committed is not None and await marker_time(durable) is not None:
+                stored = (await durable.stat(layout.commit_key(manifest.step))).mtime
+                if stored is not None:
+                    out["promotion"] = max(0.0, stored - committed)
+            elif committed is None:  # the fast copy is gone (or the step was never there)
+                committed = await marker_time(durable)
+    if committed is not None:
+        out = {"commit": max(0.0, committed - manifest.created), **out}
+    return out
 
 
 async def cmd_verify(target: Backend | Tiered, step: int | None, as_json: bool) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -249,6 +250,47 @@ async def test_retention_never_touches_a_step_being_written(tmp_path: Path) -> N
     await task
     assert await ckptstore.list_steps(root) == [3, 50]
     np.testing.assert_array_equal((await ckptstore.restore(root, step=50))["x"], np.arange(4))
+
+
+# ---- timings ----
+
+
+def phases(out: str) -> dict[str, float]:
+    (line,) = [line for line in out.splitlines() if line.strip().startswith("timings:")]
+    return {
+        k: float(v.removesuffix(" s"))
+        for k, v in (part.strip().split(" ", 1) for part in line.split(":", 1)[1].split(","))
+    }
+
+
+def test_every_phase_of_a_save_is_recorded_and_shown_by_info(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptstore.cli import main
+
+    root = str(tmp_path / "run")
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        stats = mgr.save(1, make_state()).wait()
+    assert stats.durable >= stats.staging + stats.write + stats.merge + stats.commit
+    assert stats.bytes_written == stats.bytes > 0 and stats.staged_bytes > 0
+    assert main(["info", root]) == 0
+    out = capsys.readouterr().out
+    shown = phases(out)
+    assert sorted(shown) == ["commit", "merge", "staging", "write"]
+    assert shown["staging"] == pytest.approx(stats.staging, abs=1e-3)
+    assert 0 < shown["commit"] < stats.durable
+    assert re.search(r"process 0: wrote \S+ \S+ in \d+ shards", out), out
+
+    # Tiers: the step's promotion to the durable tier too (once both tiers have it).
+    profile = tmp_path / "tiers.toml"
+    profile.write_text('[tiers]\nfast = "fast"\ndurable = "durable"\n')
+    with ckptstore.CheckpointManager(str(profile), options=options()) as mgr:
+        mgr.save(2, {"x": np.arange(3)})
+        mgr.wait_until_finished()
+    assert main(["info", str(profile)]) == 0
+    shown = phases(capsys.readouterr().out)
+    assert sorted(shown) == ["commit", "merge", "promotion", "staging", "write"]
+    assert shown["promotion"] >= 0
 
 
 # ---- several items ----

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass
@@ -86,7 +87,11 @@ class Marker:
                 raise ValueError(f"it names no valid attempt ({attempt[:80]!r})")
             if not isinstance(dig, str) or not dig.startswith("sha256:") or len(dig) != 71:
                 raise ValueError("bad manifest digest")
-            return cls(step=step, attempt=attempt, manifest_digest=dig)
+            when = doc.get("time", 0.0)  # informational: `ckptstore info` derives the commit's
+            if isinstance(when, bool) or not isinstance(when, (int, float)):  # duration
+                when = 0.0
+            when = float(when) if math.isfinite(when) else 0.0
+            return cls(step=step, attempt=attempt, manifest_digest=dig, time=when)
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise CorruptCheckpointError(f"unreadable commit marker {where}: {exc}") from exc
 
