@@ -1,24 +1,41 @@
-"""`make demo` works: preempted, resumed bit-exact, finished (a shorter run than the demo's)."""
+"""`make demo` works: preempted, resumed bit-exact, finished (a shorter run than the demo's).
+
+`make demo S3=1` (the same against an embedded moto S3 server) takes as long again, so it runs
+only with ``CKPTSTORE_DEMO_S3=1`` (``CKPTSTORE_DEMO_S3=1 pytest tests/test_demo.py``).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DEMO = Path(__file__).resolve().parents[1] / "demo" / "run.py"
+S3 = pytest.param(
+    ["--s3"],
+    marks=pytest.mark.skipif(
+        os.environ.get("CKPTSTORE_DEMO_S3") != "1", reason="set CKPTSTORE_DEMO_S3=1 to run"
+    ),
+    id="s3",
+)
 
 
-def test_demo_preempts_resumes_and_finishes() -> None:
+@pytest.mark.parametrize("where", [pytest.param([], id="local"), S3])
+def test_demo_preempts_resumes_and_finishes(where: list[str]) -> None:
+    args = ["--steps", "40", "--save-every", "10", "--preempt-at", "14", *where]
     proc = subprocess.run(
-        [sys.executable, str(DEMO), "--steps", "40", "--save-every", "10", "--preempt-at", "14"],
+        [sys.executable, str(DEMO), *args],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
+    assert ("on moto at http://127.0.0.1:" in out.splitlines()[0]) == bool(where)
     assert "-- preempted at step" in out and "(bit-exact)" in out
     assert "-- finished at step 40" in out and "FAILED" not in out
     line = next(line for line in out.splitlines() if line.startswith("steps kept"))
