@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -64,6 +65,8 @@ from ckptstore import policies
 
 PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpoint"]
 STEPS_TIMED = 3
+#: ckptstore's own breakdown of each "durable" save (`SaveStats`), reported beside the table.
+PHASES = ("staging", "write", "merge", "commit", "durable")
 
 
 def make_state(total_bytes: int) -> dict[str, Any]:
@@ -99,6 +102,7 @@ class Contender:
         self.step = 0
         self.started = 0.0  # when the last save() was called
         self.committed = 0.0  # when Orbax's finalize thread committed the last step
+        self.phases: dict[str, list[float]] = {}  # ckptstore: SaveStats of the durable saves
         if name.startswith("ckptstore"):
             staging = "host" if name == "ckptstore-host" else "auto"
             self.mgr: Any = ckptstore.CheckpointManager(
@@ -141,8 +145,11 @@ class Contender:
     def wait_durable(self) -> float:
         """Wait until the last save is committed; seconds from its save() call until then."""
         if self.name.startswith("ckptstore"):
-            self._handle.wait()
-            return time.perf_counter() - self.started
+            stats = self._handle.wait()
+            seconds = time.perf_counter() - self.started
+            for phase in PHASES:
+                self.phases.setdefault(phase, []).append(getattr(stats, phase))
+            return seconds
         self.committed = 0.0
         self.mgr.wait_until_finished()
         assert self.committed > self.started, "Orbax's finalize probe did not run"
@@ -282,6 +289,11 @@ def main() -> int:
         for n, s in stats.items()
     }
     print("\nspread (min-max ms):", spread)
+    phases = {
+        n: {k: round(statistics.median(v), 4) for k, v in contenders[n].phases.items()}
+        for n in ("ckptstore", "ckptstore-host")
+    }
+    print("ckptstore's own breakdown of its durable saves (SaveStats medians, s):", phases)
     print("floors:", "all pass" if not floors else "FAILED: " + ", ".join(floors))
     if not args.no_write_results:
         write_results(
@@ -295,6 +307,7 @@ def main() -> int:
                 "runs_s": {n: {k: v.runs for k, v in s.items()} for n, s in stats.items()},
                 "medians_s": med,
                 "host_copy_median_s": host.median,
+                "ckptstore_phases_median_s": phases,
                 "table": table,
                 "failed_floors": floors,
             },
