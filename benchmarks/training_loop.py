@@ -195,6 +195,7 @@ def main() -> int:
     # Orbax's save() warns that "waiting for the previous save" took long: it counts the
     # explicit wait_until_finished() calls this benchmark makes between saves.
     logging.getLogger("absl").setLevel(logging.ERROR)
+    machine = machine_info(PACKAGES)  # the load average before the run
     state = make_state(nbytes)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     state, _ = run_steps(state, 2)  # compile
@@ -301,7 +302,8 @@ def main() -> int:
             {
                 "benchmark": "training_loop",
                 "when": utc_timestamp(),
-                "machine": machine_info(PACKAGES),
+                "machine": machine,
+                "load_avg_at_end": list(os.getloadavg()),
                 "state_bytes": nbytes,
                 "reps": reps,
                 "runs_s": {n: {k: v.runs for k, v in s.items()} for n, s in stats.items()},
