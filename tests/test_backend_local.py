@@ -109,3 +109,47 @@ async def test_listing_skips_files_that_vanish_meanwhile(
     assert [info.key async for info in backend.list("a")] == ["a/kept"]
     monkeypatch.undo()
     assert await backend.delete_prefix("a") == 2
+
+
+async def test_every_directory_of_a_save_is_fsynced_before_its_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorStore creates most of a step's directories; each one (and the step's own
+    entry in the root) is fsync'd before COMMITTED exists, so a power cut cannot keep the
+    marker and lose a directory the checkpoint needs."""
+    import numpy as np
+
+    import ckptstore
+    from ckptstore.backends import local
+
+    synced: list[tuple[Path, bool]] = []
+    fsync_dir = local._fsync_dir
+
+    def record(directory: Path) -> None:
+        synced.append((Path(directory), (tmp_path / "root" / "3" / "COMMITTED").exists()))
+        fsync_dir(directory)
+
+    monkeypatch.setattr(local, "_fsync_dir", record)
+    tree = {"a": {"w": np.arange(1000.0), "b": np.ones((4, 4), np.int32)}, "s": np.float32(2)}
+    await ckptstore.save(str(tmp_path / "root"), tree, step=3)
+    before = {d for d, committed in synced if not committed}
+    step = tmp_path / "root" / "3"
+    dirs = [Path(d) for d, _, _ in os.walk(step)]
+    assert len(dirs) > 3  # the attempt, its item, ocdbt stores and their data directories
+    assert {tmp_path / "root", *dirs} <= before, sorted(set(dirs) - before)
+
+
+async def test_sync_dirs_without_fsync_does_nothing_and_a_missing_prefix_is_not_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.backends import local
+
+    calls: list[Path] = []
+    monkeypatch.setattr(local, "_fsync_dir", calls.append)
+    await LocalBackend(tmp_path, fsync=False).sync_dirs("")
+    assert calls == []
+    with pytest.raises(NotFoundError):
+        await LocalBackend(tmp_path).sync_dirs("nope")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    await LocalBackend(tmp_path).sync_dirs("a")
+    assert sorted(calls) == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]

@@ -223,6 +223,12 @@ class Backend(ABC):
         filesystem); None where it cannot (object stores: no such limit to check)."""
         return None
 
+    async def sync_dirs(self, prefix: str) -> None:  # noqa: B027 - optional hook
+        """Make every directory below ``prefix`` (and its ancestors up to the root) durable,
+        whoever created it, TensorStore included: a commit calls it before its marker, so a
+        crash of the machine cannot keep the marker and lose a directory entry it relies on.
+        Nothing here: object stores have no directories."""
+
     async def remove_temporaries(self, older_than: float, *, dry_run: bool = False) -> Infos:
         """Remove what writes killed midway left behind: temporary objects `list` never
         shows, untouched for ``older_than`` seconds (0: every one, so only while no writer

@@ -236,6 +236,26 @@ class LocalBackend(Backend):
         path = self._path(prefix)
         return await finish_first(aiofiles.os.wrap(_remove_tree)(path))
 
+    async def sync_dirs(self, prefix: str) -> None:
+        """fsync every directory below ``prefix`` and each ancestor up to the root (with
+        ``fsync``). TensorStore fsyncs the files it writes; the directories it creates for
+        them are made durable here."""
+        if not self.fsync:
+            return
+        top = self._path(validate_prefix(prefix))
+
+        def sync() -> None:
+            if not top.is_dir():
+                raise NotFoundError(f"{top} is not a directory", backend=self.url, key=prefix)
+            for dirpath, _dirs, _files in os.walk(top):
+                _fsync_dir(Path(dirpath))
+            for parent in top.parents:
+                if not parent.is_relative_to(self.root):
+                    break
+                _fsync_dir(parent)
+
+        await aiofiles.os.wrap(sync)()
+
     async def remove_temporaries(
         self, older_than: float, *, dry_run: bool = False
     ) -> list[ObjectInfo]:

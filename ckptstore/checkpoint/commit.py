@@ -122,6 +122,7 @@ async def commit(backend: Backend, manifest: Manifest) -> Marker:
     # What a reader would refuse is never committed (a hand-edited part record, say).
     Manifest.from_bytes(data, where=f"{backend.url}/{where.manifest} (not written)")
     await backend.write(where.manifest, data)
+    await backend.sync_dirs(where.root)  # every directory the attempt created, before the marker
     marker = Marker(
         step=manifest.step,
         attempt=manifest.attempt,

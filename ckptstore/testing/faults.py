@@ -96,6 +96,9 @@ class FaultyBackend(Backend):
     ) -> list[ObjectInfo]:
         return await self.inner.remove_temporaries(older_than, dry_run=dry_run)
 
+    async def sync_dirs(self, prefix: str) -> None:
+        await self.inner.sync_dirs(prefix)
+
     async def close(self) -> None:
         await self.inner.close()
 
