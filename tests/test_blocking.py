@@ -218,3 +218,31 @@ def test_ctrl_c_in_a_blocking_save_stops_it(tmp_path: Path) -> None:
     assert report["steps_after"] == []  # not committed
     assert report["resaved"] == [3] and report["restored_equal"]
     print(f"unwound {report['unwind_seconds']:.2f} s after SIGINT")
+
+
+def test_numpy_and_jax_integer_steps(tmp_path: Path) -> None:
+    """A train state's step is often a NumPy or 0-d JAX integer: it names the same step
+    as the Python int everywhere, and what is stored is a plain JSON integer."""
+    import jax.numpy as jnp
+
+    ckptstore.save_sync(tmp_path, TREE, step=np.int64(3))
+    ckptstore.save_sync(tmp_path, TREE, step=jnp.asarray(5, jnp.int32))
+    with ckptstore.partial_save_sync(tmp_path, np.uint16(7)) as part:
+        part.add(TREE)
+        assert part.finalize().step == 7
+    assert ckptstore.list_steps_sync(tmp_path) == [3, 5, 7]
+    manifest = asyncio.run(ckptstore.read_manifest(tmp_path, np.int32(5)))
+    assert manifest.step == 5 and type(manifest.step) is int
+    restored = ckptstore.restore_sync(tmp_path, jnp.asarray(3))
+    np.testing.assert_array_equal(restored["w"], TREE["w"])
+    assert ckptstore.verify_sync(tmp_path, np.int8(7)).ok
+    ckptstore.delete_step_sync(tmp_path, np.int64(3))
+    assert ckptstore.list_steps_sync(tmp_path) == [5, 7]
+    with ckptstore.CheckpointManager(tmp_path / "mgr") as mgr:
+        handle = mgr.save(jnp.asarray(11), TREE, force=True)
+        assert handle is not None
+        handle.wait()
+        assert mgr.all_steps() == [11] and type(mgr.latest_step()) is int
+    for bad in (np.float64(3.0), np.bool_(True), jnp.asarray([1, 2]), np.int64(-1)):
+        with pytest.raises(ckptstore.InvalidStepError):
+            ckptstore.save_sync(tmp_path, TREE, step=bad)

@@ -158,7 +158,7 @@ async def delete_step(target: AnyTarget, step: int) -> Removal:
     between, the durable copy is still listed: never a fast-only step that a later
     promotion would bring back). Entries are then named by URL.
     """
-    layout.check_step(step)
+    step = layout.check_step(step)
     tiers = as_tiered(target)
     if tiers is not None:
         return await _delete_from_tiers(tiers, step)

@@ -44,11 +44,14 @@ _ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 
 
 def check_step(step: int) -> int:
-    """Steps are non-negative integers.
+    """Steps are non-negative integers; returns the step as a Python int.
 
+    NumPy integers and 0-d integer arrays (a JAX train state's ``step``) count as integers.
     The error names what was given by type when its repr is long: a tree passed where the
     step goes (``restore(target, state)``) is not printed whole.
     """
+    if _integer_scalar(step):
+        step = int(step)
     if isinstance(step, int) and not isinstance(step, bool):
         if step >= 0:
             return step
@@ -60,6 +63,14 @@ def check_step(step: int) -> int:
     if isinstance(step, Mapping | list | tuple) or hasattr(step, "shape"):
         hint = " (a tree where the step goes? restore(target, step, like) takes it as like=)"
     raise InvalidStepError(f"step must be a non-negative int, got {shown}{hint}")
+
+
+def _integer_scalar(value: object) -> bool:
+    """A NumPy integer, or a 0-d array (NumPy, JAX) of an integer dtype; bools are not."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or getattr(value, "shape", None) != () or isinstance(value, bool):
+        return False
+    return getattr(dtype, "kind", None) in ("i", "u")
 
 
 _ITEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")

@@ -180,7 +180,7 @@ class PartialSave:
         or a new one started; ``resume=False`` always starts a new one, and
         ``attempt`` resumes exactly that session (`CheckpointNotFoundError` if absent).
         """
-        layout.check_step(step)
+        step = layout.check_step(step)
         layout.check_item(item)
         tiers = as_tiered(target)
         if tiers is not None:  # a partial save is written and committed on the fast tier

@@ -107,7 +107,7 @@ async def save_items(
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name."""
-    layout.check_step(step)
+    step = layout.check_step(step)
     if not items:
         raise CkptStoreError("nothing to save: no items")
     prepared = {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}

@@ -166,7 +166,7 @@ class CheckpointManager:
         the caller may then donate, delete or change the arrays. ``metrics`` are kept with
         the step (for `KeepBest`). Raises an earlier background failure nobody waited for.
         """
-        layout.check_step(step)
+        step = layout.check_step(step)
         self._raise_unobserved()
         trees = _items(state, items, self.options.item)
         start = time.perf_counter()
