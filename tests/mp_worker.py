@@ -50,6 +50,7 @@ def expected(name: str) -> np.ndarray:
 
 
 def main() -> None:
+    own_stdout()
     coordinator, num, pid, root, mode = sys.argv[1:6]
     durable = sys.argv[6] if len(sys.argv) > 6 else None
     fast = f"{root}/fast" if sys.argv[7:] == ["shared"] else f"{root}/fast{pid}"
@@ -312,6 +313,16 @@ def run_preempt(root: str, devices: np.ndarray) -> None:
             time.sleep(0.005)
         else:
             raise AssertionError("never preempted")
+
+
+def own_stdout() -> None:
+    """Keep stdout for what this worker prints: Gloo (JAX's CPU collectives) writes its
+    connection messages to file descriptor 1 at any moment, even mid-line, so fd 1 goes to
+    stderr and Python's stdout to a private copy of the pipe the test reads."""
+    sys.stdout.flush()
+    mine = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(mine, "w", buffering=1)
 
 
 if __name__ == "__main__":
