@@ -28,7 +28,7 @@ from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import finish_first
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
-from ckptstore.futures import wait_all
+from ckptstore.futures import off_loop, wait_all
 from ckptstore.leaves import HostShards, Index, LeafInfo, dtype_of, host_array, zarr_spec
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
@@ -171,17 +171,25 @@ async def write_leaves(
 
     async def small_leaves(group: list[tuple[LeafInfo, Any]]) -> None:
         # Each is one chunk, so at most one piece (the whole array); no TensorStore opens.
-        owned = [(info, pieces_of(value)) for info, value in group]
-        nbytes = sum(info.nbytes for info, pieces in owned if pieces)
+        nbytes = sum(info.nbytes for info, _ in group)  # at most: some may not be ours
+        owned: list[tuple[LeafInfo, list[tuple[Index, Any, bool]]]] = []
         async with budget.hold(nbytes):  # the encoded copies live until written
-            writes = []
+
+            def encode() -> list[ts.Future[Any]]:  # shards, copies, checksums: off the loop
+                owned.extend((info, pieces_of(value)) for info, value in group)
+                writes = []
+                for info, pieces in owned:
+                    if write_metadata:
+                        key = chunks.metadata_key(info)
+                        writes.append(kv.write(key, chunks.encode_metadata(info)))
+                    for _, data, _ in pieces:
+                        chunk = chunks.encode_chunk(info, np.asarray(data))
+                        writes.append(kv.write(chunks.chunk_key(info), chunk))
+                return writes
+
+            writes = await off_loop(encode, nbytes)
             for info, pieces in owned:
-                if write_metadata:
-                    key = chunks.metadata_key(info)
-                    writes.append(kv.write(key, chunks.encode_metadata(info)))
-                for _, data, _ in pieces:
-                    chunk = chunks.encode_chunk(info, np.asarray(data))
-                    writes.append(kv.write(chunks.chunk_key(info), chunk))
+                for _ in pieces:
                     stats.leaves.append(info.name)
                     stats.shards += 1
                     stats.bytes += info.nbytes
@@ -194,7 +202,7 @@ async def write_leaves(
             await finish_first(arr[index].write(view, can_reference_source_data_indefinitely=True))
         else:
             async with budget.hold(nbytes):
-                host = np.asarray(data)  # device-to-host copy for jax shards
+                host = await off_loop(lambda: np.asarray(data), nbytes)  # device to host
                 # A numpy leaf is the caller's array: TensorStore copies it.
                 write = arr[index].write(host, can_reference_source_data_indefinitely=private)
                 await finish_first(write)
@@ -347,8 +355,11 @@ class KvChunks:
         batch = ts.Batch()  # lets OCDBT share B-tree node reads between the lookups
         reads = [self.kv.read(key, batch=batch) for key in keys]
         batch.submit()
-        found = await wait_all(reads)
-        return [got.value if got.state == "value" else None for got in found]
+        return await wait_all(reads, each=_value)
+
+
+def _value(got: ts.KvStore.ReadResult) -> bytes | None:
+    return got.value if got.state == "value" else None
 
 
 async def read_small_leaves(
@@ -362,15 +373,26 @@ async def read_small_leaves(
     """
     keys = [key for info in infos for key in (chunks.metadata_key(info), chunks.chunk_key(info))]
     found = await _get(source, keys, infos[0].name if len(infos) == 1 else "(a batch)")
-    out = []
-    for info, meta, chunk in zip(infos, found[::2], found[1::2], strict=True):
-        if meta is not None and chunk is not None and _ours(info, meta):
-            # A buffer of its own (`ocdbt_index.DirectChunks`) is used as it is.
-            mine = isinstance(chunk, np.ndarray) and chunk.flags.writeable
-            out.append(chunks.decode_chunk(info, chunk, copy=not mine))
-        else:
-            out.append(await read_slice(await open_leaf(store, context, info), (), info.name))
-    return out
+    triples = list(zip(infos, found[::2], found[1::2], strict=True))
+
+    def decode() -> list[np.ndarray[Any, Any] | None]:  # checksums and copies: off the loop
+        out: list[np.ndarray[Any, Any] | None] = []
+        for info, meta, chunk in triples:
+            if meta is not None and chunk is not None and _ours(info, meta):
+                # A buffer of its own (`ocdbt_index.DirectChunks`) is used as it is.
+                mine = isinstance(chunk, np.ndarray) and chunk.flags.writeable
+                out.append(chunks.decode_chunk(info, chunk, copy=not mine))
+            else:
+                out.append(None)  # TensorStore's reader decides
+        return out
+
+    decoded = await off_loop(decode, sum(info.nbytes for info in infos))
+    return [
+        value
+        if value is not None
+        else await read_slice(await open_leaf(store, context, info), (), info.name)
+        for info, value in zip(infos, decoded, strict=True)
+    ]
 
 
 async def _get(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence[Buffer | None]:
@@ -425,6 +447,20 @@ class RawLeaf:
             return np.empty(shape, dtype_of(info.dtype))
         keys = [chunks.chunk_key(info, coord) for coord in coords]
         found = await _get(self.source, keys, info.name)
+        nbytes = sum(len(got) for got in found if got is not None)
+        return await off_loop(lambda: self._assemble(keys, found, coords, bounds), nbytes)
+
+    def _assemble(
+        self,
+        keys: list[str],
+        found: Sequence[Any],
+        coords: list[tuple[int, ...]],
+        bounds: list[tuple[int, int]],
+    ) -> np.ndarray[Any, Any]:
+        """Check and decode the chunks read, and lay them out as the region asked for."""
+        info = self.info
+        shape = tuple(b - a for a, b in bounds)
+        sizes = info.chunk_shape
         pieces = []
         for key, got in zip(keys, found, strict=True):
             if got is None:

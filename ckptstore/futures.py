@@ -1,4 +1,5 @@
-"""Waiting on TensorStore futures: many at once, and past a cancellation.
+"""Waiting on TensorStore futures (many at once, and past a cancellation), and keeping
+CPU work off the event loop.
 
 Awaiting a TensorStore future on the event loop costs an asyncio future and a
 GIL hand-off from TensorStore's thread; for thousands of small reads or writes
@@ -12,27 +13,47 @@ caller unwinds.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import tensorstore as ts
 
 from ckptstore.backends.base import finish_first
 
+T = TypeVar("T")
 
-async def wait_all(futures: Sequence[ts.Future[Any]]) -> list[Any]:
+#: Copies, checksums and transfers of at least this many bytes run on a worker thread:
+#: below it a thread hand-off costs more than the work, above it the work would hold the
+#: event loop (and every other coroutine of the program) for milliseconds.
+THREAD_BYTES = 1 << 20
+
+
+async def off_loop(work: Callable[[], T], nbytes: int) -> T:
+    """``work()``, on a worker thread when it handles ``nbytes`` >= `THREAD_BYTES`; a
+    cancellation waits for it to end (it may be writing into memory the caller owns)."""
+    if nbytes < THREAD_BYTES:
+        return work()
+    return await finish_first(asyncio.to_thread(work))
+
+
+async def wait_all(
+    futures: Sequence[ts.Future[Any]], each: Callable[[Any], Any] | None = None
+) -> list[Any]:
     """The results of many TensorStore futures, awaited by one worker thread.
 
     Awaiting each future on the event loop costs an asyncio future and a GIL
     hand-off per key; a batch of thousands of small writes is cheaper this way.
     Every future finishes before the first error is raised, or before a cancellation goes
     on: a cancelled TensorStore future does not stop the I/O it started, so its writes are
-    left to finish rather than to land after the caller has moved on.
+    left to finish rather than to land after the caller has moved on. ``each`` maps every
+    result on that thread too (e.g. a read's value: a copy of its bytes).
     """
-    return await finish_first(asyncio.to_thread(_results, futures))
+    return await finish_first(asyncio.to_thread(_results, futures, each))
 
 
-def _results(futures: Sequence[ts.Future[Any]]) -> list[Any]:
+def _results(
+    futures: Sequence[ts.Future[Any]], each: Callable[[Any], Any] | None = None
+) -> list[Any]:
     results, error = [], None
     for future in futures:
         try:
@@ -41,4 +62,4 @@ def _results(futures: Sequence[ts.Future[Any]]) -> list[Any]:
             error = error or exc
     if error is not None:
         raise error
-    return results
+    return results if each is None else [each(r) for r in results]

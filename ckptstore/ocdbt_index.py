@@ -28,6 +28,7 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.chunks import aligned_empty
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.futures import off_loop
 
 #: Neighbouring values of one data file closer than this are fetched in one read.
 MAX_GAP = 1 << 20
@@ -118,17 +119,27 @@ class DirectChunks:
     async def get(self, keys: Sequence[str]) -> list[np.ndarray[Any, Any] | None]:
         out: list[np.ndarray[Any, Any] | None] = [None] * len(keys)
         wanted: dict[str, list[tuple[int, Location]]] = {}
+        inline: list[tuple[int, bytes]] = []
         for k, key in enumerate(keys):
             value = self.index.get(key)
             if isinstance(value, bytes):
-                out[k] = _owned(value)
+                inline.append((k, value))
             elif value is not None:
                 wanted.setdefault(value.path, []).append((k, value))
         reads = [run for locs in wanted.values() for run in _runs(locs)]
-        for run, data in zip(reads, await asyncio.gather(*map(self._fetch, reads)), strict=True):
-            start = run[0][1].offset
-            for k, loc in run:
-                out[k] = data if len(run) == 1 else _owned(data[loc.offset - start :][: loc.length])
+        fetched = await asyncio.gather(*map(self._fetch, reads))
+
+        def split() -> None:  # copies of each value into a buffer of its own: off the loop
+            for k, value in inline:
+                out[k] = _owned(value)
+            for run, data in zip(reads, fetched, strict=True):
+                start = run[0][1].offset
+                for k, loc in run:
+                    one = len(run) == 1
+                    out[k] = data if one else _owned(data[loc.offset - start :][: loc.length])
+
+        nbytes = sum(len(v) for _, v in inline) + sum(d.nbytes for d in fetched)
+        await off_loop(split, nbytes)
         return out
 
     async def _fetch(self, run: list[tuple[int, Location]]) -> np.ndarray[Any, Any]:

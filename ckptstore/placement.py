@@ -11,7 +11,6 @@ is copied once, fast, into an aligned buffer of its own.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +18,7 @@ import jax
 import numpy as np
 
 from ckptstore.chunks import ALIGNMENT, aligned_empty
-
-#: Transfers at least this big run on a worker thread, off the event loop.
-THREAD_BYTES = 1 << 20
+from ckptstore.futures import off_loop
 
 
 def adoptable(data: np.ndarray[Any, Any]) -> bool:
@@ -58,7 +55,7 @@ async def put_slice(data: np.ndarray[Any, Any], devices: Sequence[Any]) -> list[
         placed: list[jax.Array] = jax.device_put([host] * len(devices), list(devices))
         return placed
 
-    return await asyncio.to_thread(put) if data.nbytes >= THREAD_BYTES else put()
+    return await off_loop(put, data.nbytes)
 
 
 async def put_many(
@@ -70,5 +67,4 @@ async def put_many(
         placed: list[jax.Array] = jax.device_put(list(values), list(shardings))
         return placed
 
-    total = sum(v.nbytes for v in values)
-    return await asyncio.to_thread(put) if total >= THREAD_BYTES else put()
+    return await off_loop(put, sum(v.nbytes for v in values))

@@ -115,19 +115,17 @@ async def _verify_item(
         return
     for leaf, why in coverage.items():
         report.problems[f"{name}/{leaf}"] = why
-    limit = asyncio.Semaphore(CONCURRENCY)
+    todo = iter([info for info in item.leaves.values() if info.name not in coverage])
 
-    async def check(info: LeafInfo) -> None:
-        async with limit:
+    async def worker() -> None:  # a few workers, not a task per leaf: thousands of leaves
+        for info in todo:  # shared: each leaf goes to the next free worker
             try:
                 nbytes = await _read_all(spec, ctx, kv, info)
                 report.bytes += nbytes  # not `+= await`: that would add to a stale total
             except CkptStoreError as exc:
                 report.record(f"{name}/{info.name}", exc)
 
-    await asyncio.gather(
-        *(check(info) for info in item.leaves.values() if info.name not in coverage)
-    )
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
     report.leaves += len(item.leaves)
 
 

@@ -1,0 +1,133 @@
+"""Nothing ckptstore does holds the event loop it runs on: device-to-host copies, chunk
+encoding and checksums, splitting coalesced reads and device placement go to threads, so
+another coroutine of the user's program (a data loader, a heartbeat, a metrics exporter)
+keeps running through a save, a restore and a verify.
+
+The loop runs in asyncio's debug mode. Each callback's CPU time on the loop's thread is
+measured and must stay under 50 ms: CPU time, because asyncio's own slow-callback report is
+wall time, which on a shared 2-core machine also counts the moments the thread was not
+scheduled at all (those reports are printed, not asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import ckptstore
+from benchmarks.trees import TREES
+from ckptstore.checkpoint import restore, save, verify
+
+SLOW = 0.05  # seconds of the loop thread's CPU time one callback may take
+assert restore and save and verify  # imported up front: a first import is not a save's work
+
+
+class Ticker:
+    """A coroutine that wakes every 2 ms and counts its wake-ups."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._stop = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(0.002)
+            self.ticks += 1
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task
+
+
+@pytest.fixture
+def callback_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[float, str]]]:
+    """(CPU seconds, callback) of every event-loop callback that ran while it was set.
+
+    Python's cyclic garbage collector may run inside any callback that allocates and take
+    tens of milliseconds in a process as large as a test session; it is the interpreter's
+    pause, not ckptstore's work, so its time is left out."""
+    seen: list[tuple[float, str]] = []
+    collecting = [0.0, 0.0]  # when the current collection started, CPU spent in collections
+    thread = threading.get_ident()
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if threading.get_ident() != thread:
+            return
+        if phase == "start":
+            collecting[0] = time.thread_time()
+        else:
+            collecting[1] += time.thread_time() - collecting[0]
+
+    run = asyncio.events.Handle._run
+
+    def timed(handle: asyncio.events.Handle) -> None:
+        start, collected = time.thread_time(), collecting[1]
+        try:
+            run(handle)
+        finally:
+            cpu = time.thread_time() - start - (collecting[1] - collected)
+            what = getattr(handle._callback, "__self__", handle) if cpu > SLOW else ""
+            seen.append((cpu, str(what)[:400]))
+
+    monkeypatch.setattr(asyncio.events.Handle, "_run", timed)
+    gc.callbacks.append(on_gc)
+    yield seen
+    gc.callbacks.remove(on_gc)
+
+
+@pytest.mark.parametrize(("name", "scale"), [("a", 1 / 8), ("c", 1 / 20)])
+async def test_no_callback_holds_the_loop_during_save_restore_verify(
+    name: str,
+    scale: float,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    callback_cpu: list[tuple[float, str]],
+) -> None:
+    tree, like = TREES[name](scale, 0)
+    jax.block_until_ready(tree)
+    loop = asyncio.get_running_loop()
+    loop.set_debug(True)
+    loop.slow_callback_duration = SLOW
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    ticker = Ticker()
+    phases: dict[str, tuple[float, int]] = {}
+
+    async def timed(phase: str, work: Any) -> Any:
+        start, ticks = time.perf_counter(), ticker.ticks
+        out = await work
+        phases[phase] = (time.perf_counter() - start, ticker.ticks - ticks)
+        return out
+
+    await asyncio.sleep(0)  # ends the step that built the tree: that one is not measured
+    callback_cpu.clear()
+    await timed("save", ckptstore.save(tmp_path, tree, step=1))
+    back = await timed("restore", ckptstore.restore(tmp_path, 1, like=like))
+    report = await timed("verify", ckptstore.verify(tmp_path, 1))
+    await ticker.stop()
+    loop.set_debug(False)
+    assert report.ok
+    for path, value in jax.tree_util.tree_leaves_with_path(back):
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(_at(tree, path)))
+    slow = [(round(cpu, 3), what) for cpu, what in callback_cpu if cpu > SLOW]
+    assert slow == [], slow
+    for phase, (seconds, ticks) in phases.items():  # the other coroutine ran all along
+        assert ticks >= seconds / (4 * SLOW), (phase, seconds, ticks)
+    worst = max(cpu for cpu, _ in callback_cpu)
+    wall = [r.getMessage()[-30:] for r in caplog.records if "took" in r.getMessage()]
+    print(f"{phases}; worst callback {worst * 1e3:.1f} ms CPU; asyncio's wall-time reports {wall}")
+
+
+def _at(tree: Any, path: Any) -> Any:
+    for key in path:
+        tree = tree[key.key]
+    return tree
