@@ -28,7 +28,7 @@ from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import finish_first
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
-from ckptstore.futures import off_loop, wait_all
+from ckptstore.futures import off_loop, wait_all, wait_here
 from ckptstore.leaves import HostShards, Index, LeafInfo, dtype_of, host_array, zarr_spec
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
@@ -175,25 +175,32 @@ async def write_leaves(
         owned: list[tuple[LeafInfo, list[tuple[Index, Any, bool]]]] = []
         async with budget.hold(nbytes):  # the encoded copies live until written
 
-            def encode() -> list[ts.Future[Any]]:  # shards, copies, checksums: off the loop
+            def encode_and_write() -> None:
+                # Shards, copies, checksums and TensorStore's copy of each value, all off
+                # the loop; every write issued is waited for here, so a cancelled save
+                # (which waits for this thread) leaves none running behind it.
                 owned.extend((info, pieces_of(value)) for info, value in group)
                 writes = []
-                for info, pieces in owned:
-                    if write_metadata:
-                        key = chunks.metadata_key(info)
-                        writes.append(kv.write(key, chunks.encode_metadata(info)))
-                    for _, data, _ in pieces:
-                        chunk = chunks.encode_chunk(info, np.asarray(data))
-                        writes.append(kv.write(chunks.chunk_key(info), chunk))
-                return writes
+                try:
+                    for info, pieces in owned:
+                        if write_metadata:
+                            key = chunks.metadata_key(info)
+                            writes.append(kv.write(key, chunks.encode_metadata(info)))
+                        for _, data, _ in pieces:
+                            chunk = chunks.encode_chunk(info, np.asarray(data))
+                            writes.append(kv.write(chunks.chunk_key(info), chunk))
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        wait_here(writes)  # the ones already issued end first
+                    raise
+                wait_here(writes)
 
-            writes = await off_loop(encode, nbytes)
+            await finish_first(asyncio.to_thread(encode_and_write))
             for info, pieces in owned:
                 for _ in pieces:
                     stats.leaves.append(info.name)
                     stats.shards += 1
                     stats.bytes += info.nbytes
-            await wait_all(writes)
 
     async def write_piece(arr: ts.TensorStore, index: Index, data: Any, private: bool) -> None:
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize

@@ -48,12 +48,13 @@ async def wait_all(
     left to finish rather than to land after the caller has moved on. ``each`` maps every
     result on that thread too (e.g. a read's value: a copy of its bytes).
     """
-    return await finish_first(asyncio.to_thread(_results, futures, each))
+    return await finish_first(asyncio.to_thread(wait_here, futures, each))
 
 
-def _results(
+def wait_here(
     futures: Sequence[ts.Future[Any]], each: Callable[[Any], Any] | None = None
 ) -> list[Any]:
+    """`wait_all` on the calling thread (a worker thread: this blocks)."""
     results, error = [], None
     for future in futures:
         try:
