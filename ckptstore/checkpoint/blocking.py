@@ -59,12 +59,20 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
     loop.call_soon_threadsafe(start)
     try:
-        done.wait()
+        _wait(done)
     except BaseException:
         loop.call_soon_threadsafe(lambda: started[0].cancel())  # runs after `start`
-        done.wait()  # a second interrupt ends this wait and propagates
+        _wait(done)  # a second interrupt ends this wait and propagates
         raise
     return started[0].result()
+
+
+def _wait(done: threading.Event) -> None:
+    """Wait for ``done`` in short slices: the kernel may deliver SIGINT to any thread
+    (TensorStore's, a worker's), and Python runs its handler only once the main thread
+    runs again, which a wait without a timeout would put off until the work is done."""
+    while not done.wait(0.05):
+        pass
 
 
 def save_sync(*args: Any, **kwargs: Any) -> SaveResult:
