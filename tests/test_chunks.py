@@ -313,3 +313,28 @@ async def test_verify_reads_and_counts_every_byte(tmp_path: Any) -> None:
     assert report.ok, report.problems
     assert report.bytes == sum(i.nbytes for i in manifest.items["state"].leaves.values())
     assert report.leaves == len(manifest.items["state"].leaves)
+
+
+async def test_verify_reads_within_its_budget(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify holds at most ``max_inflight_bytes`` of leaf data at once (a leaf larger
+    than that alone); with room for everything it reads several leaves at once."""
+    from ckptstore.checkpoint import verify as verify_module
+
+    budgets: list[ByteBudget] = []
+
+    class Recorded(ByteBudget):
+        def __init__(self, limit: int):
+            super().__init__(limit)
+            budgets.append(self)
+
+    monkeypatch.setattr(verify_module, "ByteBudget", Recorded)
+    tree = {f"w{i}": np.full(64 << 10, i, np.float32) for i in range(12)}  # 256 KiB each
+    await ckptstore.save(str(tmp_path), tree, step=1)
+    leaf = 256 << 10
+    for limit, most in ((leaf, leaf), (3 * leaf, 3 * leaf), (1 << 30, 12 * leaf)):
+        report = await ckptstore.verify(str(tmp_path), 1, max_inflight_bytes=limit)
+        assert report.ok and report.bytes == 12 * leaf
+        assert budgets[-1].used == 0 and budgets[-1].peak <= most
+    assert budgets[-1].peak > 3 * leaf  # unbounded, the workers overlap

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ckptstore.arrays import MAX_INFLIGHT_BYTES
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint import restore as plain
@@ -163,7 +164,12 @@ async def restore(
     return await nearest(tiers, step, read, read_host)
 
 
-async def verify(target: AnyTarget, step: int | None = None) -> VerifyReport:
+async def verify(
+    target: AnyTarget,
+    step: int | None = None,
+    *,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+) -> VerifyReport:
     """Check committed ``step`` end to end (see `ckptstore.checkpoint.verify.verify`).
 
     On tiers: the copy a restore would read. A damaged fast copy is reported in
@@ -171,12 +177,14 @@ async def verify(target: AnyTarget, step: int | None = None) -> VerifyReport:
     """
     tiers = as_tiered(target)
     if tiers is None:
-        return await plain_verify.verify(single(target), step)
+        return await plain_verify.verify(
+            single(target), step, max_inflight_bytes=max_inflight_bytes
+        )
     async with tiers.opened() as (fast, durable):
         at = await _step(fast, durable, step)
         skipped: dict[str, str] = {}
         if await fast.exists(layout.commit_key(at)):
-            report = await plain_verify.verify_step(fast, at)
+            report = await plain_verify.verify_step(fast, at, max_inflight_bytes=max_inflight_bytes)
             report.tier = "fast"
             if report.ok or not await durable.exists(layout.commit_key(at)):
                 return report
@@ -188,6 +196,6 @@ async def verify(target: AnyTarget, step: int | None = None) -> VerifyReport:
             )
             bad = {**report.problems, **report.unreadable}
             skipped = {f"{fast.url}/{k}": v for k, v in bad.items()}
-        report = await plain_verify.verify_step(durable, at)
+        report = await plain_verify.verify_step(durable, at, max_inflight_bytes=max_inflight_bytes)
         report.tier, report.skipped = "durable", skipped
         return report

@@ -22,7 +22,14 @@ from typing import Any
 
 import tensorstore as ts
 
-from ckptstore.arrays import KvChunks, RawLeaf, open_leaf, read_slice
+from ckptstore.arrays import (
+    MAX_INFLIGHT_BYTES,
+    ByteBudget,
+    KvChunks,
+    RawLeaf,
+    open_leaf,
+    read_slice,
+)
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint import layout
@@ -72,17 +79,25 @@ class VerifyReport:
             self.problems[what] = str(exc)
 
 
-async def verify(target: Target, step: int | None = None) -> VerifyReport:
+async def verify(
+    target: Target, step: int | None = None, *, max_inflight_bytes: int = MAX_INFLIGHT_BYTES
+) -> VerifyReport:
     """Check committed ``step`` (the latest by default) end to end; never raises for damage.
 
-    Raises `CheckpointNotFoundError` only if there is no such committed step.
+    At most ``max_inflight_bytes`` of data are read and held at a time (one slab larger
+    than that is read alone). Raises `CheckpointNotFoundError` only if there is no such
+    committed step.
     """
     async with opened(target) as backend:
-        return await verify_step(backend, await resolve_step(backend, step))
+        step = await resolve_step(backend, step)
+        return await verify_step(backend, step, max_inflight_bytes=max_inflight_bytes)
 
 
-async def verify_step(backend: Backend, step: int) -> VerifyReport:
+async def verify_step(
+    backend: Backend, step: int, *, max_inflight_bytes: int = MAX_INFLIGHT_BYTES
+) -> VerifyReport:
     report = VerifyReport(step=step)
+    budget = ByteBudget(max_inflight_bytes)
     try:
         manifest = await load_committed(backend, step)
     except CheckpointNotFoundError:
@@ -92,12 +107,12 @@ async def verify_step(backend: Backend, step: int) -> VerifyReport:
         return report
     report.attempt = manifest.attempt
     for name in manifest.items:
-        await _verify_item(backend, manifest, name, report)
+        await _verify_item(backend, manifest, name, report, budget)
     return report
 
 
 async def _verify_item(
-    backend: Backend, manifest: Manifest, name: str, report: VerifyReport
+    backend: Backend, manifest: Manifest, name: str, report: VerifyReport, budget: ByteBudget
 ) -> None:
     item = manifest.items[name]
     spec = item_store(backend, manifest, name)
@@ -120,7 +135,7 @@ async def _verify_item(
     async def worker() -> None:  # a few workers, not a task per leaf: thousands of leaves
         for info in todo:  # shared: each leaf goes to the next free worker
             try:
-                nbytes = await _read_all(spec, ctx, kv, info)
+                nbytes = await _read_all(spec, ctx, kv, info, budget)
                 report.bytes += nbytes  # not `+= await`: that would add to a stale total
             except CkptStoreError as exc:
                 report.record(f"{name}/{info.name}", exc)
@@ -129,8 +144,11 @@ async def _verify_item(
     report.leaves += len(item.leaves)
 
 
-async def _read_all(spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, info: LeafInfo) -> int:
-    """Read every byte of a leaf through the restore's path, a slab at a time."""
+async def _read_all(
+    spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, info: LeafInfo, budget: ByteBudget
+) -> int:
+    """Read every byte of a leaf through the restore's path, a slab at a time, each slab
+    held in ``budget`` while it is read and checked."""
     raw = await RawLeaf.open(KvChunks(kv), info)
     if raw is not None:
         read = raw.read
@@ -141,10 +159,13 @@ async def _read_all(spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, info:
             return await read_slice(arr, index, info.name)
 
     if not info.shape or info.nbytes <= READ_BYTES:
-        await read(())
+        async with budget.hold(info.nbytes):
+            await read(())
         return info.nbytes
-    rows = max(1, READ_BYTES // max(1, info.nbytes // info.shape[0]))
+    row_bytes = max(1, info.nbytes // info.shape[0])
+    rows = max(1, READ_BYTES // row_bytes)
     rows = math.ceil(rows / info.chunk_shape[0]) * info.chunk_shape[0]  # whole chunks only
     for start in range(0, info.shape[0], rows):
-        await read((slice(start, start + rows),))
+        async with budget.hold(min(rows, info.shape[0] - start) * row_bytes):
+            await read((slice(start, start + rows),))
     return info.nbytes
