@@ -33,7 +33,7 @@ from ckptstore.errors import (
     NotFoundError,
     storage_failed,
 )
-from ckptstore.importers.safetensors import import_safetensors
+from ckptstore.importers.safetensors import DEFAULT_BATCH_BYTES, import_safetensors
 from ckptstore.lifecycle.options import seconds
 
 DESCRIPTION = "What is in a checkpoint, and is it intact; cleanup, promotion and import."
@@ -420,7 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("dst", help="checkpoint target (path, URL or .toml profile)")
     imp.add_argument("--step", type=int, default=0)
     imp.add_argument("--map", help="TOML rule file: renames, transposes, dtype casts")
-    imp.add_argument("--batch-mib", type=int, default=256, help="tensor bytes per part")
+    imp.add_argument(
+        "--batch-mib",
+        type=int,
+        default=DEFAULT_BATCH_BYTES >> 20,
+        help="tensor MiB per part (an import holds about twice this at a time)",
+    )
     imp.add_argument("--no-progress", action="store_true")
     cli_orbax.add_parsers(sub)
     return parser
