@@ -13,6 +13,8 @@ caller unwinds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -27,33 +29,32 @@ T = TypeVar("T")
 #: event loop (and every other coroutine of the program) for milliseconds.
 THREAD_BYTES = 1 << 20
 
+#: Threads of their own (one per core): in the event loop's default executor this work
+#: would take the threads that file reads and waits on TensorStore's futures need.
+_CPU = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, "ckptstore-cpu")
+
 
 async def off_loop(work: Callable[[], T], nbytes: int) -> T:
     """``work()``, on a worker thread when it handles ``nbytes`` >= `THREAD_BYTES`; a
     cancellation waits for it to end (it may be writing into memory the caller owns)."""
     if nbytes < THREAD_BYTES:
         return work()
-    return await finish_first(asyncio.to_thread(work))
+    return await finish_first(asyncio.get_running_loop().run_in_executor(_CPU, work))
 
 
-async def wait_all(
-    futures: Sequence[ts.Future[Any]], each: Callable[[Any], Any] | None = None
-) -> list[Any]:
+async def wait_all(futures: Sequence[ts.Future[Any]]) -> list[Any]:
     """The results of many TensorStore futures, awaited by one worker thread.
 
     Awaiting each future on the event loop costs an asyncio future and a GIL
     hand-off per key; a batch of thousands of small writes is cheaper this way.
     Every future finishes before the first error is raised, or before a cancellation goes
     on: a cancelled TensorStore future does not stop the I/O it started, so its writes are
-    left to finish rather than to land after the caller has moved on. ``each`` maps every
-    result on that thread too (e.g. a read's value: a copy of its bytes).
+    left to finish rather than to land after the caller has moved on.
     """
-    return await finish_first(asyncio.to_thread(wait_here, futures, each))
+    return await finish_first(asyncio.to_thread(wait_here, futures))
 
 
-def wait_here(
-    futures: Sequence[ts.Future[Any]], each: Callable[[Any], Any] | None = None
-) -> list[Any]:
+def wait_here(futures: Sequence[ts.Future[Any]]) -> list[Any]:
     """`wait_all` on the calling thread (a worker thread: this blocks)."""
     results, error = [], None
     for future in futures:
@@ -63,4 +64,4 @@ def wait_here(
             error = error or exc
     if error is not None:
         raise error
-    return results if each is None else [each(r) for r in results]
+    return results
