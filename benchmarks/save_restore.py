@@ -13,7 +13,8 @@ repetition), medians with their spread:
 - restore onto the requested shardings: ``ckptstore.restore(like=...)`` vs Orbax
   ``restore(target=...)``, cold (every file's pages evicted first with
   ``POSIX_FADV_DONTNEED``; dropping the whole page cache needs root) and warm, and
-  cold vs a raw read of as many bytes (``dd bs=16M`` of an evicted file);
+  cold vs a raw read of as many bytes (``dd bs=16M`` of one evicted file) and vs reading
+  the checkpoint's own files (evicted, one after another, 16 MiB reads: the same bytes);
 - on the first tree: peak resident memory a save adds (VmHWM over the RSS once the
   tree is built, each save in a fresh subprocess), and the merge of 64 per-process
   OCDBT stores vs the bare TensorStore transaction.
@@ -72,7 +73,7 @@ PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpo
 PHASES = {
     "disk": ["ckpt_save", "dd_direct"],
     "orbax": ["ckpt_save", "orbax_save_fsync", "orbax_save"],
-    "cold": ["ckpt_restore", "raw_read"],
+    "cold": ["ckpt_restore", "raw_read", "raw_read_files"],
     "cold_orbax": ["ckpt_restore", "orbax_restore"],
     "warm": ["ckpt_restore_warm", "orbax_restore_warm"],
 }
@@ -90,6 +91,7 @@ TIME_ROWS: list[tuple[str, str, str, str, float | str | None]] = [
     ("save (fsync) vs Orbax as is", "orbax", "ckpt_save", "orbax_save", None),
     ("restore (cold) vs Orbax", "cold_orbax", "ckpt_restore", "orbax_restore", 1.5),
     ("restore (cold) vs raw read", "cold", "ckpt_restore", "raw_read", 0.8),
+    ("restore (cold) vs reading its files", "cold", "ckpt_restore", "raw_read_files", 0.8),
     ("restore (warm) vs Orbax", "warm", "ckpt_restore_warm", "orbax_restore_warm", 1.5),
 ]
 MEMORY_FLOOR = 0.25  # peak added / state bytes
@@ -199,6 +201,19 @@ class Contenders:
         with Timer() as t:
             cmd = ["dd", f"if={self.src}", "of=/dev/null", "bs=16M", "status=none"]
             subprocess.run(cmd, check=True)
+        return t.seconds
+
+    async def raw_read_files(self) -> float:
+        """Read the restored checkpoint's own files (the same bytes a restore reads, in the
+        same files), evicted, one after another in 16 MiB reads into one buffer."""
+        path = self.scratch / "restore_ckpt"
+        evict_tree(path)
+        buf = bytearray(16 * MiB)
+        with Timer() as t:
+            for file in files_below(path):
+                with open(file, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
         return t.seconds
 
     async def ckpt_save(self, keep: Path | None = None) -> float:
