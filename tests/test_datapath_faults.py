@@ -40,6 +40,7 @@ from ckptstore.errors import (
 )
 from ckptstore.leaves import describe_leaf
 from ckptstore.testing.faultproxy import Fault, FaultProxy
+from tests.bits import same
 
 POLICY = RetryPolicy(max_attempts=3, base_delay=0.005, max_delay=0.02)
 TS = "^tensorstore"  # TensorStore's User-Agent: its own requests, not the byte API's
@@ -89,16 +90,6 @@ def tree() -> dict[str, Any]:
         "b": np.linspace(-1, 1, 300).astype(np.float16),  # small: one batched read
         "step": 7,
     }
-
-
-def same(a: Any, b: Any) -> bool:
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    return str(ta) == str(tb) and all(
-        np.asarray(x).dtype == np.asarray(y).dtype
-        and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-        for x, y in zip(la, lb, strict=True)
-    )
 
 
 def ts_tries(proxy: FaultProxy) -> Counter[str]:

@@ -34,6 +34,7 @@ from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.errors import TransientStorageError
 from ckptstore.testing.faultproxy import Fault, FaultProxy
+from tests.bits import same
 
 ROUNDS = int(os.environ.get("CKPTSTORE_FAULT_ROUNDS", "1"))
 RATE = float(os.environ.get("CKPTSTORE_FAULT_RATE", "0.1"))
@@ -102,16 +103,6 @@ def tree(seed: int) -> dict[str, Any]:
         },
         "step": seed,
     }
-
-
-def same(a: Any, b: Any) -> bool:
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    return str(ta) == str(tb) and all(
-        np.asarray(x).dtype == np.asarray(y).dtype
-        and np.asarray(x).tobytes() == np.asarray(y).tobytes()
-        for x, y in zip(la, lb, strict=True)
-    )
 
 
 def split(proxy: FaultProxy) -> dict[str, Counter[str]]:
