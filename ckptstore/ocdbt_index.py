@@ -17,6 +17,7 @@ store's directory, a key count that disagrees with the tree's own statistics) ma
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.chunks import aligned_empty
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
-from ckptstore.futures import off_loop
 
 #: Neighbouring values of one data file closer than this are fetched in one read.
 MAX_GAP = 1 << 20
@@ -107,9 +107,10 @@ class DirectChunks:
     """Values of the OCDBT store under key ``prefix`` read from its data files through
     ``backend``.
 
-    ``get(keys)`` returns, per key, its bytes as a 64-byte aligned, writable uint8
-    array (None for a key the store does not hold); the data of a chunk that is read
-    alone can become a device buffer without another copy.
+    ``get(keys)`` returns, per key, its bytes in a 64-byte aligned, writable uint8
+    array of its own (None for a key the store does not hold): the data of a chunk can
+    become a device buffer without another copy. Nearby values of one file are read
+    with one vectored read, each straight into its own buffer.
     """
 
     def __init__(self, backend: Backend, prefix: str, index: dict[str, Value]):
@@ -119,38 +120,34 @@ class DirectChunks:
     async def get(self, keys: Sequence[str]) -> list[np.ndarray[Any, Any] | None]:
         out: list[np.ndarray[Any, Any] | None] = [None] * len(keys)
         wanted: dict[str, list[tuple[int, Location]]] = {}
-        inline: list[tuple[int, bytes]] = []
         for k, key in enumerate(keys):
             value = self.index.get(key)
-            if isinstance(value, bytes):
-                inline.append((k, value))
+            if isinstance(value, bytes):  # inline in the tree: small
+                out[k] = _owned(value)
             elif value is not None:
                 wanted.setdefault(value.path, []).append((k, value))
         reads = [run for locs in wanted.values() for run in _runs(locs)]
-        fetched = await asyncio.gather(*map(self._fetch, reads))
-
-        def split() -> None:  # copies of each value into a buffer of its own: off the loop
-            for k, value in inline:
-                out[k] = _owned(value)
-            for run, data in zip(reads, fetched, strict=True):
-                start = run[0][1].offset
-                for k, loc in run:
-                    one = len(run) == 1
-                    out[k] = data if one else _owned(data[loc.offset - start :][: loc.length])
-
-        nbytes = sum(len(v) for _, v in inline) + sum(d.nbytes for d in fetched)
-        await off_loop(split, nbytes)
+        for run, fetched in zip(reads, await asyncio.gather(*map(self._fetch, reads)), strict=True):
+            for (k, _), data in zip(run, fetched, strict=True):
+                out[k] = data
         return out
 
-    async def _fetch(self, run: list[tuple[int, Location]]) -> np.ndarray[Any, Any]:
+    async def _fetch(self, run: list[tuple[int, Location]]) -> list[np.ndarray[Any, Any]]:
+        """The values of ``run`` (nearby, in offset order), read with one vectored read;
+        the bytes between them land in a scratch buffer."""
         first, last = run[0][1], run[-1][1]
         key, end = f"{self.prefix}/{first.path}", last.offset + last.length
         size = await self._size(key)
         if end > size:  # checked before a buffer is sized by what the tree claims
             raise CorruptCheckpointError(f"{key}: a value ends at byte {end}, the file at {size}")
-        buf = aligned_empty((end - first.offset,), np.dtype(np.uint8))
-        await self.backend.read_into(key, first.offset, buf.data)
-        return buf
+        gaps = [b.offset - (a.offset + a.length) for (_, a), (_, b) in itertools.pairwise(run)]
+        scratch = memoryview(bytearray(max(gaps, default=0)))
+        values = [aligned_empty((loc.length,), np.dtype(np.uint8)) for _, loc in run]
+        buffers = [values[0].data]
+        for gap, value in zip(gaps, values[1:], strict=True):
+            buffers += [scratch[:gap], value.data] if gap else [value.data]
+        await self.backend.read_into(key, first.offset, buffers)
+        return values
 
     async def _size(self, key: str) -> int:
         if key not in self._sizes:  # one stat per data file, shared by concurrent reads
@@ -178,7 +175,7 @@ def _runs(locs: list[tuple[int, Location]]) -> list[list[tuple[int, Location]]]:
     return runs
 
 
-def _owned(data: bytes | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+def _owned(data: bytes) -> np.ndarray[Any, Any]:
     buf = aligned_empty((len(data),), np.dtype(np.uint8))
-    buf[:] = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data
+    buf[:] = np.frombuffer(data, np.uint8)
     return buf

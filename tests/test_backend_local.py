@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ckptstore.backends.local import LocalBackend
@@ -153,3 +154,13 @@ async def test_sync_dirs_without_fsync_does_nothing_and_a_missing_prefix_is_not_
     (tmp_path / "a" / "b").mkdir(parents=True)
     await LocalBackend(tmp_path).sync_dirs("a")
     assert sorted(calls) == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
+
+
+async def test_read_into_more_buffers_than_one_system_call_takes(tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    backend = LocalBackend(tmp_path)
+    await backend.write("many", data)
+    sizes = [1, 2, 0, 3] * 700  # 2,800 buffers: several preadv calls of at most IOV_MAX
+    parts = [np.empty(n, np.uint8) for n in sizes]
+    await backend.read_into("many", 11, [p.data for p in parts])
+    assert b"".join(p.tobytes() for p in parts) == data[11 : 11 + sum(sizes)]

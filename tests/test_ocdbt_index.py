@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -63,9 +64,9 @@ async def test_not_an_ocdbt_store_gives_no_index(tmp_path: Path) -> None:
 class CountingLocal(LocalBackend):
     reads_into = 0
 
-    async def _read_into(self, key: str, offset: int, out: memoryview) -> int:
+    async def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> int:
         type(self).reads_into += 1
-        return await super()._read_into(key, offset, out)
+        return await super()._read_into(key, offset, outs)
 
 
 async def test_local_restores_read_data_files_directly(tmp_path: Path) -> None:

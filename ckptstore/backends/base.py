@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -103,17 +103,20 @@ class Backend(ABC):
             raise ValueError(f"byte range must be non-negative, got [{start}, {end})")
         return await self._run(lambda _: self._read(key, start, end))
 
-    async def read_into(self, key: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the object's bytes from ``offset`` on; an object too short to
-        fill it is corrupt (`CorruptCheckpointError`)."""
+    async def read_into(
+        self, key: str, offset: int, out: memoryview | Sequence[memoryview]
+    ) -> None:
+        """Fill ``out`` (a byte buffer, or several filled one after another) with the
+        object's bytes from ``offset`` on; an object too short to fill it is corrupt
+        (`CorruptCheckpointError`)."""
         validate_key(key)
         if offset < 0:
             raise ValueError(f"offset must be non-negative, got {offset}")
-        got = await self._run(lambda _: self._read_into(key, offset, out))
-        if got != len(out):
-            raise CorruptCheckpointError(
-                f"{key}: {got} bytes at offset {offset}, {len(out)} expected"
-            )
+        outs = [out] if isinstance(out, memoryview) else list(out)
+        want = sum(o.nbytes for o in outs)
+        got = await self._run(lambda _: self._read_into(key, offset, outs))
+        if got != want:
+            raise CorruptCheckpointError(f"{key}: {got} bytes at offset {offset}, {want} expected")
 
     async def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole object; readers see either the old or the new bytes, never a mix."""
@@ -255,12 +258,16 @@ class Backend(ABC):
     @abstractmethod
     async def _read(self, key: str, start: int | None, end: int | None) -> bytes: ...
 
-    async def _read_into(self, key: str, offset: int, out: memoryview) -> int:
-        """Bytes read into ``out`` (fewer at the object's end); backends with a cheaper way
-        than `_read` and a copy override it."""
-        data = await self._read(key, offset, offset + len(out))
-        out[: len(data)] = data
-        return len(data)
+    async def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> int:
+        """Bytes read into ``outs``, one after another (fewer at the object's end);
+        backends with a cheaper way than `_read` and a copy override it."""
+        data = memoryview(await self._read(key, offset, offset + sum(o.nbytes for o in outs)))
+        done = 0
+        for o in outs:
+            piece = data[done : done + o.nbytes]
+            o.cast("B")[: len(piece)] = piece
+            done += len(piece)
+        return done
 
     @abstractmethod
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None: ...

@@ -20,6 +20,7 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,9 +171,9 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self._error(exc, key) from exc
 
-    async def _read_into(self, key: str, offset: int, out: memoryview) -> int:
+    async def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> int:
         try:
-            return await asyncio.to_thread(_pread_into, self._path(key), offset, out)
+            return await asyncio.to_thread(_pread_into, self._path(key), offset, outs)
         except OSError as exc:
             raise self._error(exc, key) from exc
 
@@ -306,16 +307,27 @@ async def _walk(base: Path, prefix: str) -> list[ObjectInfo]:
     return await aiofiles.os.wrap(walk)()
 
 
-def _pread_into(path: Path, offset: int, out: memoryview) -> int:
-    """Read into ``out`` from ``offset`` until it is full or the file ends."""
+#: The most buffers one `os.preadv` call takes (Linux's IOV_MAX).
+_IOV_MAX = 1024
+
+
+def _pread_into(path: Path, offset: int, outs: Sequence[memoryview]) -> int:
+    """Read into ``outs``, one after another, from ``offset`` until they are full or the
+    file ends: one system call per `_IOV_MAX` buffers where the kernel fills them."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        done = 0
-        while done < len(out):
-            n = os.preadv(fd, [out[done:]], offset + done)
+        pending = [o.cast("B") for o in outs if o.nbytes]
+        done, first = 0, 0  # bytes read; the first buffer not yet full
+        while first < len(pending):
+            n = os.preadv(fd, pending[first : first + _IOV_MAX], offset + done)
             if n == 0:
                 break
             done += n
+            while first < len(pending) and n >= pending[first].nbytes:
+                n -= pending[first].nbytes
+                first += 1
+            if n:  # a short read: the rest of that buffer next
+                pending[first] = pending[first][n:]
         return done
     finally:
         os.close(fd)

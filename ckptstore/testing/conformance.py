@@ -38,6 +38,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import (
     AlreadyExistsError,
+    CorruptCheckpointError,
     InvalidKeyError,
     NotFoundError,
     RetriesExhaustedError,
@@ -123,6 +124,24 @@ class BackendTests:
         await backend.write("ranged", b"abc")
         with pytest.raises(ValueError):
             await backend.read("ranged", -1, None)
+
+    async def test_read_into_one_buffer_and_several(self, backend: Backend) -> None:
+        data = bytes(range(256)) * 8  # 2048 bytes
+        await backend.write("into", data)
+        one = bytearray(100)
+        await backend.read_into("into", 7, memoryview(one))
+        assert bytes(one) == data[7:107]
+        sizes = [0, 1, 300, 5, 1200]  # consecutive pieces, an empty one among them
+        parts = [np.zeros(n, np.uint8) for n in sizes]
+        await backend.read_into("into", 40, [p.data for p in parts])
+        assert b"".join(p.tobytes() for p in parts) == data[40 : 40 + sum(sizes)]
+
+    async def test_read_into_past_the_end_is_corrupt(self, backend: Backend) -> None:
+        await backend.write("short", b"0123456789")
+        with pytest.raises(CorruptCheckpointError, match="short"):
+            await backend.read_into("short", 4, [memoryview(bytearray(4))] * 2)
+        with pytest.raises(NotFoundError):
+            await backend.read_into("missing", 0, memoryview(bytearray(1)))
 
     # ---- missing objects ----
 
