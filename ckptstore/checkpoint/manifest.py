@@ -18,6 +18,7 @@ from ckptstore.backends.keys import validate_key
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.errors import CorruptCheckpointError
+from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import LeafInfo, dtype_of
 
 KINDS = ("jax", "numpy", "scalar")
@@ -83,8 +84,8 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
         try:
-            doc = json.loads(data)
-            return _parse(doc)
+            with gc_paused():  # one object per field of thousands of leaves: see `gcpause`
+                return _parse(json.loads(data))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(f"unreadable manifest {where}: {exc}") from exc
 

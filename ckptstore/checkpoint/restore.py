@@ -36,6 +36,7 @@ from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
+from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import Index, LeafInfo, dtype_of
 
 #: Bytes of stored data a restore reads ahead of handing it to the devices (or the
@@ -82,10 +83,13 @@ async def restore(
     At most ``max_inflight_bytes`` of read data wait for their devices at a time
     (one slice larger than that is read alone).
     """
-    async with opened(target) as backend:
-        stored = await open_stored(backend, step, item)
-        budget = ByteBudget(max_inflight_bytes)
-        return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+    # Thousands of long-lived objects for a tree of thousands of leaves, none of them
+    # garbage: the cyclic collector waits (`ckptstore.gcpause`).
+    with gc_paused():
+        async with opened(target) as backend:
+            stored = await open_stored(backend, step, item)
+            budget = ByteBudget(max_inflight_bytes)
+            return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
 
 async def restore_manifest(
@@ -100,9 +104,10 @@ async def restore_manifest(
 ) -> Any:
     """`restore` of the attempt ``manifest`` describes (verified by the caller), from the
     stores on ``backend`` (a host-local fast tier's own copy: `hostlocal`)."""
-    stored = await manifest_item(backend, manifest, item)
-    budget = ByteBudget(max_inflight_bytes)
-    return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+    with gc_paused():  # as in `restore`
+        stored = await manifest_item(backend, manifest, item)
+        budget = ByteBudget(max_inflight_bytes)
+        return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
 
 async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:

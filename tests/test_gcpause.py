@@ -1,0 +1,84 @@
+"""The cyclic collector is paused during restores and back on, as it was, afterwards."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends.local import LocalBackend
+from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.gcpause import gc_paused
+
+
+@pytest.fixture(autouse=True)
+def collector_on() -> Iterator[None]:
+    gc.enable()
+    yield
+    gc.enable()
+
+
+def test_nesting_and_errors_restore_the_collector() -> None:
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer pause still holds
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_a_collector_the_program_turned_off_stays_off() -> None:
+    gc.disable()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()
+
+
+def test_overlapping_pauses_in_threads_end_with_the_last() -> None:
+    entered, release = threading.Barrier(2), threading.Event()
+
+    def hold() -> None:
+        with gc_paused():
+            entered.wait()
+            release.wait()
+
+    other = threading.Thread(target=hold)
+    other.start()
+    with gc_paused():
+        entered.wait()
+    assert not gc.isenabled()  # the other thread's pause is still on
+    release.set()
+    other.join()
+    assert gc.isenabled()
+
+
+class Watching(LocalBackend):
+    """Records whether the collector was on while the restore read."""
+
+    seen: ClassVar[list[bool]] = []
+
+    async def _read_into(self, key, offset, outs):  # type: ignore[no-untyped-def]
+        type(self).seen.append(gc.isenabled())
+        return await super()._read_into(key, offset, outs)
+
+
+async def test_restore_pauses_the_collector_and_turns_it_back_on(tmp_path: Path) -> None:
+    tree = {f"v{i}": np.full(100 + i, i, np.float32) for i in range(20)}
+    backend = Watching(tmp_path)
+    await ckptstore.save(backend, tree, step=1)
+    out = await ckptstore.restore(backend)
+    assert Watching.seen and not any(Watching.seen)
+    assert gc.isenabled()
+    np.testing.assert_array_equal(out["v3"], tree["v3"])
+    with pytest.raises(CheckpointNotFoundError):
+        await ckptstore.restore(backend, step=7)
+    assert gc.isenabled()
