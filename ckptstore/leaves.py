@@ -8,6 +8,7 @@ that uses this schema is in `ckptstore.arrays`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,9 +41,9 @@ class LeafInfo:
     python_type: str | None = None  # "int" | "float" | "bool" | "complex" for Python numbers
     sharding: dict[str, Any] | None = None
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(dtype_of(self.dtype)).itemsize
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -93,6 +94,7 @@ def zarr_spec(kvstore: dict[str, Any], info: LeafInfo) -> dict[str, Any]:
 # ---- dtypes and chunking ----
 
 
+@functools.lru_cache(maxsize=256)
 def dtype_of(name: str) -> np.dtype[Any]:
     """The numpy dtype for a stored dtype name (ml_dtypes names included)."""
     try:
