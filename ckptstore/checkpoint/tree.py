@@ -121,16 +121,15 @@ def describe(tree: Any, name: str = "") -> dict[str, Any]:
     }
 
 
-_NAME_SEGMENT = re.compile(r"[A-Za-z0-9_.~%-]+")
+_SEGMENT = r"(?!\.\.?(?:/|$))[A-Za-z0-9_.~%-]+"  # not "." or ".."
+_LEAF_NAME = re.compile(f"{_SEGMENT}(?:/{_SEGMENT})*")
 
 
 def check_leaf_name(name: Any) -> str:
     """``name`` if `path_name` could have made it (percent-encoded segments joined by
     ``/``, none empty, ``.`` or ``..``), else `TreeError`: a stored name is a path in
     the store, so a hand-edited one must not reach anywhere else."""
-    if isinstance(name, str) and all(
-        _NAME_SEGMENT.fullmatch(s) and s not in (".", "..") for s in name.split("/")
-    ):
+    if isinstance(name, str) and _LEAF_NAME.fullmatch(name):
         return name
     raise TreeError(f"bad leaf name {str(name)[:80]!r}: not a stored tree path")
 
