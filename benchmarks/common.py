@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -359,6 +361,15 @@ def machine_info(packages: Iterable[str], scratch: Path | None = None) -> dict[s
     if scratch is not None:
         info["scratch_fs"] = _filesystem(scratch)
     return info
+
+
+def release_memory() -> None:
+    """Hand memory freed by the last phase back to the system: glibc keeps what thousands
+    of small arrays freed in its per-thread arenas, so a run over several trees would
+    otherwise hold the high-water mark of all of them (one full-size run was OOM-killed)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def write_results(path: Path, payload: dict[str, Any]) -> None:

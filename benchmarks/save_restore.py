@@ -418,6 +418,7 @@ def run_tree(
             out["memory"] = _peaks(name, scale, args, scratch)
         for leftover in scratch.iterdir():
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        common.release_memory()
     first = passes[0][1][0]
     out["nbytes"], out["leaves"] = out["sizes"][first]
     return out
