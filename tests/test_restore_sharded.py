@@ -150,3 +150,21 @@ def test_replicated_leaves_placed_by_jax_own_transfer_equal_device_put(dtype: st
     np.testing.assert_array_equal(np.asarray(fast), value)
     total = jax.jit(lambda a: a.sum())
     np.testing.assert_array_equal(np.asarray(total(fast)), np.asarray(total(want)))
+
+
+def test_a_replicated_leaf_is_one_piece_written_from_its_first_buffer() -> None:
+    """Replicated over CPU devices, a leaf is written from the array itself (no jax array
+    per device is made: ~150 us a leaf), and TensorStore reads its first device's buffer
+    in place; a sharded leaf still gives one piece per shard."""
+    from ckptstore.arrays import host_view, owned_slices
+
+    m = mesh((4, 2))
+    value = jax.device_put(np.arange(1 << 20, dtype=np.float32), NamedSharding(m, P()))
+    pieces = owned_slices(value, 0)
+    assert len(pieces) == 1 and pieces[0][1] is value and pieces[0][2]
+    assert pieces[0][0] == (slice(None),)
+    view = host_view(value)
+    assert view is not None
+    assert view.ctypes.data == value.addressable_data(0).unsafe_buffer_pointer()
+    sharded = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(m, P("x", "y")))
+    assert len(owned_slices(sharded, 0)) == 8
