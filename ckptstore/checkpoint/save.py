@@ -44,7 +44,6 @@ from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.errors import AlreadyExistsError, CkptStoreError
-from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import LeafInfo, describe_leaf
 
 
@@ -111,15 +110,14 @@ async def save_items(
     step = layout.check_step(step)
     if not items:
         raise CkptStoreError("nothing to save: no items")
-    with gc_paused():  # thousands of leaves' records, none of them garbage: see `gcpause`
-        prepared = {layout.check_item(n): PreparedItem.of(tree) for n, tree in items.items()}
-        tiers = as_tiered(target)
-        if tiers is None:
-            async with opened(single(target)) as backend:
-                return await _save(backend, prepared, step, metadata, timeout, timings or {})
-        async with tiers.opened() as (fast, durable):
-            room = Room(durable, tiers.free_margin)
-            return await _save(fast, prepared, step, metadata, timeout, timings or {}, room)
+    prepared = {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}
+    tiers = as_tiered(target)
+    if tiers is None:
+        async with opened(single(target)) as backend:
+            return await _save(backend, prepared, step, metadata, timeout, timings or {})
+    async with tiers.opened() as (fast, durable):
+        room = Room(durable, tiers.free_margin)
+        return await _save(fast, prepared, step, metadata, timeout, timings or {}, room)
 
 
 async def _save(
