@@ -8,6 +8,9 @@ full collection that visits every object of the process: in a JAX process about
 those objects is garbage. Reference counting frees memory as usual while paused;
 only cycles wait, and the collector is back on (as it was) when the last pausing
 operation of the process ends.
+
+Saves do not pause it: a `CheckpointManager` save runs in the background while the
+training loop goes on, and the loop's cycles would wait for as long as saves run.
 """
 
 from __future__ import annotations
