@@ -62,13 +62,18 @@ def test_overlapping_pauses_in_threads_end_with_the_last() -> None:
 
 
 class Watching(LocalBackend):
-    """Records whether the collector was on while the restore read."""
+    """Records whether the collector was on while a restore read or a save wrote."""
 
     seen: ClassVar[list[bool]] = []
+    seen_writing: ClassVar[list[bool]] = []
 
     async def _read_into(self, key, offset, outs):  # type: ignore[no-untyped-def]
         type(self).seen.append(gc.isenabled())
         return await super()._read_into(key, offset, outs)
+
+    async def _create(self, key, data):  # type: ignore[no-untyped-def]
+        type(self).seen_writing.append(gc.isenabled())
+        return await super()._create(key, data)
 
 
 async def test_restore_pauses_the_collector_and_turns_it_back_on(tmp_path: Path) -> None:
@@ -82,3 +87,11 @@ async def test_restore_pauses_the_collector_and_turns_it_back_on(tmp_path: Path)
     with pytest.raises(CheckpointNotFoundError):
         await ckptstore.restore(backend, step=7)
     assert gc.isenabled()
+
+
+async def test_saves_leave_the_collector_on(tmp_path: Path) -> None:
+    """A manager's background save overlaps the training loop: it must not stop the
+    loop's garbage collection for as long as it runs."""
+    backend = Watching(tmp_path)
+    await ckptstore.save(backend, {"w": np.ones(10, np.float32)}, step=1)
+    assert Watching.seen_writing and all(Watching.seen_writing)  # the commit marker's create
