@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -257,11 +258,17 @@ def _replicated_in_host_memory(value: jax.Array) -> bool:
     itself is its one piece to write (`np.asarray` gives its first device's buffer), and
     no jax array per device is made; `addressable_shards` costs ~150 us for a leaf on 8
     devices the first time, most of describing a tree of thousands of small leaves."""
-    sharding = value.sharding
+    return _host_replicated(value.sharding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_replicated(sharding: jax.sharding.Sharding) -> bool:
+    # Per sharding, not per array: the devices' platforms cost ~30 us a leaf to look up,
+    # and the leaves of a tree share a few shardings.
     return (
         sharding.is_fully_replicated
         and sharding.is_fully_addressable
-        and all(d.platform == "cpu" for d in value.devices())
+        and all(d.platform == "cpu" for d in cast("set[jax.Device]", sharding.device_set))
     )
 
 

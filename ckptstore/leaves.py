@@ -104,7 +104,13 @@ def dtype_of(name: str) -> np.dtype[Any]:
 
 
 def dtype_name(dtype: Any) -> str:
-    name: str = np.dtype(dtype).name
+    return _stored_name(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_name(dtype: np.dtype[Any]) -> str:
+    # Cached: numpy builds a dtype's name anew on every access (~5 us a leaf).
+    name: str = dtype.name
     try:
         ts.dtype(name)
     except (ValueError, TypeError) as exc:
@@ -169,9 +175,14 @@ class HostShards:
     extra: tuple[tuple[Index, np.ndarray[Any, Any]], ...] | None = None
 
 
+@functools.lru_cache(maxsize=256)
+def _is_key_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES) -> LeafInfo:
     """The `LeafInfo` for one leaf value."""
-    if isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+    if isinstance(value, jax.Array) and _is_key_dtype(value.dtype):
         raise UnsupportedLeafError(
             f"leaf {name!r} is a typed PRNG key ({value.dtype}); save "
             "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data"
