@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -98,3 +100,23 @@ async def test_incomplete_merge_names_leaves_and_commits_nothing(any_backend: Ba
         ocdbt_spec(any_backend.kvstore_spec("item")), context=any_backend.ts_context
     )
     assert await parent.list() == []  # nothing committed
+
+
+async def test_validation_reads_metadata_not_only_its_spelling(any_backend: Backend) -> None:
+    """A ``zarr.json`` byte for byte as a save writes it is accepted without parsing; any
+    other spelling is parsed: the same document reformatted passes, garbage does not."""
+    infos = await write_child(
+        any_backend, "item/ocdbt.process_0", {"a": np.ones(4, np.float32), "b": np.ones(3)}
+    )
+    kv = await ts.KvStore.open(
+        ocdbt_spec(any_backend.kvstore_spec("item/ocdbt.process_0")),
+        context=any_backend.ts_context,
+    )
+    original = (await kv.read("a/zarr.json")).value
+    await kv.write("a/zarr.json", json.dumps(json.loads(original), indent=2).encode())
+    await kv.write("b/zarr.json", b"not json")
+
+    with pytest.raises(IncompleteCheckpointError) as info:
+        await merge(any_backend, "item", ["item/ocdbt.process_0"], infos)
+    assert set(info.value.leaves) == {"b"}
+    assert "zarr.json is not a JSON object" in info.value.leaves["b"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
+from ckptstore import chunks
 from ckptstore.arrays import ocdbt_spec
 from ckptstore.backends.base import Backend, finish_first
 from ckptstore.backends.tserrors import write_error
@@ -156,15 +157,11 @@ async def validate(
     batch.submit()
     metas = await wait_all(reads)
     for info, meta_read in zip(complete, metas, strict=True):
-        try:
-            meta = json.loads(meta_read.value)
-            stored = (tuple(meta.get("shape", ())), meta.get("data_type"))
-        except (ValueError, TypeError, AttributeError):
-            problems[info.name] = "zarr.json is not a JSON object"
-            continue
-        if stored != (info.shape, info.dtype):
-            problems[info.name] = f"zarr.json says {stored[1]}{list(stored[0])}"
-            continue
+        if not _as_written(info, meta_read.value):
+            problem = _metadata_problem(info, meta_read.value)
+            if problem:
+                problems[info.name] = problem
+                continue
         have = present[info.name]
         wanted = _wanted_chunks(info, (regions or {}).get(info.name))
         missing = [c for c in wanted if c not in have]
@@ -172,3 +169,22 @@ async def validate(
             total = len(wanted)
             problems[info.name] = f"{len(missing)} of {total} chunks missing (first: {missing[0]})"
     return problems
+
+
+def _as_written(info: LeafInfo, meta: bytes) -> bool:
+    """Whether ``meta`` is byte for byte the ``zarr.json`` a save writes for ``info`` (the
+    common case, checked without parsing: ~2 us instead of ~17 us a leaf)."""
+    return chunks.known(info) and meta == chunks.encode_metadata(info)
+
+
+def _metadata_problem(info: LeafInfo, meta_bytes: bytes) -> str | None:
+    """What is wrong with a leaf's ``zarr.json`` (another writer's, or another version's
+    spelling), or None if its shape and dtype are the leaf's."""
+    try:
+        meta = json.loads(meta_bytes)
+        stored = (tuple(meta.get("shape", ())), meta.get("data_type"))
+    except (ValueError, TypeError, AttributeError):
+        return "zarr.json is not a JSON object"
+    if stored != (info.shape, info.dtype):
+        return f"zarr.json says {stored[1]}{list(stored[0])}"
+    return None
