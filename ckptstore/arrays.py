@@ -411,7 +411,7 @@ async def read_small_leaves(
     def decode() -> list[np.ndarray[Any, Any] | None]:  # checksums and copies: off the loop
         out: list[np.ndarray[Any, Any] | None] = []
         for info, meta, chunk in triples:
-            if meta is not None and chunk is not None and _ours(info, meta):
+            if meta is not None and chunk is not None and chunks.as_written(info, meta):
                 # A buffer of its own (`ocdbt_index.DirectChunks`) is used as it is.
                 mine = isinstance(chunk, np.ndarray) and chunk.flags.writeable
                 out.append(chunks.decode_chunk(info, chunk, copy=not mine))
@@ -442,11 +442,6 @@ async def _get(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence[Buffe
         raise _read_error(exc, leaf) from exc
 
 
-def _ours(info: LeafInfo, meta: Buffer) -> bool:
-    """Whether a stored ``zarr.json`` is byte for byte what a save writes for ``info``."""
-    return chunks.known(info) and bytes(meta) == chunks.encode_metadata(info)
-
-
 class RawLeaf:
     """A stored leaf read chunk by chunk from ``source``, checksums checked by
     `ckptstore.chunks` (several times faster than TensorStore's own check)."""
@@ -461,7 +456,7 @@ class RawLeaf:
         if not chunks.known(info):
             return None
         (meta,) = await _get(source, [chunks.metadata_key(info)], info.name)
-        return cls(source, info) if meta is not None and _ours(info, meta) else None
+        return cls(source, info) if meta is not None and chunks.as_written(info, meta) else None
 
     async def read(self, index: Index) -> np.ndarray[Any, Any]:
         """The region ``index`` (step-1 slices) of the leaf; read-only when it is exactly

@@ -80,6 +80,12 @@ def metadata_key(info: LeafInfo) -> str:
     return f"{info.name}/zarr.json"
 
 
+def as_written(info: LeafInfo, meta: bytes | np.ndarray[Any, Any]) -> bool:
+    """Whether a stored ``zarr.json`` is byte for byte what a save writes for ``info``: then
+    its shape, dtype and codecs are known without parsing it (~2 us instead of ~17 us)."""
+    return known(info) and bytes(meta) == encode_metadata(info)
+
+
 _TEMPLATES: dict[str, str | None] = {}
 _SHAPE, _CHUNKS = '"shape":[1]', '"chunk_shape":[1]'
 
