@@ -63,6 +63,16 @@ async def test_direct_io_sizes(tmp_path: Path, size: int) -> None:
     assert (tmp_path / "blob").read_bytes() == data
 
 
+async def test_gathered_write_crosses_the_staging_buffer(tmp_path: Path) -> None:
+    # Unaligned parts whose sum passes the 16 MiB O_DIRECT staging buffer mid-part.
+    rng = np.random.default_rng(1)
+    parts = [rng.bytes(n) for n in (7 << 20, 4097, 9 << 20, 3, (1 << 20) + 11)]
+    backend = LocalBackend(tmp_path)
+    await backend.write_gather("blob", parts)
+    assert (tmp_path / "blob").read_bytes() == b"".join(parts)
+    assert [p.name for p in tmp_path.iterdir()] == ["blob"]  # no temporary left
+
+
 async def test_unsynced_mode_roundtrips(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path, fsync=False)
     data = os.urandom(5 << 20)

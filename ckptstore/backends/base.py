@@ -29,6 +29,8 @@ from ckptstore.errors import (
 )
 
 T = TypeVar("T")
+#: What a write takes: any contiguous buffer of bytes.
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,12 @@ class Backend(ABC):
         """Write a whole object; readers see either the old or the new bytes, never a mix."""
         validate_key(key)
         await self._run(lambda _: self._write(key, data))
+
+    async def write_gather(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Write ``parts``, one after another, as one object (like `write`): many small
+        buffers become one object without a joined copy where the backend can avoid it."""
+        validate_key(key)
+        await self._run(lambda _: self._write_gather(key, parts))
 
     async def create(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write ``key`` only if it does not exist yet: the commit primitive.
@@ -271,6 +279,11 @@ class Backend(ABC):
 
     @abstractmethod
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    async def _write_gather(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Local disks stream the parts (`LocalBackend`); others join them once."""
+        joined = await asyncio.to_thread(b"".join, parts) if len(parts) != 1 else parts[0]
+        await self._write(key, joined)
 
     @abstractmethod
     async def _create(self, key: str, data: bytes | bytearray | memoryview) -> None: ...

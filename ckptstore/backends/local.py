@@ -28,7 +28,7 @@ import aiofiles
 import aiofiles.os
 import tensorstore as ts
 
-from ckptstore.backends.base import Backend, Capabilities, ObjectInfo, finish_first
+from ckptstore.backends.base import Backend, Buffer, Capabilities, ObjectInfo, finish_first
 from ckptstore.backends.keys import TEMP_MARKER, join, validate_prefix
 from ckptstore.backends.pagecache import PageCacheEvictor
 from ckptstore.errors import (
@@ -178,17 +178,18 @@ class LocalBackend(Backend):
             raise self._error(exc, key) from exc
 
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        await self._put(key, data, exclusive=False)
+        await self._put(key, [data], exclusive=False)
+
+    async def _write_gather(self, key: str, parts: Sequence[Buffer]) -> None:
+        await self._put(key, parts, exclusive=False)  # streamed: never joined in memory
 
     async def _create(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        await self._put(key, data, exclusive=True)
+        await self._put(key, [data], exclusive=True)
 
-    async def _put(
-        self, key: str, data: bytes | bytearray | memoryview, *, exclusive: bool
-    ) -> None:
+    async def _put(self, key: str, parts: Sequence[Buffer], *, exclusive: bool) -> None:
         path = self._path(key)
         try:
-            await _durable_put(path, data, exclusive=exclusive, fsync=self.fsync)
+            await _durable_put(path, parts, exclusive=exclusive, fsync=self.fsync)
         except OSError as exc:
             raise self._error(exc, key) from exc
 
@@ -352,25 +353,26 @@ def _remove_tree(path: Path) -> int:
 
 
 async def _durable_put(
-    path: Path, data: bytes | bytearray | memoryview, *, exclusive: bool, fsync: bool
+    path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: bool
 ) -> None:
     """`put_file` in a worker thread; cancelled, it still finishes first (see `finish_first`)."""
-    await finish_first(aiofiles.os.wrap(put_file)(path, data, exclusive=exclusive, fsync=fsync))
+    await finish_first(aiofiles.os.wrap(put_file)(path, parts, exclusive=exclusive, fsync=fsync))
 
 
 def put_file(
-    path: Path, data: bytes | bytearray | memoryview, *, exclusive: bool, fsync: bool = True
+    path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: bool = True
 ) -> None:
-    """Write ``data`` to ``path`` via a temporary sibling so it appears whole or not at all.
+    """Write ``parts``, one after another, to ``path`` via a temporary sibling so the file
+    appears whole or not at all.
 
     ``exclusive`` links instead of renaming, failing with EEXIST if ``path`` exists.
     """
     parent = path.parent
     new_dirs = _makedirs(parent)
     tmp = parent / f".{path.name}{TEMP_MARKER}{uuid.uuid4().hex}"
-    view = memoryview(data).cast("B")
+    views = [memoryview(part).cast("B") for part in parts]
     try:
-        _write_file(tmp, view, fsync=fsync)
+        _write_file(tmp, views, fsync=fsync)
         if exclusive:
             os.link(tmp, path)
             os.unlink(tmp)
@@ -412,9 +414,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, view: memoryview, *, fsync: bool) -> None:
+def _write_file(path: Path, views: Sequence[memoryview], *, fsync: bool) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    if fsync and len(view) >= _DIRECT_MIN and hasattr(os, "O_DIRECT"):
+    if fsync and sum(map(len, views)) >= _DIRECT_MIN and hasattr(os, "O_DIRECT"):
         try:
             fd = os.open(path, flags | os.O_DIRECT, 0o644)
         except OSError as exc:
@@ -422,14 +424,15 @@ def _write_file(path: Path, view: memoryview, *, fsync: bool) -> None:
                 raise
         else:
             try:
-                _write_direct(fd, view)
+                _write_direct(fd, views)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             return
     fd = os.open(path, flags, 0o644)
     try:
-        _write_all(fd, view)
+        for view in views:
+            _write_all(fd, view)
         if fsync:
             os.fsync(fd)
     finally:
@@ -442,26 +445,30 @@ def _write_all(fd: int, view: memoryview) -> None:
         offset += os.write(fd, view[offset : offset + (64 << 20)])
 
 
-def _write_direct(fd: int, view: memoryview) -> None:
-    """Write through an aligned staging buffer; the unaligned tail goes through the cache."""
+def _write_direct(fd: int, views: Sequence[memoryview]) -> None:
+    """Copy ``views`` one after another into an aligned staging buffer and write it out
+    whenever it is full; the unaligned tail goes through the cache."""
     buf: mmap.mmap | None = getattr(_staging, "buf", None)
     if buf is None:
         buf = mmap.mmap(-1, _STAGE)
         _staging.buf = buf
     staged = memoryview(buf)
-    aligned = len(view) - len(view) % _ALIGN
-    offset = 0
+    fill = 0
     try:
-        while offset < aligned:
-            n = min(_STAGE, aligned - offset)
-            staged[:n] = view[offset : offset + n]
-            written = 0
-            while written < n:
-                written += os.write(fd, staged[written:n])
-            offset += n
+        for view in views:
+            taken = 0
+            while taken < len(view):
+                n = min(_STAGE - fill, len(view) - taken)
+                staged[fill : fill + n] = view[taken : taken + n]
+                fill += n
+                taken += n
+                if fill == _STAGE:
+                    _write_all(fd, staged)
+                    fill = 0
+        aligned = fill - fill % _ALIGN
+        _write_all(fd, staged[:aligned])
+        if aligned < fill:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _write_all(fd, staged[aligned:fill])
     finally:
         staged.release()
-    if offset < len(view):
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        os.lseek(fd, offset, os.SEEK_SET)
-        _write_all(fd, view[offset:])

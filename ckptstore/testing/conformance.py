@@ -109,6 +109,17 @@ class BackendTests:
         assert await backend.read("mv") == arr.tobytes()
         assert await backend.read("ba") == b"xyz"
 
+    async def test_write_gather_is_the_parts_one_after_another(self, backend: Backend) -> None:
+        rng = np.random.default_rng(0)
+        sizes = [0, 1, 4095, 4096, 4097, 3 * MiB + 5, 0, 123, 2 * MiB]
+        parts: list[bytes | bytearray | memoryview] = [rng.bytes(n) for n in sizes]
+        parts[3] = bytearray(parts[3])
+        parts[5] = np.frombuffer(parts[5], np.uint8).data  # a numpy array's memoryview
+        await backend.write_gather("gathered/blob", parts)
+        assert await backend.read("gathered/blob") == b"".join(parts)
+        await backend.write_gather("gathered/none", [])
+        assert await backend.read("gathered/none") == b""
+
     # ---- byte ranges ----
 
     @pytest.mark.parametrize(
