@@ -124,10 +124,21 @@ def _probe(dtype: str) -> str | None:
 
 def encode_chunk(info: LeafInfo, data: np.ndarray[Any, Any]) -> bytes:
     """The stored chunk: the array's little-endian C-order bytes, then their crc32c."""
+    raw, crc = chunk_parts(info, data)
+    return b"".join((raw, crc))  # one copy
+
+
+def chunk_parts(info: LeafInfo, data: np.ndarray[Any, Any]) -> tuple[memoryview, bytes]:
+    """The stored chunk as its two parts, without copying ``data`` where it already is
+    little-endian and C-contiguous: its bytes, and their crc32c."""
     arr = np.ascontiguousarray(data, dtype=_little(dtype_of(info.dtype)))
     raw = arr.reshape(-1).view(np.uint8)
-    crc = google_crc32c.value(raw).to_bytes(_CRC_BYTES, "little")
-    return b"".join((raw.data, crc))  # one copy
+    return raw.data, google_crc32c.value(raw).to_bytes(_CRC_BYTES, "little")
+
+
+def stored_size(info: LeafInfo) -> int:
+    """Bytes of a stored chunk of ``info`` (its data and checksum)."""
+    return math.prod(info.chunk_shape) * dtype_of(info.dtype).itemsize + _CRC_BYTES
 
 
 def decode_chunk(
@@ -137,7 +148,7 @@ def decode_chunk(
     checksum is corruption. ``copy=False`` returns a view of ``stored`` (read-only for
     bytes; for an aligned writable buffer, one devices can adopt as it is)."""
     dtype = dtype_of(info.dtype)
-    size = math.prod(info.chunk_shape) * dtype.itemsize
+    size = stored_size(info) - _CRC_BYTES
     whole = np.frombuffer(stored, np.uint8)
     if whole.size != size + _CRC_BYTES:
         raise CorruptCheckpointError(
