@@ -359,9 +359,7 @@ async def _durable_put(
     await finish_first(aiofiles.os.wrap(put_file)(path, parts, exclusive=exclusive, fsync=fsync))
 
 
-def put_file(
-    path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: bool = True
-) -> None:
+def put_file(path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: bool = True) -> None:
     """Write ``parts``, one after another, to ``path`` via a temporary sibling so the file
     appears whole or not at all.
 
