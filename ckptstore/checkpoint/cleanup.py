@@ -246,8 +246,10 @@ async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
             if not dry_run:
                 await _remove(backend, key, objects)
             removal.add(key, objects)
+    removed = tuple(f"{key}/" for key in removal.entries)
     for info in await backend.remove_temporaries(older_than, dry_run=dry_run):
-        removal.add(info.key, [info])
+        if not info.key.startswith(removed):  # else part of an entry named already
+            removal.add(info.key, [info])
     return removal
 
 
