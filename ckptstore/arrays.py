@@ -31,6 +31,7 @@ from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.futures import THREAD_BYTES, off_loop, wait_all, wait_here
 from ckptstore.leaves import HostShards, Index, LeafInfo, dtype_of, host_array, zarr_spec
+from ckptstore.packs import PackRef, PackTarget, write_pack
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
@@ -50,6 +51,7 @@ class WriteStats:
     bytes: int = 0
     seconds: float = 0.0
     leaves: list[str] = field(default_factory=list)
+    packed: dict[str, PackRef] = field(default_factory=dict)  # where each packed leaf is
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -140,6 +142,7 @@ async def write_leaves(
     write_metadata: bool,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     select: Select = owned_slices,
+    packs: PackTarget | None = None,
 ) -> WriteStats:
     """Write this process's pieces of ``leaves`` into the OCDBT store ``store``.
 
@@ -147,6 +150,8 @@ async def write_leaves(
     (exactly one process should). At most ``max_inflight_bytes`` of shard data
     are handed to TensorStore at a time, which bounds the memory a save adds.
     ``select(value, process)`` picks the pieces (`owned_slices`; `host_view_slices`).
+    With ``packs``, small single-chunk leaves go into packs there instead
+    (`ckptstore.packs`; ``WriteStats.packed`` says where).
     """
     stats = WriteStats(process=process)
     start = time.perf_counter()
@@ -205,6 +210,19 @@ async def write_leaves(
                     stats.shards += 1
                     stats.bytes += info.nbytes
 
+    async def packed_leaves(k: int, group: list[tuple[LeafInfo, Any]]) -> None:
+        assert packs is not None
+        async with budget.hold(sum(info.nbytes for info, _ in group)):  # device-to-host copies
+            owned = [(info, data) for info, value in group for _, data, _ in pieces_of(value)]
+            if not owned:
+                return
+            refs = await finish_first(write_pack(packs.backend, packs.prefix, packs.key(k), owned))
+            for (info, _), ref in zip(owned, refs, strict=True):
+                stats.packed[info.name] = ref
+                stats.leaves.append(info.name)
+                stats.shards += 1
+                stats.bytes += info.nbytes
+
     async def write_piece(arr: ts.TensorStore, index: Index, data: Any, private: bool) -> None:
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
@@ -222,12 +240,14 @@ async def write_leaves(
     small = [(info, value) for info, value in leaves if chunks.small(info)]
     kv = await ts.KvStore.open(store, context=context)
     groups = chunks.groups(small, max_inflight_bytes // 4)
+    smalls = (
+        [small_leaves(group) for group in groups]
+        if packs is None
+        else [packed_leaves(k, group) for k, group in enumerate(groups)]
+    )
     try:  # one failed write cancels (and awaits) the others before the error is raised
         await gather_first_error(
-            [
-                *(one_leaf(info, value) for info, value in leaves if not chunks.small(info)),
-                *(small_leaves(group) for group in groups),
-            ]
+            [*(one_leaf(info, value) for info, value in leaves if not chunks.small(info)), *smalls]
         )
     except Exception as exc:
         raise write_error(exc, "checkpoint data") from exc

@@ -80,7 +80,7 @@ def metadata_key(info: LeafInfo) -> str:
     return f"{info.name}/zarr.json"
 
 
-def as_written(info: LeafInfo, meta: bytes | np.ndarray[Any, Any]) -> bool:
+def as_written(info: LeafInfo, meta: bytes | bytearray | np.ndarray[Any, Any]) -> bool:
     """Whether a stored ``zarr.json`` is byte for byte what a save writes for ``info``: then
     its shape, dtype and codecs are known without parsing it (~2 us instead of ~17 us)."""
     return known(info) and bytes(meta) == encode_metadata(info)

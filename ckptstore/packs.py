@@ -5,17 +5,22 @@ copies of every byte (ours into one Python ``bytes`` per chunk, TensorStore's in
 its own buffer, the kernel's into the page cache) and two keys each; on this
 project's test machine that path wrote a 5,000-leaf tree at ~0.45x the speed of
 ``dd oflag=direct`` (`docs/benchmarks.md`). A pack holds the stored chunks of many
-small single-chunk leaves (`ckptstore.chunks.small`), one after another, in the
-very bytes a zarr3 chunk has (data, then its crc32c); it is written with one
-gathered write (`Backend.write_gather`: straight from the leaves' own buffers,
-through ``O_DIRECT`` on local disks) and each leaf is found by its `PackRef`.
-Consecutive leaves of a pack are read back with one ranged read.
+small single-chunk leaves (`ckptstore.chunks.small`), one after another: each
+leaf's ``zarr.json`` (the document TensorStore would store for it) and then its
+chunk in the very bytes a zarr3 chunk has (data, then its crc32c). It is written
+with one gathered write (`Backend.write_gather`: straight from the leaves' own
+buffers, through ``O_DIRECT`` on local disks) and each leaf is found by its
+`PackRef`. Consecutive leaves of a pack are read back with one ranged read. The
+stored ``zarr.json`` must be byte for byte what the manifest's record of the leaf
+gives, so a manifest edited to another shape or dtype (and re-signed) is caught
+before its data is read, as it is for leaves in OCDBT stores.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +30,12 @@ from ckptstore import chunks
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, Buffer
 from ckptstore.backends.keys import validate_key
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError
+from ckptstore.errors import (
+    CkptStoreError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotFoundError,
+)
 from ckptstore.leaves import LeafInfo
 
 
@@ -42,16 +52,53 @@ class PackRef:
 
     @classmethod
     def from_json(cls, leaf: str, data: Any) -> PackRef:
-        """A reference read from a manifest; anything malformed is corruption."""
+        """A reference as a manifest records it, checked; raises ValueError naming the
+        leaf (the manifest's parser reports it as corruption)."""
         key = data.get("key") if isinstance(data, dict) else None
         offset = data.get("offset") if isinstance(data, dict) else None
         if not isinstance(key, str) or type(offset) is not int or offset < 0:
-            raise CorruptCheckpointError(f"malformed pack reference {data!r}", leaf=leaf)
+            raise ValueError(f"leaf {leaf!r}: malformed pack reference {str(data)[:80]}")
         try:
-            validate_key(key)
+            validate_key(key)  # below the item's directory: relative, never up and out
         except CkptStoreError as exc:
-            raise CorruptCheckpointError(f"pack key {key!r}: {exc}", leaf=leaf) from exc
+            raise ValueError(f"leaf {leaf!r}: bad pack key: {exc}") from exc
         return cls(key, offset)
+
+
+@dataclass(frozen=True)
+class PackTarget:
+    """Where a writer packs small leaves: objects ``<store>/pack-<k>`` below ``prefix``
+    (the item's directory) on ``backend``."""
+
+    backend: Backend
+    prefix: str
+    store: str
+
+    def key(self, k: int) -> str:
+        return f"{self.store}/pack-{k}"
+
+
+#: A writer's record of its packed leaves, beside its packs: ``{leaf: PackRef.to_json()}``.
+#: The save's primary process copies it into the manifest (coordination messages stay small).
+INDEX = "packs.json"
+
+
+async def write_index(backend: Backend, store: str, refs: Mapping[str, PackRef]) -> None:
+    """Record ``refs`` (a writer's packed leaves) in ``store`` (its directory)."""
+    doc = {leaf: ref.to_json() for leaf, ref in refs.items()}
+    await backend.write(_join(store, INDEX), json.dumps(doc, separators=(",", ":")).encode())
+
+
+async def read_index(backend: Backend, store: str) -> dict[str, PackRef]:
+    """The packed leaves a writer recorded in ``store``; a malformed record is corruption."""
+    key = _join(store, INDEX)
+    try:
+        doc = json.loads(await backend.read(key))
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        return {leaf: PackRef.from_json(leaf, ref) for leaf, ref in doc.items()}
+    except ValueError as exc:  # json's errors too
+        raise CorruptCheckpointError(f"unreadable pack index {key}: {exc}") from exc
 
 
 def pack_parts(leaves: Sequence[tuple[LeafInfo, Any]]) -> tuple[list[Buffer], list[int]]:
@@ -62,21 +109,56 @@ def pack_parts(leaves: Sequence[tuple[LeafInfo, Any]]) -> tuple[list[Buffer], li
     offsets: list[int] = []
     at = 0
     for info, data in leaves:
+        meta = chunks.encode_metadata(info)
         raw, crc = chunks.chunk_parts(info, np.asarray(data))
-        parts += [raw, crc]
+        parts += [meta, raw, crc]
         offsets.append(at)
-        at += raw.nbytes + len(crc)
+        at += len(meta) + raw.nbytes + len(crc)
     return parts, offsets
 
 
+def entry_size(info: LeafInfo) -> int:
+    """Bytes of one leaf in a pack: its ``zarr.json`` and its stored chunk."""
+    return len(chunks.encode_metadata(info)) + chunks.stored_size(info)
+
+
 async def write_pack(
-    backend: Backend, key: str, leaves: Sequence[tuple[LeafInfo, Any]]
+    backend: Backend, prefix: str, key: str, leaves: Sequence[tuple[LeafInfo, Any]]
 ) -> list[PackRef]:
-    """Write one pack of ``leaves`` at ``key`` (below the item's directory) on ``backend``;
+    """Write one pack of ``leaves`` at ``key`` below ``prefix`` (the item's directory);
     returns each leaf's `PackRef`, in order."""
     parts, offsets = await asyncio.to_thread(pack_parts, leaves)
-    await backend.write_gather(key, parts)
+    await backend.write_gather(_join(prefix, key), parts)
     return [PackRef(key, offset) for offset in offsets]
+
+
+async def check_packs(
+    backend: Backend, prefix: str, leaves: Sequence[tuple[LeafInfo, PackRef]]
+) -> None:
+    """Raise `IncompleteCheckpointError` naming every leaf whose pack (below ``prefix``)
+    is missing or ends before the leaf does: a save checks this before it commits."""
+    ends: dict[str, int] = {}
+    for info, ref in leaves:
+        ends[ref.key] = max(ends.get(ref.key, 0), ref.offset + entry_size(info))
+
+    async def size(key: str) -> int | None:
+        try:
+            return (await backend.stat(_join(prefix, key))).size
+        except NotFoundError:
+            return None
+
+    sizes = dict(zip(ends, await gather_first_error(map(size, ends)), strict=True))
+    problems = {}
+    for info, ref in leaves:
+        have, need = sizes[ref.key], ref.offset + entry_size(info)
+        if have is None:
+            problems[info.name] = f"its pack {ref.key} is missing"
+        elif have < need:
+            problems[info.name] = f"its pack {ref.key} holds {have} bytes, {need} expected"
+    if problems:
+        raise IncompleteCheckpointError(
+            f"{len(problems)} packed leaves are not all there", leaves=problems
+        )
 
 
 async def read_packed(
@@ -89,18 +171,32 @@ async def read_packed(
 
     async def run(indices: list[int]) -> None:
         first = leaves[indices[0]][1]
+        metas = [
+            bytearray(entry_size(leaves[i][0]) - chunks.stored_size(leaves[i][0])) for i in indices
+        ]
         bufs = [chunks.aligned_empty((chunks.stored_size(leaves[i][0]),), _BYTE) for i in indices]
-        views = [buf.data for buf in bufs]
-        key = f"{prefix}/{first.key}" if prefix else first.key
+        views = [
+            v for meta, buf in zip(metas, bufs, strict=True) for v in (memoryview(meta), buf.data)
+        ]
         try:
-            await backend.read_into(key, first.offset, views)
+            await backend.read_into(_join(prefix, first.key), first.offset, views)
         except CorruptCheckpointError as exc:  # the pack ends before these leaves do
+            if len(indices) > 1:  # find the first leaf cut off: each alone
+                await gather_first_error(run([i]) for i in indices)
+            name = leaves[indices[-1]][0].name
+            raise CorruptCheckpointError(f"pack {first.key} too short: {exc}", leaf=name) from exc
+        except NotFoundError as exc:  # a committed step's pack: damage, not a storage failure
             names = ", ".join(leaves[i][0].name for i in indices)
-            raise CorruptCheckpointError(f"pack {first.key} too short for {names}: {exc}") from exc
+            raise CorruptCheckpointError(
+                f"pack {first.key} of {names} is missing", leaf=leaves[indices[0]][0].name
+            ) from exc
 
         def decode() -> None:
-            for i, buf in zip(indices, bufs, strict=True):
-                out[i] = chunks.decode_chunk(leaves[i][0], buf, copy=False)
+            for i, meta, buf in zip(indices, metas, bufs, strict=True):
+                info = leaves[i][0]
+                if not chunks.as_written(info, meta):
+                    raise CorruptCheckpointError(_disagreement(info, meta), leaf=info.name)
+                out[i] = chunks.decode_chunk(info, buf, copy=False)
 
         await asyncio.to_thread(decode)
 
@@ -109,7 +205,47 @@ async def read_packed(
     return out  # type: ignore[return-value]
 
 
+async def read_split(
+    backend: Backend,
+    prefix: str,
+    packed: Mapping[str, PackRef],
+    infos: Sequence[LeafInfo],
+    others: Callable[[list[LeafInfo]], Awaitable[Sequence[np.ndarray[Any, Any]]]],
+) -> list[np.ndarray[Any, Any]]:
+    """Each of ``infos``' arrays, in order: packed ones from their packs below ``prefix``,
+    the rest through ``others`` (a batch reader of the item's store)."""
+    mine = [info for info in infos if info.name in packed]
+    rest = [info for info in infos if info.name not in packed]
+
+    async def from_packs() -> Sequence[np.ndarray[Any, Any]]:
+        return await read_packed(backend, prefix, [(i, packed[i.name]) for i in mine])
+
+    async def from_store() -> Sequence[np.ndarray[Any, Any]]:
+        return await others(rest) if rest else []
+
+    a, b = await gather_first_error([from_packs(), from_store()])
+    done = {info.name: arr for info, arr in zip(mine, a, strict=True)}
+    done.update((info.name, arr) for info, arr in zip(rest, b, strict=True))
+    return [done[info.name] for info in infos]
+
+
 _BYTE = np.dtype(np.uint8)
+
+
+def _disagreement(info: LeafInfo, meta: bytes | bytearray) -> str:
+    """What the ``zarr.json`` stored in a pack says against the manifest's record (read
+    at the length the record implies: a record of another dtype may cut it short)."""
+    said = f"the manifest says data_type {info.dtype!r}, shape {list(info.shape)}"
+    try:
+        doc = json.loads(meta)
+        stored = f"data_type {doc['data_type']!r}, shape {doc['shape']}"
+    except (ValueError, TypeError, KeyError):
+        return f"the zarr.json stored in its pack does not match its record ({said})"
+    return f"the zarr.json stored in its pack says {stored}; {said}"
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}/{key}" if prefix else key
 
 
 def _runs(leaves: Sequence[tuple[LeafInfo, PackRef]]) -> list[list[int]]:
@@ -122,7 +258,7 @@ def _runs(leaves: Sequence[tuple[LeafInfo, PackRef]]) -> list[list[int]]:
         if end != (ref.key, ref.offset) or len(runs[-1]) >= _MAX_RUN:
             runs.append([])
         runs[-1].append(i)
-        end = (ref.key, ref.offset + chunks.stored_size(info))
+        end = (ref.key, ref.offset + entry_size(info))
     return runs
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import read_marker
@@ -17,3 +19,10 @@ async def committed_root(backend: Backend, step: int) -> str:
 async def attempts(backend: Backend, step: int) -> list[str]:
     """Every attempt directory below ``step``, committed or not."""
     return [n for n in await backend.list_dir(layout.step_dir(step)) if layout.is_attempt(n)]
+
+
+def largest_data_file(below: Path) -> Path:
+    """The largest file of the per-process stores below ``below`` on local disk: a data
+    file of an OCDBT store, or a pack of small leaves (`ckptstore.packs`)."""
+    files = [p for p in below.rglob("ocdbt.process_*/**/*") if p.is_file()]
+    return max(files, key=lambda p: p.stat().st_size)

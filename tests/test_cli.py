@@ -63,8 +63,8 @@ def test_verify_catches_corruption(root: str, capsys: pytest.CaptureFixture[str]
     assert main(["verify", root, "--step", "9"]) == 0
     assert "step 9: intact; 1 leaf, 4.0 KiB read" in capsys.readouterr().out
     (attempt,) = (Path(root) / "9").glob("attempt-*")
-    data_dir = attempt / "state" / "ocdbt.process_0" / "d"
-    victim = max(data_dir.iterdir(), key=lambda p: p.stat().st_size)
+    store = attempt / "state" / "ocdbt.process_0"  # its data files and packs
+    victim = max((p for p in store.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     blob = bytearray(victim.read_bytes())
     blob[len(blob) // 2] ^= 1
     victim.write_bytes(bytes(blob))

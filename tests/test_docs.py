@@ -34,7 +34,7 @@ def test_rule_file_example_parses_and_maps(tmp_path: Path) -> None:
 
 def test_plain_tensorstore_example_reads_a_leaf(tmp_path: Path) -> None:
     (example,) = [b for b in blocks("architecture.md", "python") if "ts.open" in b]
-    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    w = np.arange(2 << 20, dtype=np.float32).reshape(2048, 1024)  # 8 MiB: not packed
     ckptstore.save_sync(str(tmp_path), {"params": {"dense": {"kernel": w}}}, step=100)
     code = example.replace("/ckpt/", f"{tmp_path}/")
     namespace: dict[str, object] = {}

@@ -166,8 +166,10 @@ BIG_LEAF = textwrap.dedent(
 
 
 def test_a_manifest_declaring_a_256_gib_leaf_allocates_nothing(root: Path) -> None:
-    """Checked against the stored ``zarr.json`` before any buffer is sized by it; in a
-    process that cannot map even 4 GiB (a bad_alloc would abort it)."""
+    """Refused before any buffer is sized by it, in a process that cannot map even 4 GiB
+    (a bad_alloc would abort it): leaf x is packed, and packs hold only small leaves, so
+    the manifest itself is refused (a leaf in an OCDBT store is checked against its
+    stored ``zarr.json`` first)."""
     (attempt,) = (root / "2").glob("attempt-*")
     big = 256 << 30
 
@@ -182,8 +184,9 @@ def test_a_manifest_declaring_a_256_gib_leaf_allocates_nothing(root: Path) -> No
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("restore:") and "shape" in lines[0], proc.stdout
     assert lines[1].startswith("verify: False"), proc.stdout
-    # `ls` reads no array data: it lists step 2 as the manifest says (`verify` knows better).
-    assert lines[-1] == "ls: 0" and any(line.split()[:1] == ["1"] for line in lines), proc.stdout
+    # `ls` reads no array data, but it parses the manifest: step 2 is listed as corrupt.
+    assert lines[-1] == "ls: 1" and any(line.split()[:1] == ["1"] for line in lines), proc.stdout
+    assert any(line.split()[:2] == ["2", "CORRUPT:"] for line in lines), proc.stdout
 
 
 # ---- partial-save records ----

@@ -310,7 +310,7 @@ def test_odd_keys_match_orbaxs_own_naming(tmp_path: Path) -> None:
 
 def test_damaged_source_fails_cleanly(tmp_path: Path) -> None:
     ckptstore.save_sync(tmp_path / "cs", {"w": np.arange(1 << 16, dtype=np.float32)}, step=0)
-    data = [p for p in (tmp_path / "cs").rglob("ocdbt.process_0/d/*") if p.is_file()]
+    data = [p for p in (tmp_path / "cs").rglob("ocdbt.process_0/*") if p.is_file()]  # packs
     for f in data:
         f.unlink()
     for link in (True, False):

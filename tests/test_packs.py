@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
+import ckptstore
 from ckptstore import chunks
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.errors import CorruptCheckpointError
+from ckptstore.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckptstore.leaves import LeafInfo, describe_leaf
-from ckptstore.packs import PackRef, read_packed, write_pack
+from ckptstore.packs import (
+    PackRef,
+    check_packs,
+    entry_size,
+    read_index,
+    read_packed,
+    write_index,
+    write_pack,
+)
 
 
 def leaves_of(arrays: list[np.ndarray[Any, Any]]) -> list[tuple[LeafInfo, np.ndarray[Any, Any]]]:
@@ -37,8 +48,8 @@ def assorted() -> list[np.ndarray[Any, Any]]:
 
 async def test_roundtrip_on_every_backend(any_backend: Backend) -> None:
     leaves = leaves_of(assorted())
-    refs = await write_pack(any_backend, "item/p0/pack-0", leaves)
-    assert [r.key for r in refs] == ["item/p0/pack-0"] * len(leaves)
+    refs = await write_pack(any_backend, "item", "p0/pack-0", leaves)
+    assert [r.key for r in refs] == ["p0/pack-0"] * len(leaves)
     assert refs[0].offset == 0 and sorted(r.offset for r in refs) == [r.offset for r in refs]
     # read back in another order, from the item's directory, some twice
     order = [7, 2, 0, 5, 3, 1, 6, 4, 2]
@@ -55,16 +66,34 @@ async def test_roundtrip_on_every_backend(any_backend: Backend) -> None:
     assert big.ctypes.data % chunks.ALIGNMENT == 0  # devices may adopt it without a copy
 
 
-async def test_stored_bytes_are_zarr3_chunks(tmp_path: Path) -> None:
+async def test_each_entry_is_the_leafs_zarr_json_then_its_zarr3_chunk(tmp_path: Path) -> None:
     leaves = leaves_of(assorted())
     backend = LocalBackend(tmp_path)
-    refs = await write_pack(backend, "pack", leaves)
+    refs = await write_pack(backend, "", "pack", leaves)
     stored = (tmp_path / "pack").read_bytes()
-    size = sum(chunks.stored_size(info) for info, _ in leaves)
-    assert len(stored) == size
+    assert len(stored) == sum(entry_size(info) for info, _ in leaves)
     for (info, arr), ref in zip(leaves, refs, strict=True):
-        one = stored[ref.offset : ref.offset + chunks.stored_size(info)]
-        assert one == chunks.encode_chunk(info, arr)
+        meta = chunks.encode_metadata(info)
+        at = ref.offset + len(meta)
+        assert stored[ref.offset : at] == meta
+        assert stored[at : ref.offset + entry_size(info)] == chunks.encode_chunk(info, arr)
+
+
+async def test_a_record_disagreeing_with_the_stored_zarr_json_is_corruption(
+    tmp_path: Path,
+) -> None:
+    # float32 (3, 5) recorded as int32 (3, 5): same size, same checksum; caught by zarr.json
+    leaves = leaves_of(assorted())
+    backend = LocalBackend(tmp_path)
+    refs = await write_pack(backend, "", "pack", leaves)
+    edited = dataclasses.replace(leaves[0][0], dtype="int32")
+    with pytest.raises(CorruptCheckpointError, match="manifest says data_type 'int32'") as err:
+        await read_packed(backend, "", [(edited, refs[0])])
+    assert err.value.leaf == "m/t0"
+    # same dtype, another shape of as many digits: the stored document is read whole
+    reshaped = dataclasses.replace(leaves[0][0], shape=(5, 3), chunk_shape=(5, 3))
+    with pytest.raises(CorruptCheckpointError, match=r"says data_type 'float32', shape \[3, 5\]"):
+        await read_packed(backend, "", [(reshaped, refs[0])])
 
 
 async def test_large_pack_through_direct_io(tmp_path: Path) -> None:
@@ -73,7 +102,7 @@ async def test_large_pack_through_direct_io(tmp_path: Path) -> None:
     arrays = [rng.standard_normal(n).astype(np.float32) for n in [262_147] * 20]
     leaves = leaves_of(arrays)
     backend = LocalBackend(tmp_path)
-    refs = await write_pack(backend, "pack", leaves)
+    refs = await write_pack(backend, "", "pack", leaves)
     got = await read_packed(backend, "", list(zip([i for i, _ in leaves], refs, strict=True)))
     for arr, want in zip(got, arrays, strict=True):
         np.testing.assert_array_equal(arr, want)
@@ -82,9 +111,9 @@ async def test_large_pack_through_direct_io(tmp_path: Path) -> None:
 async def test_flipped_byte_is_corruption_naming_the_leaf(tmp_path: Path) -> None:
     leaves = leaves_of(assorted())
     backend = LocalBackend(tmp_path)
-    refs = await write_pack(backend, "pack", leaves)
+    refs = await write_pack(backend, "", "pack", leaves)
     raw = bytearray((tmp_path / "pack").read_bytes())
-    raw[refs[3].offset + 5] ^= 0x40
+    raw[refs[3].offset + len(chunks.encode_metadata(leaves[3][0])) + 5] ^= 0x40
     (tmp_path / "pack").write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="crc32c") as err:
         await read_packed(backend, "", list(zip([i for i, _ in leaves], refs, strict=True)))
@@ -97,19 +126,29 @@ async def test_flipped_byte_is_corruption_naming_the_leaf(tmp_path: Path) -> Non
 async def test_truncated_pack_is_corruption(tmp_path: Path) -> None:
     leaves = leaves_of(assorted())
     backend = LocalBackend(tmp_path)
-    refs = await write_pack(backend, "pack", leaves)
+    refs = await write_pack(backend, "", "pack", leaves)
     with open(tmp_path / "pack", "r+b") as f:
         f.truncate(refs[-1].offset + 10)
-    with pytest.raises(CorruptCheckpointError, match=r"too short.*m/t7"):
-        await read_packed(backend, "", [(leaves[-1][0], refs[-1])])
+    with pytest.raises(CorruptCheckpointError, match=r"pack too short") as err:
+        await read_packed(backend, "", list(zip([i for i, _ in leaves], refs, strict=True)))
+    assert err.value.leaf == "m/t7"  # the one leaf cut off, found among the eight read at once
 
 
-async def test_offset_that_misaligns_a_leaf_fails_its_checksum(tmp_path: Path) -> None:
+async def test_a_missing_pack_is_corruption(tmp_path: Path) -> None:
     leaves = leaves_of(assorted())
     backend = LocalBackend(tmp_path)
-    refs = await write_pack(backend, "pack", leaves)
+    refs = await write_pack(backend, "", "pack", leaves)
+    (tmp_path / "pack").unlink()
+    with pytest.raises(CorruptCheckpointError, match="pack pack of m/t2 is missing"):
+        await read_packed(backend, "", [(leaves[2][0], refs[2])])
+
+
+async def test_an_offset_that_misses_the_leaf_is_corruption(tmp_path: Path) -> None:
+    leaves = leaves_of(assorted())
+    backend = LocalBackend(tmp_path)
+    refs = await write_pack(backend, "", "pack", leaves)
     wrong = PackRef("pack", refs[1].offset + 4)
-    with pytest.raises(CorruptCheckpointError, match="crc32c"):
+    with pytest.raises(CorruptCheckpointError, match="does not match its record"):
         await read_packed(backend, "", [(leaves[1][0], wrong)])
 
 
@@ -127,12 +166,100 @@ async def test_offset_that_misaligns_a_leaf_fails_its_checksum(tmp_path: Path) -
         {"key": "/abs", "offset": 0},
     ],
 )
-def test_malformed_references_are_corruption(data: Any) -> None:
-    with pytest.raises(CorruptCheckpointError) as err:
+def test_malformed_references_are_refused_naming_the_leaf(data: Any) -> None:
+    with pytest.raises(ValueError, match="m/t0"):
         PackRef.from_json("m/t0", data)
-    assert err.value.leaf == "m/t0"
 
 
 def test_reference_json_roundtrip() -> None:
     ref = PackRef("p0/pack-3", 123_456)
     assert PackRef.from_json("x", ref.to_json()) == ref
+
+
+async def test_check_packs_names_leaves_of_missing_and_short_packs(any_backend: Backend) -> None:
+    leaves = leaves_of(assorted())
+    first = await write_pack(any_backend, "item", "p0/pack-0", leaves[:4])
+    second = await write_pack(any_backend, "item", "p1/pack-0", leaves[4:])
+    refs = list(zip([i for i, _ in leaves], first + second, strict=True))
+    await check_packs(any_backend, "item", refs)  # all there
+    await any_backend.write("item/p1/pack-0", b"\0" * second[-1].offset)  # cut short
+    missing = (leaves[0][0], PackRef("p0/pack-9", 0))
+    with pytest.raises(IncompleteCheckpointError) as err:
+        await check_packs(any_backend, "item", [*refs, missing])
+    assert set(err.value.leaves) == {"m/t0", "m/t7"}
+    assert "missing" in err.value.leaves["m/t0"] and "bytes" in err.value.leaves["m/t7"]
+
+
+# ---- packs in a save ----
+
+
+def mixed_tree() -> dict[str, Any]:
+    rng = np.random.default_rng(2)
+    return {
+        "big": rng.standard_normal((1024, 1280)).astype(np.float32),  # 5 MiB: TensorStore's
+        "small": [rng.standard_normal(n).astype(np.float32) for n in (1, 100, 5000)],
+        "bf16": rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16),
+        "step": 7,
+    }
+
+
+async def test_a_save_packs_its_small_leaves(any_backend: Backend) -> None:
+    tree = mixed_tree()
+    await ckptstore.save(any_backend, tree, step=1)
+    item = (await ckptstore.read_manifest(any_backend, 1)).items["state"]
+    assert set(item.packed) == {"small/0", "small/1", "small/2", "bf16", "step"}
+    assert {ref.key for ref in item.packed.values()} == {"ocdbt.process_0/pack-0"}
+    got = await ckptstore.restore(any_backend, 1)
+    np.testing.assert_array_equal(got["big"], tree["big"])
+    for a, b in zip(got["small"], tree["small"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got["bf16"].dtype == tree["bf16"].dtype and got["step"] == 7
+    report = await ckptstore.verify(any_backend, 1)
+    assert report.ok and report.leaves == 6
+    assert report.bytes == sum(info.nbytes for info in item.leaves.values())
+
+
+async def test_packed_leaves_restore_onto_shardings(tmp_path: Path) -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
+    tree = {"w": jax.device_put(np.arange(64.0).reshape(8, 8), spec)}
+    await ckptstore.save(str(tmp_path), tree, step=1)  # 4 shards of 128 B: not one chunk
+    assert (await ckptstore.read_manifest(str(tmp_path), 1)).items["state"].packed == {}
+    small = {"v": np.arange(16.0).reshape(4, 4)}
+    await ckptstore.save(str(tmp_path), small, step=2)
+    like = {"v": jax.ShapeDtypeStruct((4, 4), np.float64, sharding=spec)}
+    got = await ckptstore.restore(str(tmp_path), 2, like=like)
+    assert got["v"].sharding == spec
+    np.testing.assert_array_equal(np.asarray(got["v"]), small["v"])
+
+
+async def test_verify_and_restore_name_a_damaged_packed_leaf(tmp_path: Path) -> None:
+    tree = mixed_tree()
+    await ckptstore.save(str(tmp_path), tree, step=1)
+    item = (await ckptstore.read_manifest(str(tmp_path), 1)).items["state"]
+    ref, info = item.packed["small/2"], item.leaves["small/2"]
+    (pack,) = tmp_path.rglob("pack-0")
+    raw = bytearray(pack.read_bytes())
+    raw[ref.offset + len(chunks.encode_metadata(info)) + 100] ^= 1
+    pack.write_bytes(bytes(raw))
+    report = await ckptstore.verify(str(tmp_path), 1)
+    assert (
+        list(report.problems) == ["state/small/2"] and "crc32c" in report.problems["state/small/2"]
+    )
+    with pytest.raises(CorruptCheckpointError) as err:
+        await ckptstore.restore(str(tmp_path), 1)
+    assert err.value.leaf == "small/2"
+    pack.unlink()
+    report = await ckptstore.verify(str(tmp_path), 1)
+    assert set(report.problems) == {f"state/{n}" for n in item.packed} and not report.unreadable
+
+
+async def test_index_roundtrip_and_a_malformed_one_is_corruption(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path)
+    refs = {"a/b": PackRef("ocdbt.process_1/pack-0", 0), "c": PackRef("ocdbt.process_1/pack-2", 9)}
+    await write_index(backend, "item/ocdbt.process_1", refs)
+    assert await read_index(backend, "item/ocdbt.process_1") == refs
+    for bad in (b"[1]", b"{not json", b'{"a": {"key": "../x", "offset": 0}}'):
+        (tmp_path / "item" / "ocdbt.process_1" / "packs.json").write_bytes(bad)
+        with pytest.raises(CorruptCheckpointError, match="unreadable pack index"):
+            await read_index(backend, "item/ocdbt.process_1")

@@ -15,7 +15,7 @@ import pytest
 import ckptstore
 from ckptstore.checkpoint.target import open_target
 from ckptstore.cli import main
-from tests.paths import committed_root
+from tests.paths import committed_root, largest_data_file
 from tests.test_partial import shared_target
 from tests.test_tiers import assert_tree, tree
 
@@ -27,7 +27,7 @@ def tiered(request: pytest.FixtureRequest, tmp_path: Path) -> ckptstore.Tiered:
 
 
 def damage_largest_data_file(fast: str, root: str) -> None:
-    data = max(Path(fast, root, "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data = largest_data_file(Path(fast, root, "state"))
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0x10
     data.write_bytes(bytes(blob))
@@ -175,7 +175,7 @@ async def test_a_partial_fast_copy_falls_back_too(
     await ckptstore.save(tiers, tree(9), step=9)
     await ckptstore.promote(tiers)
     files = [p for p in (tmp_path / "nvme" / "9").rglob("*") if p.is_file()]
-    assert len(files) > 5
+    assert {p.name for p in files} >= {"COMMITTED", "manifest.json", "pack-0"}
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         for path in files:
             original = path.read_bytes()

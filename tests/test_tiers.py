@@ -25,7 +25,7 @@ import ckptstore
 from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.cli import main
 from ckptstore.lifecycle import tiers
-from tests.paths import committed_root
+from tests.paths import committed_root, largest_data_file
 from tests.test_partial import shared_target
 
 DURABLE = ["s3", "gcs"]
@@ -82,7 +82,7 @@ async def test_a_damaged_fast_copy_falls_back_to_the_durable_one(
     await ckptstore.promote(tiered)
     fast = ckptstore.open_backend(tiered.fast)
     root = await committed_root(fast, 3)
-    data = max(Path(tiered.fast, root, "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data = largest_data_file(Path(tiered.fast, root, "state"))
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0x10
     data.write_bytes(bytes(blob))
@@ -376,7 +376,7 @@ async def test_ls_shows_each_steps_tiers_and_how_far_promotion_got(
     await ckptstore.delete_step(tiered.fast, 1)  # trimmed from the fast tier
     # Step 3: as a promotion cut short leaves it (the marker and one data file not there).
     (durable / "3" / "COMMITTED").unlink()
-    max((durable / "3").rglob("d/*"), key=lambda p: p.stat().st_size).unlink()
+    largest_data_file(durable / "3").unlink()
     assert await asyncio.to_thread(main, ["ls", str(profile)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["STEP", "TIERS"]

@@ -36,7 +36,7 @@ FAST = {"connect_timeout": 0.25, "read_timeout": 0.25}
 #: Seconds an operation may take against a dead endpoint with these settings (generous:
 #: the machine running the tests may be busy).
 BOUND = 15.0
-TREE = {"x": np.arange(1000.0), "n": 3}
+TREE = {"x": np.arange(655_360.0), "n": 3}  # x (5 MiB) through TensorStore, n packed
 
 
 def closed_port() -> int:

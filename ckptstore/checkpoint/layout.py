@@ -1,6 +1,6 @@
 """Names of everything a checkpoint stores, relative to the backend root.
 
-Format version 2 (attempt-scoped):
+Format version 3 (attempt-scoped; version 2 is the same without packs):
 
 ```
 <step>/
@@ -11,6 +11,8 @@ Format version 2 (attempt-scoped):
     SESSION.json                          partial-save sessions only: lets a resumer find it
     <item>/                               e.g. "state"
       ocdbt.process_<i>/                  process i's own OCDBT store (a save)
+        pack-<k>                          its small leaves, packed (`ckptstore.packs`); the
+                                          manifest says where each one starts
       local.process_<i>/                  host-local fast tiers only: what else process i
                                           needs to restore alone (never promoted)
       pending_<k>-<token>/ocdbt.process_<i>/   part k of a partial save
@@ -19,7 +21,7 @@ Format version 2 (attempt-scoped):
 ```
 
 Format version 1 had no attempt level: ``<step>/manifest.json`` and ``<step>/<item>/``.
-Both are read; an `AttemptDir` with ``attempt=None`` names a version-1 step.
+All three are read; an `AttemptDir` with ``attempt=None`` names a version-1 step.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ SESSION = "SESSION.json"
 PARTS = "parts"
 DEFAULT_ITEM = "state"
 FORMAT = "ckptstore"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: an item's small leaves may be packed (`ckptstore.packs`)
 
 _ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 

@@ -14,12 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore import chunks
 from ckptstore.backends.keys import validate_key
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import LeafInfo, dtype_of
+from ckptstore.packs import PackRef
 
 KINDS = ("jax", "numpy", "scalar")
 PYTHON_TYPES = (None, "int", "float", "bool", "complex")
@@ -33,6 +35,8 @@ class ItemManifest:
     structure: dict[str, Any]
     leaves: dict[str, LeafInfo]
     parts: list[str] = field(default_factory=list)  # store directories merged, in order
+    #: Leaves stored in packs (`ckptstore.packs`) rather than in the merged store.
+    packed: dict[str, PackRef] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +79,7 @@ class Manifest:
                     "structure": item.structure,
                     "parts": item.parts,
                     "leaves": {n: info.to_json() for n, info in item.leaves.items()},
+                    "packed": {n: ref.to_json() for n, ref in item.packed.items()},
                 }
                 for name, item in self.items.items()
             },
@@ -156,7 +161,17 @@ def _parse_item(name: str, item: Any) -> ItemManifest:
         f"item {name!r}: the structure's leaves and the leaf table differ "
         f"({sorted(named ^ set(leaves))[:5]})",
     )
-    return ItemManifest(structure=structure, leaves=leaves, parts=list(parts))
+    packed_doc = item.get("packed", {})
+    _expect(isinstance(packed_doc, dict), f"item {name!r}: packed is not an object")
+    packed = {n: PackRef.from_json(n, ref) for n, ref in packed_doc.items()}
+    for leaf in packed:  # only small single-chunk leaves are packed
+        _expect(leaf in leaves, f"packed leaf {leaf!r} is not in the leaf table")
+        info = leaves[leaf]
+        _expect(
+            chunks.small(info),
+            f"leaf {leaf!r} cannot be packed (shape {list(info.shape)}, {info.nbytes} bytes)",
+        )
+    return ItemManifest(structure=structure, leaves=leaves, parts=list(parts), packed=packed)
 
 
 def parse_leaf(name: str, d: Any) -> LeafInfo:

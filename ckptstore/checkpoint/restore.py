@@ -38,6 +38,7 @@ from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
 from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import Index, LeafInfo, dtype_of
+from ckptstore.packs import read_packed, read_split
 
 #: Bytes of stored data a restore reads ahead of handing it to the devices (or the
 #: caller): a restore needs about this plus its largest shard over the restored state.
@@ -133,17 +134,31 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
     ctx = backend.ts_context
     source = await chunk_source(backend, manifest, item, store)
 
+    saved = manifest.items[item]
+    packed = saved.packed
+    prefix = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+
+    async def unpack(info: LeafInfo) -> np.ndarray[Any, Any]:
+        (whole,) = await read_packed(backend, prefix, [(info, packed[info.name])])
+        return whole
+
     async def open_native(info: LeafInfo) -> ts.TensorStore:
+        if info.name in packed:  # an array in memory, for readers that want TensorStore's
+            return ts.array(await unpack(info))
         return await open_leaf(store, ctx, info)
 
     async def read_small(infos: Sequence[LeafInfo]) -> list[np.ndarray[Any, Any]]:
-        return await read_small_leaves(source, store, ctx, infos)
+        async def others(rest: list[LeafInfo]) -> list[np.ndarray[Any, Any]]:
+            return await read_small_leaves(source, store, ctx, rest)
+
+        return await read_split(backend, prefix, packed, infos, others)
 
     async def open_raw(info: LeafInfo) -> Read | None:
+        if info.name in packed:
+            return _in_memory(await unpack(info))
         leaf = await RawLeaf.open(source, info)
         return leaf.read if leaf is not None else None
 
-    saved = manifest.items[item]
     return StoredItem(saved.leaves, saved.structure, open_native, read_small, open_raw)
 
 

@@ -20,7 +20,7 @@ The hand-offs between these steps are `Handoff` rounds.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.errors import AlreadyExistsError, CkptStoreError
 from ckptstore.leaves import LeafInfo, describe_leaf
+from ckptstore.packs import PackRef, PackTarget, check_packs, read_index, write_index
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,12 @@ async def _save(
 
     async def write_mine() -> dict[str, Any]:
         total: dict[str, Any] = {"process": handoff.me, "shards": 0, "bytes": 0, "seconds": 0.0}
+        packed: dict[str, int] = {}  # per item, the leaves this process packed
         for name, item in items.items():
             store = where.process_store(name, handoff.me)
+            # Small leaves go into packs, except on a host-local fast tier: its promotion
+            # and this host's own copy (`hostlocal`) read only OCDBT stores.
+            packs = None if host_local else PackTarget(backend, where.item(name), _last(store))
             with backend.write_behind(store):
                 stats = await write_leaves(
                     ocdbt_spec(backend.kvstore_spec(store)),
@@ -169,9 +174,14 @@ async def _save(
                     list(zip(item.leaves, (value for _, value in item.named), strict=True)),
                     process=handoff.me,
                     write_metadata=handoff.me == 0,
+                    packs=packs,
                 )
             for key in ("shards", "bytes", "seconds"):
                 total[key] += stats.to_json()[key]
+            if stats.packed:
+                await write_index(backend, store, stats.packed)
+            packed[name] = len(stats.packed)
+        total[_PACKED] = packed
         if host_view:  # this host's copy, for a restart on the same hosts (`hostlocal`)
             for name, item in items.items():
                 leaves = list(zip(item.leaves, (value for _, value in item.named), strict=True))
@@ -183,16 +193,24 @@ async def _save(
     phases: dict[str, float] = {}
 
     async def merge_and_commit() -> None:
-        processes = await handoff.reports()
+        reports = await handoff.reports()
+        processes = [{k: v for k, v in p.items() if k != _PACKED} for p in reports]
         manifest_items = {}
         for name, item in items.items():
             stores = [where.process_store(name, i) for i in range(handoff.count)]
+            packed = await _packed(backend, where, name, item.leaves, reports)
             if not host_local:  # host-local: merged on the durable tier at promotion
-                await merge(backend, where.item(name), stores, item.leaves)
+                unpacked = [info for info in item.leaves if info.name not in packed]
+                await merge(backend, where.item(name), stores, unpacked)
+                infos = {info.name: info for info in item.leaves}
+                await check_packs(
+                    backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
+                )
             manifest_items[name] = ItemManifest(
                 structure=item.structure,
                 leaves={info.name: info for info in item.leaves},
-                parts=[s.rsplit("/", 1)[1] for s in stores],
+                parts=[_last(s) for s in stores],
+                packed=packed,
             )
         merged = time.perf_counter()
         phases["merge"] = merged - written
@@ -235,3 +253,34 @@ async def _save(
         merge_seconds=phases.get("merge", 0.0),
         timings={"write": written - start, **phases},
     )
+
+
+_PACKED = "packed"  # a process's report: per item, how many leaves it packed
+
+
+async def _packed(
+    backend: Backend,
+    where: layout.AttemptDir,
+    item: str,
+    leaves: Sequence[LeafInfo],
+    reports: Sequence[dict[str, Any]],
+) -> dict[str, PackRef]:
+    """Every process's packed leaves of ``item`` (from the index each wrote beside its
+    packs), in the saved leaves' order. A leaf two processes packed, or one the tree does
+    not have, is a bug worth stopping the save for."""
+    found: dict[str, PackRef] = {}
+    for i, report in enumerate(reports):
+        if not report.get(_PACKED, {}).get(item):
+            continue
+        for leaf, ref in (await read_index(backend, where.process_store(item, i))).items():
+            if leaf in found:
+                raise CkptStoreError(f"leaf {leaf!r} was packed by two processes")
+            found[leaf] = ref
+    out = {info.name: found.pop(info.name) for info in leaves if info.name in found}
+    if found:
+        raise CkptStoreError(f"packed leaves the tree does not have: {sorted(found)[:5]}")
+    return out
+
+
+def _last(key: str) -> str:
+    return key.rsplit("/", 1)[1]

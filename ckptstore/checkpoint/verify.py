@@ -1,6 +1,6 @@
 """Verification: is a committed step intact, and would a restore return exactly what was saved?
 
-`verify` shares the restore's read path (`load_committed`, `RawLeaf` or `open_leaf`)
+`verify` shares the restore's read path (`load_committed`, `RawLeaf`, `open_leaf`, packs)
 and the merge's coverage check (`validate`), so it fails exactly where a restore
 would fail or return something wrong: a marker, manifest or digest that does not
 check out, a manifest whose structure or types a restore cannot rebuild, a
@@ -40,6 +40,7 @@ from ckptstore.checkpoint.restore import item_store
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.leaves import Index, LeafInfo
+from ckptstore.packs import read_packed
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
 READ_BYTES = 64 << 20
@@ -120,7 +121,8 @@ async def _verify_item(
     try:
         kv = await ts.KvStore.open(spec, context=ctx)
         keys = [k.decode() for k in await kv.list()]
-        coverage = await validate(kv, keys, list(item.leaves.values()))
+        in_store = [info for info in item.leaves.values() if info.name not in item.packed]
+        coverage = await validate(kv, keys, in_store)
     except Exception as exc:  # TensorStore raises ValueError for unreadable stores
         failed = storage_error(exc, op=f"reading the merged store of item {name!r}")
         if failed is not None:
@@ -132,10 +134,20 @@ async def _verify_item(
         report.problems[f"{name}/{leaf}"] = why
     todo = iter([info for info in item.leaves.values() if info.name not in coverage])
 
+    prefix = layout.AttemptDir(manifest.step, manifest.attempt).item(name)
+
+    async def unpack(info: LeafInfo) -> int:
+        async with budget.hold(info.nbytes):
+            await read_packed(backend, prefix, [(info, item.packed[info.name])])
+        return info.nbytes
+
     async def worker() -> None:  # a few workers, not a task per leaf: thousands of leaves
         for info in todo:  # shared: each leaf goes to the next free worker
             try:
-                nbytes = await _read_all(spec, ctx, kv, info, budget)
+                if info.name in item.packed:
+                    nbytes = await unpack(info)
+                else:
+                    nbytes = await _read_all(spec, ctx, kv, info, budget)
                 report.bytes += nbytes  # not `+= await`: that would add to a stale total
             except CkptStoreError as exc:
                 report.record(f"{name}/{info.name}", exc)

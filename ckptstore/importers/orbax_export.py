@@ -28,6 +28,7 @@ budget; hard links share the source's immutable data files and add no bytes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
 import shutil
@@ -38,12 +39,14 @@ from typing import Any
 
 import tensorstore as ts
 
+from ckptstore import chunks
 from ckptstore.arrays import ByteBudget, ocdbt_spec
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.blocking import run
 from ckptstore.checkpoint.commit import latest_manifest
+from ckptstore.checkpoint.manifest import ItemManifest
 from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import AnyTarget, Target, as_tiered, open_target, opened, single
@@ -64,6 +67,7 @@ from ckptstore.importers.orbax_format import (
 from ckptstore.importers.orbax_inspect import read_all
 from ckptstore.importers.progress import Progress
 from ckptstore.leaves import LeafInfo
+from ckptstore.packs import read_packed
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).
 COPY_BUDGET = 256 << 20
@@ -78,7 +82,7 @@ class ExportResult:
     bytes: int  # the leaves' bytes
     linked: int  # objects hard-linked (no bytes written)
     copied: int  # objects copied
-    copied_bytes: int
+    copied_bytes: int  # theirs, and the packed leaves' written into the view
 
 
 async def export_orbax(
@@ -136,7 +140,7 @@ async def _export(
     saved = manifest.items[item]
     found = entries(saved.structure, saved.leaves)  # refuse before writing anything
     where = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
-    objects = await _objects_to_copy(src, where, saved.parts)
+    objects = await _objects_to_copy(src, where, saved)
     out = await _Destination.open(destination, manifest.step, manager)
     try:
         bar = (
@@ -150,7 +154,8 @@ async def _export(
         mirror = _join(item_dir, f"ckptstore.{item}")
         counts = await _mirror(src, where, objects, dst, mirror, link=link, bar=bar)
         bar.close()
-        await _build_view(dst, mirror, item_dir, found)
+        packed_bytes = await _write_packed(src, where, dst, item_dir, found, saved)
+        await _build_view(dst, mirror, item_dir, [e for e in found if e.leaf not in saved.packed])
         if verify:
             await _read_back(dst, item_dir, found, saved.leaves)
         await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
@@ -170,7 +175,7 @@ async def _export(
         bytes=saved.nbytes,
         linked=counts[0],
         copied=counts[1],
-        copied_bytes=counts[2],
+        copied_bytes=counts[2] + packed_bytes,
     )
 
 
@@ -182,19 +187,62 @@ def _success(final: str) -> bytes:
     return f"Checkpoint commit was successful to {final}".encode()
 
 
-async def _objects_to_copy(src: Backend, where: str, parts: list[str]) -> list[ObjectInfo]:
-    """The merged store's own objects and those of every store it merged; nothing else.
+async def _objects_to_copy(src: Backend, where: str, saved: ItemManifest) -> list[ObjectInfo]:
+    """The merged store's own objects and those of every store it merged; nothing else
+    (packs neither: their leaves are written into the view, see `_write_packed`).
 
     A format-version-1 step records no parts: all of its item directory is committed."""
     out = []
+    parts = saved.parts
     stores = tuple(f"{where}/{p}/" for p in parts) if parts else (f"{where}/",)
+    packs = {f"{where}/{ref.key}" for ref in saved.packed.values()}
     async for info in src.list(where):
         rel = info.key[len(where) + 1 :]
+        if info.key in packs:
+            continue
         if rel == "manifest.ocdbt" or rel.startswith("d/") or info.key.startswith(stores):
             out.append(info)
-    if not any(o.key == f"{where}/manifest.ocdbt" for o in out):
+    in_store = len(saved.leaves) > len(saved.packed)
+    if in_store and not any(o.key == f"{where}/manifest.ocdbt" for o in out):
         raise CorruptCheckpointError(f"{src.url}/{where} has no merged store (manifest.ocdbt)")
     return out
+
+
+async def _write_packed(
+    src: Backend,
+    where: str,
+    dst: Backend,
+    item_dir: str,
+    found: list[OrbaxEntry],
+    saved: ItemManifest,
+) -> int:
+    """Packed leaves (`ckptstore.packs`) are small: each is read from its pack (checksum
+    checked) and written into the view as the zarr3 array Orbax reads, a batch at a time.
+    Returns their bytes."""
+    view = await ts.KvStore.open(ocdbt_spec(dst.kvstore_spec(item_dir)), context=dst.ts_context)
+    packed = [(e, saved.leaves[e.leaf]) for e in found if e.leaf in saved.packed]
+    for group in chunks.groups([(info, e) for e, info in packed], _PACKED_BATCH):
+        refs = [(info, saved.packed[info.name]) for info, _ in group]
+        arrays = await read_packed(src, where, refs)
+
+        def encoded(
+            group: list[tuple[LeafInfo, OrbaxEntry]] = group,
+            arrays: list[Any] = arrays,
+        ) -> list[tuple[str, bytes]]:
+            out = []
+            for (info, e), arr in zip(group, arrays, strict=True):
+                renamed = dataclasses.replace(info, name=e.param)
+                out.append((chunks.metadata_key(renamed), chunks.encode_metadata(renamed)))
+                out.append((chunks.chunk_key(renamed), chunks.encode_chunk(renamed, arr)))
+            return out
+
+        writes = await asyncio.to_thread(encoded)
+        await asyncio.gather(*(view.write(key, value) for key, value in writes))
+    return sum(info.nbytes for _, info in packed)
+
+
+#: Bytes of packed leaves read and written into an export's view at a time.
+_PACKED_BATCH = 64 << 20
 
 
 class _Destination:
