@@ -41,8 +41,9 @@ from ckptstore.leaves import LeafInfo
 
 @dataclass(frozen=True)
 class PackRef:
-    """Where a packed leaf's stored chunk starts: in object ``key`` (relative to the
-    item's directory) at byte ``offset``. Its length follows from the leaf's schema."""
+    """Where a packed leaf's entry (its ``zarr.json``, then its chunk) starts: in object
+    ``key`` (relative to the item's directory) at byte ``offset``. Its length follows from
+    the leaf's schema (`entry_size`)."""
 
     key: str
     offset: int
