@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 import tensorstore as ts
 
-from ckptstore.backends.base import Backend, ObjectInfo
+from ckptstore.backends.base import Backend, Buffer, ObjectInfo
 from ckptstore.errors import StorageError, TransientStorageError
 
 T = TypeVar("T")
@@ -131,6 +131,10 @@ class FaultyBackend(Backend):
 
     async def _write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         await self._around("write", key, lambda: self.inner.write(key, data))
+
+    async def _write_gather(self, key: str, parts: Sequence[Buffer]) -> None:
+        # A "write" fault, on the inner backend's own gathered write (streamed on local disk)
+        await self._around("write", key, lambda: self.inner.write_gather(key, parts))
 
     async def _create(self, key: str, data: bytes | bytearray | memoryview) -> None:
         await self._around("create", key, lambda: self.inner.create(key, data))
