@@ -263,3 +263,48 @@ async def test_index_roundtrip_and_a_malformed_one_is_corruption(tmp_path: Path)
         (tmp_path / "item" / "ocdbt.process_1" / "packs.json").write_bytes(bad)
         with pytest.raises(CorruptCheckpointError, match="unreadable pack index"):
             await read_index(backend, "item/ocdbt.process_1")
+
+
+async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
+    """Process 0 reads the index of each process that reports packed leaves (several
+    writers: the coordination service carries counts, not tables)."""
+    from ckptstore.checkpoint import layout
+    from ckptstore.checkpoint.save import _packed
+
+    backend = LocalBackend(tmp_path)
+    where = layout.AttemptDir(1, layout.new_attempt())
+    infos = [info for info, _ in leaves_of(assorted())[:3]]
+    await write_index(backend, where.process_store("state", 0), {"m/t2": PackRef("a/pack-0", 0)})
+    await write_index(backend, where.process_store("state", 2), {"m/t0": PackRef("b/pack-0", 8)})
+    reports = [{"packed": {"state": 1}}, {"packed": {"state": 0}}, {"packed": {"state": 1}}]
+    got = await _packed(backend, where, "state", infos, reports)
+    assert list(got.items()) == [("m/t0", PackRef("b/pack-0", 8)), ("m/t2", PackRef("a/pack-0", 0))]
+    await write_index(backend, where.process_store("state", 1), {"m/t0": PackRef("c/pack-0", 0)})
+    reports[1] = {"packed": {"state": 1}}
+    with pytest.raises(ckptstore.CkptStoreError, match="packed by two processes"):
+        await _packed(backend, where, "state", infos, reports)
+    await write_index(backend, where.process_store("state", 1), {"other": PackRef("c/pack-0", 0)})
+    with pytest.raises(ckptstore.CkptStoreError, match="the tree does not have"):
+        await _packed(backend, where, "state", infos, reports)
+
+
+@pytest.mark.parametrize("after", [False, True])
+async def test_a_failed_pack_write_commits_nothing_and_the_step_saves_again(
+    tmp_path: Path, after: bool
+) -> None:
+    """The second pack's write fails (before it landed, or after: a lost reply): the save
+    raises a typed error, the earlier step is intact, and a retry commits."""
+    from ckptstore.testing.faults import FaultyBackend
+
+    small = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(40)}  # 160 MiB: 3 packs
+    await ckptstore.save(str(tmp_path), {"x": np.arange(3)}, step=1)
+    faulty = FaultyBackend(
+        LocalBackend(tmp_path), ops={"write"}, fail_on=[2], error="permanent", after=after
+    )
+    with pytest.raises(ckptstore.StorageError, match="injected permanent fault"):
+        await ckptstore.save(faulty, small, step=2)
+    assert await ckptstore.list_steps(str(tmp_path)) == [1]
+    assert (await ckptstore.verify(str(tmp_path), 1)).ok
+    await ckptstore.save(str(tmp_path), small, step=2)
+    got = await ckptstore.restore(str(tmp_path), 2)
+    assert all((got[k] == v).all() for k, v in small.items())
