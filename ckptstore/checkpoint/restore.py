@@ -136,7 +136,7 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
 
     saved = manifest.items[item]
     packed = saved.packed
-    prefix = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+    prefix = item_dir(manifest, item)
 
     async def unpack(info: LeafInfo) -> np.ndarray[Any, Any]:
         (whole,) = await read_packed(backend, prefix, [(info, packed[info.name])])
@@ -249,7 +249,7 @@ async def chunk_source(
     backend reads cheaply into buffers and the store's index is understood, else
     TensorStore's kvstore."""
     if backend.capabilities.direct_reads:
-        prefix = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+        prefix = item_dir(manifest, item)
         base = await ts.KvStore.open(backend.kvstore_spec(prefix), context=backend.ts_context)
         index = await ocdbt_index.load(base)
         if index is not None:
@@ -257,10 +257,15 @@ async def chunk_source(
     return KvChunks(await ts.KvStore.open(store, context=backend.ts_context))
 
 
+def item_dir(manifest: Manifest, item: str) -> str:
+    """The directory of one item (its merged store, process stores and packs) in the
+    attempt ``manifest`` describes."""
+    return layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+
+
 def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any]:
     """The TensorStore spec of one item's merged store in the attempt ``manifest`` describes."""
-    where = layout.AttemptDir(manifest.step, manifest.attempt)
-    return ocdbt_spec(backend.kvstore_spec(where.item(item)))
+    return ocdbt_spec(backend.kvstore_spec(item_dir(manifest, item)))
 
 
 def _check(

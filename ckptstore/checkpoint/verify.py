@@ -36,7 +36,7 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import validate
-from ckptstore.checkpoint.restore import item_store
+from ckptstore.checkpoint.restore import item_dir, item_store
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.leaves import Index, LeafInfo
@@ -134,7 +134,7 @@ async def _verify_item(
         report.problems[f"{name}/{leaf}"] = why
     todo = iter([info for info in item.leaves.values() if info.name not in coverage])
 
-    prefix = layout.AttemptDir(manifest.step, manifest.attempt).item(name)
+    prefix = item_dir(manifest, name)
 
     async def unpack(info: LeafInfo) -> int:
         async with budget.hold(info.nbytes):
