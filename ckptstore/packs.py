@@ -138,9 +138,7 @@ async def check_packs(
 ) -> None:
     """Raise `IncompleteCheckpointError` naming every leaf whose pack (below ``prefix``)
     is missing or ends before the leaf does: a save checks this before it commits."""
-    ends: dict[str, int] = {}
-    for info, ref in leaves:
-        ends[ref.key] = max(ends.get(ref.key, 0), ref.offset + entry_size(info))
+    keys = list(dict.fromkeys(ref.key for _, ref in leaves))
 
     async def size(key: str) -> int | None:
         try:
@@ -148,7 +146,7 @@ async def check_packs(
         except NotFoundError:
             return None
 
-    sizes = dict(zip(ends, await gather_first_error(map(size, ends)), strict=True))
+    sizes = dict(zip(keys, await gather_first_error(map(size, keys)), strict=True))
     problems = {}
     for info, ref in leaves:
         have, need = sizes[ref.key], ref.offset + entry_size(info)
@@ -172,9 +170,7 @@ async def read_packed(
 
     async def run(indices: list[int]) -> None:
         first = leaves[indices[0]][1]
-        metas = [
-            bytearray(entry_size(leaves[i][0]) - chunks.stored_size(leaves[i][0])) for i in indices
-        ]
+        metas = [bytearray(len(chunks.encode_metadata(leaves[i][0]))) for i in indices]
         bufs = [chunks.aligned_empty((chunks.stored_size(leaves[i][0]),), _BYTE) for i in indices]
         views = [
             v for meta, buf in zip(metas, bufs, strict=True) for v in (memoryview(meta), buf.data)
