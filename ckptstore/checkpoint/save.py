@@ -199,16 +199,16 @@ async def _save(
         for name, item in items.items():
             stores = [where.process_store(name, i) for i in range(handoff.count)]
             packed = await _packed(backend, where, name, item.leaves, reports)
+            infos = {info.name: info for info in item.leaves}
             if not host_local:  # host-local: merged on the durable tier at promotion
                 unpacked = [info for info in item.leaves if info.name not in packed]
                 await merge(backend, where.item(name), stores, unpacked)
-                infos = {info.name: info for info in item.leaves}
                 await check_packs(
                     backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
                 )
             manifest_items[name] = ItemManifest(
                 structure=item.structure,
-                leaves={info.name: info for info in item.leaves},
+                leaves=infos,
                 parts=[_last(s) for s in stores],
                 packed=packed,
             )
