@@ -1,4 +1,4 @@
-"""The storage benchmark still runs end to end (a small, quick configuration)."""
+"""The benchmarks still run end to end (small, quick configurations)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_storage_benchmark_quick_run() -> None:
-    # The default scratch directory: on the project's disk (dd oflag=direct needs a real one).
+def quick_run(script: str, *, timeout: float) -> str:
+    """``benchmarks/<script> --quick --no-write-results``, which must succeed; its stdout."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "storage.py"), "--quick", "--no-write-results"],
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--no-write-results"],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_storage_benchmark_quick_run() -> None:
+    # The default scratch directory: on the project's disk (dd oflag=direct needs a real one).
+    out = quick_run("storage.py", timeout=180)
     assert "| backend | op" in out
     for backend in ("local", "memory", "s3", "gcs"):
         assert f"| {backend} " in out, out
@@ -30,20 +35,8 @@ def test_storage_benchmark_quick_run() -> None:
 
 
 def test_small_leaves_benchmark_quick_run() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "small_leaves.py"),
-            "--quick",
-            "--no-write-results",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = quick_run("small_leaves.py", timeout=300)
     for writer in ("ocdbt_keys", "packs", "dd_direct"):
-        assert f"| {writer} " in proc.stdout, proc.stdout
-    scratch = re.search(r"^scratch directory: (.+)$", proc.stdout, re.M)
+        assert f"| {writer} " in out, out
+    scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up

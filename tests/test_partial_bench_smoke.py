@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.test_benchmarks_smoke import quick_run
 
 pytest.importorskip("moto", reason="the benchmark runs a moto S3 server")
 
 
 def test_partial_benchmark_quick_runs() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "partial.py"), "--quick", "--no-write-results"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = quick_run("partial.py", timeout=120)
     for metric in ("local write_bytes / payload", "S3 object bytes", "time: Orbax + fsync"):
-        assert metric in proc.stdout
-    assert "floors:" in proc.stdout
+        assert metric in out
+    assert "floors:" in out
