@@ -308,3 +308,33 @@ async def test_a_failed_pack_write_commits_nothing_and_the_step_saves_again(
     await ckptstore.save(str(tmp_path), small, step=2)
     got = await ckptstore.restore(str(tmp_path), 2)
     assert all((got[k] == v).all() for k, v in small.items())
+
+
+async def test_a_full_disk_while_packing_is_typed_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills mid-pack (ENOSPC from the kernel's write): a StorageError naming the
+    pack, no temporary file left, the earlier step intact and the step savable afterwards."""
+    import errno
+    import os
+
+    import ckptstore.backends.local as local
+
+    await ckptstore.save(str(tmp_path), {"x": np.arange(3)}, step=1)
+    real_write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        if "pack-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(local.os, "write", full)
+    tree = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(8)}
+    with pytest.raises(ckptstore.StorageError, match=r"No space left on device.*pack-0"):
+        await ckptstore.save(str(tmp_path), tree, step=2)
+    monkeypatch.setattr(local.os, "write", real_write)
+    assert await ckptstore.list_steps(str(tmp_path)) == [1]
+    assert not [p for p in tmp_path.rglob("*") if ".ckptstore-tmp" in p.name]
+    assert (await ckptstore.verify(str(tmp_path), 1)).ok
+    await ckptstore.save(str(tmp_path), tree, step=2)
+    assert (await ckptstore.restore(str(tmp_path), 2))["w7"][0] == 7
