@@ -11,6 +11,7 @@ dicts of their children unless the caller passes ``like``.
 from __future__ import annotations
 
 import collections
+import functools
 import keyword
 import re
 from collections.abc import Callable
@@ -50,6 +51,13 @@ def segment(key: Any) -> str:
         text = str(key.key)
     else:
         text = str(key)
+    return _encode(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode(text: str) -> str:
+    # Cached: trees repeat their keys (kernel, bias, layer_3) over thousands of leaves,
+    # and percent-encoding costs a few microseconds a segment.
     encoded = quote(text, safe=SAFE)
     if encoded in ("", ".", ".."):
         encoded = "%" + "".join(f"{ord(c):02X}" for c in text) if text else "%00"
