@@ -165,49 +165,59 @@ def _parse_item(name: str, item: Any) -> ItemManifest:
     _expect(isinstance(packed_doc, dict), f"item {name!r}: packed is not an object")
     packed = {n: PackRef.from_json(n, ref) for n, ref in packed_doc.items()}
     for leaf in packed:  # only small single-chunk leaves are packed
-        _expect(leaf in leaves, f"packed leaf {leaf!r} is not in the leaf table")
-        info = leaves[leaf]
-        _expect(
-            chunks.small(info),
-            f"leaf {leaf!r} cannot be packed (shape {list(info.shape)}, {info.nbytes} bytes)",
-        )
+        info = leaves.get(leaf)
+        if info is None:
+            raise ValueError(f"packed leaf {leaf!r} is not in the leaf table")
+        if not chunks.small(info):
+            shape = list(info.shape)
+            raise ValueError(f"leaf {leaf!r} cannot be packed (shape {shape}, {info.nbytes} bytes)")
     return ItemManifest(structure=structure, leaves=leaves, parts=list(parts), packed=packed)
 
 
 def parse_leaf(name: str, d: Any) -> LeafInfo:
     """One leaf's record, checked field by field (a manifest's, or a partial save's part
     record's); raises ValueError (or its subclasses) naming the problem."""
-    _expect(isinstance(name, str) and name != "", "empty leaf name")
+    # Plain ifs, not `_expect`: a message is formatted only when a check fails, and a
+    # manifest of thousands of leaves runs these checks thousands of times.
+    if not isinstance(name, str) or name == "":
+        raise ValueError("empty leaf name")
     check_leaf_name(name)
-    _expect(isinstance(d, dict), f"leaf {name!r} is not an object")
+    if not isinstance(d, dict):
+        raise ValueError(f"leaf {name!r} is not an object")
     shape, chunks = d["shape"], d["chunk_shape"]
-    _expect(
+    if not (
         isinstance(shape, list)
         and len(shape) <= MAX_RANK
-        and all(_is_int(x) and 0 <= x < 2**63 for x in shape),
-        f"leaf {name!r}: bad shape",
-    )
-    _expect(  # a save's chunks are never larger than the leaf (1 along an empty axis)
+        and all(_is_int(x) and 0 <= x < 2**63 for x in shape)
+    ):
+        raise ValueError(f"leaf {name!r}: bad shape")
+    if not (  # a save's chunks are never larger than the leaf (1 along an empty axis)
         isinstance(chunks, list)
         and len(chunks) == len(shape)
-        and all(_is_int(c) and 1 <= c <= max(1, n) for c, n in zip(chunks, shape, strict=True)),
-        f"leaf {name!r}: bad chunk shape",
-    )
-    _expect(isinstance(d["dtype"], str), f"leaf {name!r}: bad dtype")
+        and all(_is_int(c) and 1 <= c <= max(1, n) for c, n in zip(chunks, shape, strict=True))
+    ):
+        raise ValueError(f"leaf {name!r}: bad chunk shape")
+    if not isinstance(d["dtype"], str):
+        raise ValueError(f"leaf {name!r}: bad dtype")
     dtype_of(d["dtype"])  # raises for dtypes TensorStore cannot hold
-    _expect(d["kind"] in KINDS, f"leaf {name!r}: bad kind {d['kind']!r}")
+    if d["kind"] not in KINDS:
+        raise ValueError(f"leaf {name!r}: bad kind {d['kind']!r}")
     python_type = d.get("python_type")
     if python_type not in PYTHON_TYPES and python_type == d["dtype"] and d["kind"] == "scalar":
         # Written before numpy scalars (np.float64 is a Python float too) were told apart
         # from Python numbers: it was a numpy scalar of that dtype, and comes back as one.
         d = {**d, "python_type": None}
         python_type = None
-    _expect(python_type in PYTHON_TYPES, f"leaf {name!r}: bad python type {python_type!r}")
-    _expect(python_type is None or shape == [], f"leaf {name!r}: a Python number with a shape")
+    if python_type not in PYTHON_TYPES:
+        raise ValueError(f"leaf {name!r}: bad python type {python_type!r}")
+    if python_type is not None and shape != []:
+        raise ValueError(f"leaf {name!r}: a Python number with a shape")
     sharding = d.get("sharding")
-    _expect(sharding is None or isinstance(sharding, dict), f"leaf {name!r}: bad sharding")
+    if sharding is not None and not isinstance(sharding, dict):
+        raise ValueError(f"leaf {name!r}: bad sharding")
     info = LeafInfo.from_json(name, d)
-    _expect(info.nbytes < 2**63, f"leaf {name!r}: impossibly large")
+    if info.nbytes >= 2**63:
+        raise ValueError(f"leaf {name!r}: impossibly large")
     return info
 
 
