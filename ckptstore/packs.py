@@ -19,6 +19,7 @@ before its data is read, as it is for leaves in OCDBT stores.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class PackRef:
         if not isinstance(key, str) or type(offset) is not int or offset < 0:
             raise ValueError(f"leaf {leaf!r}: malformed pack reference {str(data)[:80]}")
         try:
-            validate_key(key)  # below the item's directory: relative, never up and out
+            _valid_key(key)  # below the item's directory: relative, never up and out
         except CkptStoreError as exc:
             raise ValueError(f"leaf {leaf!r}: bad pack key: {exc}") from exc
         return cls(key, offset)
@@ -167,13 +168,14 @@ async def read_packed(
     follow one another in a pack are read with one ranged read, each into an aligned
     buffer of its own; a checksum, size or reference that does not match is corruption."""
     out: list[np.ndarray[Any, Any] | None] = [None] * len(leaves)
+    metas = [chunks.encode_metadata(info) for info, _ in leaves]  # what each entry starts with
 
     async def run(indices: list[int]) -> None:
         first = leaves[indices[0]][1]
-        metas = [bytearray(len(chunks.encode_metadata(leaves[i][0]))) for i in indices]
+        stored = [bytearray(len(metas[i])) for i in indices]
         bufs = [chunks.aligned_empty((chunks.stored_size(leaves[i][0]),), _BYTE) for i in indices]
         views = [
-            v for meta, buf in zip(metas, bufs, strict=True) for v in (memoryview(meta), buf.data)
+            v for meta, buf in zip(stored, bufs, strict=True) for v in (memoryview(meta), buf.data)
         ]
         try:
             await backend.read_into(_join(prefix, first.key), first.offset, views)
@@ -189,15 +191,17 @@ async def read_packed(
             ) from exc
 
         def decode() -> None:
-            for i, meta, buf in zip(indices, metas, bufs, strict=True):
+            for i, meta, buf in zip(indices, stored, bufs, strict=True):
                 info = leaves[i][0]
-                if not chunks.as_written(info, meta):
+                if meta != metas[i]:  # the document a save writes for the manifest's record
                     raise CorruptCheckpointError(_disagreement(info, meta), leaf=info.name)
                 out[i] = chunks.decode_chunk(info, buf, copy=False)
 
         await asyncio.to_thread(decode)
 
-    await gather_first_error(run(indices) for indices in _runs(leaves))
+    pairs = zip(metas, leaves, strict=True)
+    sizes = [len(meta) + chunks.stored_size(info) for meta, (info, _) in pairs]
+    await gather_first_error(run(indices) for indices in _runs(leaves, sizes))
     assert all(arr is not None for arr in out)
     return out  # type: ignore[return-value]
 
@@ -227,6 +231,9 @@ async def read_split(
 
 
 _BYTE = np.dtype(np.uint8)
+#: `validate_key`, remembered: a manifest names the same few packs thousands of times
+#: (a bad key is not remembered: it raises every time).
+_valid_key = functools.lru_cache(maxsize=1024)(validate_key)
 
 
 def _disagreement(info: LeafInfo, meta: bytes | bytearray) -> str:
@@ -245,17 +252,18 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}/{key}" if prefix else key
 
 
-def _runs(leaves: Sequence[tuple[LeafInfo, PackRef]]) -> list[list[int]]:
-    """Indices of ``leaves`` grouped into runs that lie one after another in one pack."""
+def _runs(leaves: Sequence[tuple[LeafInfo, PackRef]], sizes: Sequence[int]) -> list[list[int]]:
+    """Indices of ``leaves`` (whose entries are ``sizes`` bytes long) grouped into runs
+    that lie one after another in one pack."""
     order = sorted(range(len(leaves)), key=lambda i: (leaves[i][1].key, leaves[i][1].offset))
     runs: list[list[int]] = []
     end: tuple[str, int] | None = None
     for i in order:
-        info, ref = leaves[i]
+        ref = leaves[i][1]
         if end != (ref.key, ref.offset) or len(runs[-1]) >= _MAX_RUN:
             runs.append([])
         runs[-1].append(i)
-        end = (ref.key, ref.offset + entry_size(info))
+        end = (ref.key, ref.offset + sizes[i])
     return runs
 
 
