@@ -173,7 +173,9 @@ class LocalBackend(Backend):
 
     async def _read_into(self, key: str, offset: int, outs: Sequence[memoryview]) -> int:
         try:
-            return await asyncio.to_thread(_pread_into, self._path(key), offset, outs)
+            # The path is resolved on the worker too: its lstat calls would each wait for
+            # the GIL on the event loop's thread while other reads decode.
+            return await asyncio.to_thread(lambda: _pread_into(self._path(key), offset, outs))
         except OSError as exc:
             raise self._error(exc, key) from exc
 
