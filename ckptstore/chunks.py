@@ -23,7 +23,6 @@ ordinary zarr3 array; anything unusual is left to TensorStore's own reader.
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -41,8 +40,6 @@ _CRC_BYTES = 4
 #: Decoded chunks start on this boundary: JAX's CPU client adopts such buffers as device
 #: memory without copying them (`ckptstore.placement`).
 ALIGNMENT = 64
-#: Buffers at least this large are mapped anonymous memory of their own (`aligned_empty`).
-MAP_BYTES = 4 << 20
 T = TypeVar("T")
 
 
@@ -169,21 +166,8 @@ def decode_chunk(
 
 
 def aligned_empty(shape: Sequence[int], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """An uninitialized writable array whose data starts on an `ALIGNMENT` boundary.
-
-    Arrays of `MAP_BYTES` or more get pages of their own without asking for huge pages
-    (numpy asks for them): a restore writes such a buffer once, from a read, and hands
-    it to the devices, and faulting in fresh huge pages made first restores on this
-    project's test machine up to twice as slow (`docs/benchmarks.md`).
-    """
+    """An uninitialized writable array whose data starts on an `ALIGNMENT` boundary."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= MAP_BYTES:
-        try:
-            pages = mmap.mmap(-1, nbytes)  # page-aligned, zero-filled when first touched
-        except OSError:  # out of mappings (vm.max_map_count): numpy's allocator
-            pass
-        else:
-            return np.frombuffer(pages, np.uint8).view(dtype).reshape(tuple(shape))
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start : start + nbytes].view(dtype).reshape(tuple(shape))
