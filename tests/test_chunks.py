@@ -347,3 +347,19 @@ async def test_verify_reads_within_its_budget(
         assert report.ok and report.bytes == 12 * leaf
         assert budgets[-1].used == 0 and budgets[-1].peak <= most
     assert budgets[-1].peak > 3 * leaf  # unbounded, the workers overlap
+
+
+@pytest.mark.parametrize("nbytes", [64, (4 << 20) - 4, 12 << 20])
+def test_aligned_empty_gives_aligned_writable_arrays_that_cpu_devices_adopt(nbytes: int) -> None:
+    """Aligned, writable, of the shape and dtype asked for, and adopted by a CPU device
+    without a copy (a restore's single host copy per byte depends on it)."""
+    import jax
+
+    arr = chunks.aligned_empty((nbytes // 4,), np.dtype(np.float32))
+    assert arr.shape == (nbytes // 4,) and arr.dtype == np.float32
+    assert arr.flags.writeable and arr.flags.c_contiguous
+    assert arr.ctypes.data % chunks.ALIGNMENT == 0
+    arr[...] = np.arange(arr.size, dtype=np.float32)
+    on_device = jax.device_put(arr, jax.devices()[0])
+    assert on_device.unsafe_buffer_pointer() == arr.ctypes.data
+    np.testing.assert_array_equal(np.asarray(on_device)[-3:], arr[-3:])
