@@ -13,8 +13,9 @@ repetition), medians with their spread:
 - restore onto the requested shardings: ``ckptstore.restore(like=...)`` vs Orbax
   ``restore(target=...)``, cold (every file's pages evicted first with
   ``POSIX_FADV_DONTNEED``; dropping the whole page cache needs root) and warm, and
-  cold vs a raw read of as many bytes (``dd bs=16M`` of one evicted file) and vs reading
-  the checkpoint's own files (evicted, one after another, 16 MiB reads: the same bytes);
+  cold vs a raw read of as many bytes (``dd bs=16M`` of one evicted file), vs reading
+  the checkpoint's own files (evicted, one after another, 16 MiB reads: the same bytes),
+  and (for information) vs the raw read into new memory, as a restore must read;
 - on the first tree: peak resident memory a save adds (VmHWM over the RSS once the
   tree is built, each save in a fresh subprocess), and the merge of 64 per-process
   OCDBT stores vs the bare TensorStore transaction.
@@ -64,6 +65,7 @@ from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.restore import MAX_INFLIGHT_BYTES
+from ckptstore.chunks import aligned_empty
 from ckptstore.leaves import describe_leaf
 
 PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpoint", "psutil"]
@@ -73,7 +75,7 @@ PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpo
 PHASES = {
     "disk": ["ckpt_save", "dd_direct"],
     "orbax": ["ckpt_save", "orbax_save_fsync", "orbax_save"],
-    "cold": ["ckpt_restore", "raw_read", "raw_read_files"],
+    "cold": ["ckpt_restore", "raw_read", "raw_read_files", "raw_read_fresh"],
     "cold_orbax": ["ckpt_restore", "orbax_restore"],
     "warm": ["ckpt_restore_warm", "orbax_restore_warm"],
 }
@@ -92,6 +94,7 @@ TIME_ROWS: list[tuple[str, str, str, str, float | str | None]] = [
     ("restore (cold) vs Orbax", "cold_orbax", "ckpt_restore", "orbax_restore", 1.5),
     ("restore (cold) vs raw read", "cold", "ckpt_restore", "raw_read", 0.8),
     ("restore (cold) vs reading its files", "cold", "ckpt_restore", "raw_read_files", 0.8),
+    ("restore (cold) vs raw read into new memory", "cold", "ckpt_restore", "raw_read_fresh", None),
     ("restore (warm) vs Orbax", "warm", "ckpt_restore_warm", "orbax_restore_warm", 1.5),
 ]
 MEMORY_FLOOR = 0.25  # peak added / state bytes
@@ -201,6 +204,21 @@ class Contenders:
         with Timer() as t:
             cmd = ["dd", f"if={self.src}", "of=/dev/null", "bs=16M", "status=none"]
             subprocess.run(cmd, check=True)
+        return t.seconds
+
+    async def raw_read_fresh(self) -> float:
+        """`raw_read` into new memory, as a restore must read: 16 MiB buffers allocated as a
+        restore allocates them (`aligned_empty`), all kept until the read ends."""
+        evict_tree(self.src)
+        kept = []
+        with Timer() as t:
+            with open(self.src, "rb", buffering=0) as f:
+                while True:
+                    buf = aligned_empty((16 * MiB,), np.dtype(np.uint8))
+                    if not f.readinto(buf.data):
+                        break
+                    kept.append(buf)
+        del kept
         return t.seconds
 
     async def raw_read_files(self) -> float:
