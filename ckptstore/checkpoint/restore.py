@@ -9,6 +9,7 @@ be asked for. All disagreements are reported together in one
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -282,7 +283,7 @@ def _check(
         if shape is not None and tuple(shape) != info.shape:
             problems.append(f"{name}: shape {list(shape)} requested, {list(info.shape)} stored")
         dtype = _dtype_of(want)
-        if dtype is not None and dtype.name != info.dtype and not cast:
+        if dtype is not None and not cast and _name(dtype) != info.dtype:
             problems.append(
                 f"{name}: dtype {dtype.name} requested, {info.dtype} stored (pass cast=True)"
             )
@@ -303,6 +304,11 @@ def _shape_of(want: Any) -> tuple[int, ...] | None:
 def _dtype_of(want: Any) -> np.dtype[Any] | None:
     dtype = getattr(want, "dtype", None)
     return np.dtype(dtype) if dtype is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _name(dtype: np.dtype[Any]) -> str:
+    return dtype.name  # numpy builds it anew on every access (~2 us; thousands of leaves)
 
 
 def _is_number(x: Any) -> bool:
