@@ -171,6 +171,17 @@ def test_malformed_references_are_refused_naming_the_leaf(data: Any) -> None:
         PackRef.from_json("m/t0", data)
 
 
+def test_a_bad_pack_key_is_refused_every_time_a_good_one_is_checked() -> None:
+    """Pack keys are validated once each (a manifest repeats them thousands of times): a
+    refusal is never remembered as a pass, and a key refused once is refused again."""
+    for _ in range(3):
+        with pytest.raises(ValueError, match="bad pack key"):
+            PackRef.from_json("m/t0", {"key": "p0/../../x", "offset": 0})
+    assert PackRef.from_json("m/t1", {"key": "p0/pack-1", "offset": 8}).key == "p0/pack-1"
+    with pytest.raises(ValueError, match="bad pack key"):
+        PackRef.from_json("m/t2", {"key": "p0/../../x", "offset": 0})
+
+
 def test_reference_json_roundtrip() -> None:
     ref = PackRef("p0/pack-3", 123_456)
     assert PackRef.from_json("x", ref.to_json()) == ref
