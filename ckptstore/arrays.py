@@ -13,7 +13,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from ckptstore.backends.base import finish_first
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.futures import THREAD_BYTES, off_loop, wait_all, wait_here
-from ckptstore.leaves import HostShards, Index, LeafInfo, dtype_of, host_array, zarr_spec
+from ckptstore.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
 from ckptstore.packs import PackRef, PackTarget, write_pack
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
@@ -425,7 +424,7 @@ async def read_small_leaves(
     TensorStore's reader (`open_leaf` on ``store``), which decides what is wrong with it.
     """
     keys = [key for info in infos for key in (chunks.metadata_key(info), chunks.chunk_key(info))]
-    found = await _get(source, keys, infos[0].name if len(infos) == 1 else "(a batch)")
+    found = await get_values(source, keys, infos[0].name if len(infos) == 1 else "(a batch)")
     triples = list(zip(infos, found[::2], found[1::2], strict=True))
 
     def decode() -> list[np.ndarray[Any, Any] | None]:  # checksums and copies: off the loop
@@ -448,7 +447,7 @@ async def read_small_leaves(
     ]
 
 
-async def _get(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence[Buffer | None]:
+async def get_values(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence[Buffer | None]:
     """``source.get(keys)``, its errors naming ``leaf``."""
     try:
         return await source.get(keys)
@@ -460,76 +459,6 @@ async def _get(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence[Buffe
         raise
     except Exception as exc:
         raise _read_error(exc, leaf) from exc
-
-
-class RawLeaf:
-    """A stored leaf read chunk by chunk from ``source``, checksums checked by
-    `ckptstore.chunks` (several times faster than TensorStore's own check)."""
-
-    def __init__(self, source: Chunks, info: LeafInfo):
-        self.source, self.info = source, info
-
-    @classmethod
-    async def open(cls, source: Chunks, info: LeafInfo) -> RawLeaf | None:
-        """The leaf, if its ``zarr.json`` is byte for byte what a save writes; else None
-        (then TensorStore's reader, `open_leaf`, must judge it)."""
-        if not chunks.known(info):
-            return None
-        (meta,) = await _get(source, [chunks.metadata_key(info)], info.name)
-        return cls(source, info) if meta is not None and chunks.as_written(info, meta) else None
-
-    async def read(self, index: Index) -> np.ndarray[Any, Any]:
-        """The region ``index`` (step-1 slices) of the leaf; read-only when it is exactly
-        one stored chunk (no copy at all), else assembled from the chunks it overlaps."""
-        info = self.info
-        bounds = [s.indices(d)[:2] for s, d in zip(index, info.shape, strict=False)]
-        bounds += [(0, d) for d in info.shape[len(bounds) :]]
-        shape = tuple(b - a for a, b in bounds)
-        sizes = info.chunk_shape
-        coords = list(
-            itertools.product(
-                *(range(a // c, -(-b // c)) for (a, b), c in zip(bounds, sizes, strict=True))
-            )
-        )
-        if math.prod(shape) == 0:
-            return np.empty(shape, dtype_of(info.dtype))
-        keys = [chunks.chunk_key(info, coord) for coord in coords]
-        found = await _get(self.source, keys, info.name)
-        nbytes = sum(len(got) for got in found if got is not None)
-        return await off_loop(lambda: self._assemble(keys, found, coords, bounds), nbytes)
-
-    def _assemble(
-        self,
-        keys: list[str],
-        found: Sequence[Any],
-        coords: list[tuple[int, ...]],
-        bounds: list[tuple[int, int]],
-    ) -> np.ndarray[Any, Any]:
-        """Check and decode the chunks read, and lay them out as the region asked for."""
-        info = self.info
-        shape = tuple(b - a for a, b in bounds)
-        sizes = info.chunk_shape
-        pieces = []
-        for key, got in zip(keys, found, strict=True):
-            if got is None:
-                raise CorruptCheckpointError(f"chunk {key} is missing", leaf=info.name)
-            pieces.append(chunks.decode_chunk(info, got, copy=False))
-        starts = [a for a, _ in bounds]
-        if (
-            len(coords) == 1
-            and shape == sizes
-            and all(a == c * n for a, c, n in zip(starts, coords[0], sizes, strict=True))
-        ):
-            return pieces[0]
-        out = np.empty(shape, dtype_of(info.dtype))
-        for coord, piece in zip(coords, pieces, strict=True):
-            dst, src = [], []
-            for (a, b), c, n in zip(bounds, coord, sizes, strict=True):
-                first, last = max(a, c * n), min(b, (c + 1) * n)
-                dst.append(slice(first - a, last - a))
-                src.append(slice(first - c * n, last - c * n))
-            out[tuple(dst)] = piece[tuple(src)]
-        return out
 
 
 async def read_slice(arr: ts.TensorStore, index: Index, name: str) -> np.ndarray[Any, Any]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.backends.base import Backend
+from tests.paths import committed_root
 
 
 def mesh(shape: tuple[int, int], names: tuple[str, str] = ("x", "y")) -> Mesh:
@@ -168,3 +172,60 @@ def test_a_replicated_leaf_is_one_piece_written_from_its_first_buffer() -> None:
     assert view.ctypes.data == value.addressable_data(0).unsafe_buffer_pointer()
     sharded = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(m, P("x", "y")))
     assert len(owned_slices(sharded, 0)) == 8
+
+
+def _count_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Every chunk key the restore's readers fetch, counted (the real readers still read)."""
+    from ckptstore.arrays import KvChunks
+    from ckptstore.ocdbt_index import DirectChunks
+
+    fetched: collections.Counter[str] = collections.Counter()
+    for cls in (KvChunks, DirectChunks):
+        real = cls.get
+
+        async def get(self: Any, keys: Any, _real: Any = real) -> Any:
+            fetched.update(keys)
+            return await _real(self, keys)
+
+        monkeypatch.setattr(cls, "get", get)
+    return fetched
+
+
+async def test_a_chunk_several_slices_overlap_is_read_once(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restored onto a mesh whose slices each take half of two saved chunks, every chunk
+    is fetched (and checked) once, not once per slice that overlaps it."""
+    data = np.random.default_rng(3).standard_normal((64, 32)).astype(np.float32)
+    saved = NamedSharding(mesh((4, 2)), P("x", "y"))  # chunks of 16 x 16
+    await ckptstore.save(any_backend, {"w": jax.device_put(data, saved)}, step=1)
+    target = NamedSharding(mesh((2, 4)), P("x", "y"))  # slices of 32 x 8: two chunks' halves
+    like = {"w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=target)}
+    fetched = _count_chunk_reads(monkeypatch)
+    out = await ckptstore.restore(any_backend, like=like)
+    np.testing.assert_array_equal(np.asarray(out["w"]), data)
+    chunk_reads = {key: n for key, n in fetched.items() if key.startswith("w/c/")}
+    assert sorted(chunk_reads) == [f"w/c/{i}/{j}" for i in range(4) for j in range(2)]
+    assert set(chunk_reads.values()) == {1}, chunk_reads
+
+
+async def test_a_damaged_chunk_several_slices_share_fails_every_one_of_them(
+    any_backend: Backend,
+) -> None:
+    """A chunk shared by several slices is read once; its damage is reported (naming the
+    leaf), not hidden behind the slice that read it first."""
+    data = np.random.default_rng(4).standard_normal((512, 256)).astype(np.float32)
+    saved = NamedSharding(mesh((4, 2)), P("x", "y"))
+    await ckptstore.save(any_backend, {"w": jax.device_put(data, saved)}, step=1)
+    root = await committed_root(any_backend, 1)
+    files = [info async for info in any_backend.list(f"{root}/state/ocdbt.process_0")]
+    key = max(files, key=lambda info: info.size).key
+    damaged = bytearray(await any_backend.read(key))
+    for at in range(0, len(damaged), 4096):  # every chunk in the file
+        damaged[at] ^= 0x40
+    await any_backend.write(key, bytes(damaged))
+    target = NamedSharding(mesh((2, 4)), P("x", "y"))
+    like = {"w": jax.ShapeDtypeStruct(data.shape, np.float32, sharding=target)}
+    with pytest.raises(ckptstore.CorruptCheckpointError) as info:
+        await ckptstore.restore(any_backend, like=like)
+    assert info.value.leaf == "w"

@@ -23,7 +23,6 @@ from ckptstore.arrays import (
     ByteBudget,
     Chunks,
     KvChunks,
-    RawLeaf,
     ocdbt_spec,
     open_leaf,
     read_slice,
@@ -40,6 +39,7 @@ from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
 from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import Index, LeafInfo, dtype_of
 from ckptstore.packs import read_packed, read_split
+from ckptstore.rawleaf import RawLeaf
 
 #: Bytes of stored data a restore reads ahead of handing it to the devices (or the
 #: caller): a restore needs about this plus its largest shard over the restored state.
@@ -157,8 +157,7 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
     async def open_raw(info: LeafInfo) -> Read | None:
         if info.name in packed:
             return _in_memory(await unpack(info))
-        leaf = await RawLeaf.open(source, info)
-        return leaf.read if leaf is not None else None
+        return await RawLeaf.open(source, info)
 
     return StoredItem(saved.leaves, saved.structure, open_native, read_small, open_raw)
 
@@ -352,12 +351,18 @@ async def _read_sharded(
     budget: ByteBudget | None,
 ) -> jax.Array:
     """Read only the slices this process's devices hold, each distinct slice once, and
-    hand each to its devices as soon as it is read."""
+    hand each to its devices as soon as it is read. Where the reader can share chunks
+    (`RawLeaf.expect`), a stored chunk that several slices overlap (a leaf restored onto
+    another mesh) is read and checked once."""
     index_map = sharding.addressable_devices_indices_map(info.shape)
     devices_of: dict[tuple[tuple[int, int], ...], tuple[Index, list[Any]]] = {}
     for device, index in index_map.items():
         devices_of.setdefault(_key(index, info.shape), (tuple(index or ()), []))[1].append(device)
     itemsize = (dtype if dtype is not None else dtype_of(info.dtype)).itemsize
+    groups = list(devices_of.values())
+    expect = getattr(read, "expect", None)
+    if expect is not None:
+        expect([index for index, _ in groups])
 
     async def place(index: Index, devices: list[Any]) -> list[jax.Array]:
         nbytes = math.prod(_key_shape(_key(index, info.shape))) * itemsize
@@ -367,7 +372,6 @@ async def _read_sharded(
                 data = data.astype(dtype)
             return await placement.put_slice(data, devices)
 
-    groups = list(devices_of.values())
     placed = await settle(place(index, devices) for index, devices in groups)
     on: dict[Any, jax.Array] = {}
     for (_, devices), arrays in zip(groups, placed, strict=True):

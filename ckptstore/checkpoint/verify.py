@@ -26,7 +26,6 @@ from ckptstore.arrays import (
     MAX_INFLIGHT_BYTES,
     ByteBudget,
     KvChunks,
-    RawLeaf,
     open_leaf,
     read_slice,
 )
@@ -41,6 +40,7 @@ from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.leaves import Index, LeafInfo
 from ckptstore.packs import read_packed
+from ckptstore.rawleaf import RawLeaf
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
 READ_BYTES = 64 << 20
