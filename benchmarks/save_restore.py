@@ -331,8 +331,8 @@ def child_memory(
             asyncio.run(ckptstore.save(str(path), tree, step=1))
         elif tool == "orbax":
             orbax_save(tree, path)
-        elif tool == "ckptstore-restore":
-            got = jax.block_until_ready(asyncio.run(ckptstore.restore(str(path), like=abstract)))
+        elif tool == "ckptstore-restore":  # not asyncio.run: see the README on Python 3.11
+            got = jax.block_until_ready(ckptstore.restore_sync(str(path), like=abstract))
         else:
             got = orbax_restore(path, abstract)
     stop.set()
