@@ -12,7 +12,8 @@ carry the shardings to restore onto).
 - ``c`` (1.15 GiB): 5,000 leaves of 16 KiB to 1 MiB (log-uniform), replicated:
   an optimizer state of many small tensors.
 - ``d`` (1 GiB): 2 huge leaves saved sharded over (4, 2), restored onto a
-  (2, 4) mesh with the other axis order: resharding on restore.
+  (2, 4) mesh: each restored slice takes half of each of two saved chunks
+  (resharding on restore; until session 9 the target only permuted the devices).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def tree_d(scale: float, seed: int) -> Built:
     rows = max(8, total // (2 * cols * 4) // 8 * 8)
     saved = NamedSharding(_mesh((4, 2)), PartitionSpec("data", "model"))
     tree = {f"huge_{i}": _fill((rows, cols), saved, seed, i) for i in range(2)}
-    other = NamedSharding(_mesh((2, 4)), PartitionSpec("model", "data"))
+    other = NamedSharding(_mesh((2, 4)), PartitionSpec("data", "model"))  # rows / 2, cols / 4
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=other) for k, v in tree.items()}
     return tree, abstract
 
