@@ -46,32 +46,23 @@ class RawLeaf:
     async def read(self, index: Index) -> np.ndarray[Any, Any]:
         """The region ``index`` (step-1 slices) of the leaf; read-only when it is exactly
         one stored chunk (no copy at all), else assembled from the chunks it overlaps."""
-        (region,) = await self.read_regions([index])
-        return region
+        info = self.info
+        region = _Region(index, info)
+        mine = [key for key in region.keys if key not in self._shared]
+        shared_keys = [key for key in region.keys if key in self._shared]
+        try:
+            found = await get_values(self.source, mine, info.name) if mine else []
+            shared = dict(zip(shared_keys, await self._fetch_shared(shared_keys), strict=True))
+
+            def assemble() -> np.ndarray[Any, Any]:
+                return region.assemble({**shared, **self._decode(mine, found)})
+
+            nbytes = math.prod(region.shape) * dtype_of(info.dtype).itemsize
+            return await off_loop(assemble, nbytes)
+        finally:  # this region has taken its part (or failed): shared chunks may go
+            self._release(shared_keys)
 
     __call__ = read  # a `ckptstore.checkpoint.stored.Read`
-
-    async def read_regions(self, indices: Sequence[Index]) -> list[np.ndarray[Any, Any]]:
-        """`read` of several regions at once, each overlapped chunk read once."""
-        info = self.info
-        plans = [_Region(index, info) for index in indices]
-        keys = list(dict.fromkeys(key for plan in plans for key in plan.keys))
-        mine = [key for key in keys if key not in self._shared]
-        found = await get_values(self.source, mine, info.name) if mine else []
-        nbytes = sum(math.prod(plan.shape) for plan in plans) * dtype_of(info.dtype).itemsize
-
-        def assemble(shared: dict[str, np.ndarray[Any, Any]]) -> list[np.ndarray[Any, Any]]:
-            pieces = {**shared, **self._decode(mine, found)}
-            return [plan.assemble(pieces) for plan in plans]
-
-        shared_keys = [key for key in keys if key in self._shared]
-        if not shared_keys:
-            return await off_loop(lambda: assemble({}), nbytes)
-        try:
-            shared = dict(zip(shared_keys, await self._fetch_shared(shared_keys), strict=True))
-            return await off_loop(lambda: assemble(shared), nbytes)
-        finally:
-            self._release(shared_keys)
 
     def expect(self, indices: Sequence[Index]) -> None:
         """Announce the regions about to be read (one `read` each): a chunk that more
