@@ -148,7 +148,7 @@ class _Region:
             and all(a == c * n for a, c, n in zip(starts, self.coords[0], sizes, strict=True))
         ):
             return pieces[self.keys[0]]
-        out = np.empty(self.shape, dtype_of(info.dtype))
+        out = chunks.aligned_empty(self.shape, dtype_of(info.dtype))  # devices adopt it as is
         for coord, key in zip(self.coords, self.keys, strict=True):
             dst, src = [], []
             for (a, b), c, n in zip(self.bounds, coord, sizes, strict=True):

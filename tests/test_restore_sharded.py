@@ -229,3 +229,28 @@ async def test_a_damaged_chunk_several_slices_share_fails_every_one_of_them(
     with pytest.raises(ckptstore.CorruptCheckpointError) as info:
         await ckptstore.restore(any_backend, like=like)
     assert info.value.leaf == "w"
+
+
+async def test_slices_laid_out_from_several_chunks_go_to_devices_without_a_copy(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slice assembled from parts of several chunks is built in a buffer CPU devices
+    adopt as it is; an unaligned one would be copied once more on its way to them."""
+    from ckptstore import placement
+
+    data = np.random.default_rng(5).standard_normal((64, 32)).astype(np.float32)
+    saved = NamedSharding(mesh((4, 2)), P("x", "y"))
+    await ckptstore.save(any_backend, {"w": jax.device_put(data, saved)}, step=1)
+    handed: list[bool] = []
+    real = placement.put_slice
+
+    async def put_slice(value: np.ndarray[Any, Any], devices: Any) -> Any:
+        handed.append(placement.adoptable(value))
+        return await real(value, devices)
+
+    monkeypatch.setattr(placement, "put_slice", put_slice)
+    target = NamedSharding(mesh((2, 4)), P("x", "y"))  # every slice spans two chunks
+    like = {"w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=target)}
+    out = await ckptstore.restore(any_backend, like=like)
+    np.testing.assert_array_equal(np.asarray(out["w"]), data)
+    assert handed == [True] * 8
