@@ -43,6 +43,23 @@ class RawLeaf:
         (meta,) = await get_values(source, [chunks.metadata_key(info)], info.name)
         return cls(source, info) if meta is not None and chunks.as_written(info, meta) else None
 
+    @classmethod
+    async def open_many(cls, source: Chunks, infos: Sequence[LeafInfo]) -> list[RawLeaf | None]:
+        """`open` for many leaves, their ``zarr.json`` values fetched in one batch: a few
+        reads of nearby values instead of a round trip per leaf, each of which would
+        otherwise queue behind large reads."""
+        known = [info for info in infos if chunks.known(info)]
+        try:
+            metas = await source.get([chunks.metadata_key(info) for info in known])
+        except Exception:  # each on its own: its error names the leaf at fault
+            return [await cls.open(source, info) for info in infos]
+        written = {
+            info.name
+            for info, meta in zip(known, metas, strict=True)
+            if meta is not None and chunks.as_written(info, meta)
+        }
+        return [cls(source, info) if info.name in written else None for info in infos]
+
     async def read(self, index: Index) -> np.ndarray[Any, Any]:
         """The region ``index`` (step-1 slices) of the leaf; read-only when it is exactly
         one stored chunk (no copy at all), else assembled from the chunks it overlaps."""

@@ -254,3 +254,56 @@ async def test_slices_laid_out_from_several_chunks_go_to_devices_without_a_copy(
     out = await ckptstore.restore(any_backend, like=like)
     np.testing.assert_array_equal(np.asarray(out["w"]), data)
     assert handed == [True] * 8
+
+
+async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every leaf restored chunk by chunk has its ``zarr.json`` checked first: one batch of
+    lookups for all of them (nearby values in one read), not a round trip per leaf that
+    queues behind large reads. A leaf whose ``zarr.json`` was rewritten (still valid)
+    goes through TensorStore's reader instead, the others still do not."""
+    import json
+
+    import tensorstore as ts
+
+    from ckptstore.arrays import KvChunks
+    from ckptstore.checkpoint.restore import item_store
+    from ckptstore.ocdbt_index import DirectChunks
+
+    tree = sharded_tree()
+    await ckptstore.save(any_backend, tree, step=1)
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()}
+    batches: list[list[str]] = []
+    for cls in (KvChunks, DirectChunks):
+        real = cls.get
+
+        async def get(self: Any, keys: Any, _real: Any = real) -> Any:
+            metas = [key for key in keys if key.endswith("zarr.json")]
+            if metas:
+                batches.append(metas)
+            return await _real(self, keys)
+
+        monkeypatch.setattr(cls, "get", get)
+    out = await ckptstore.restore(any_backend, like=like)
+    alone = {"w/zarr.json", "rows/zarr.json", "cube/zarr.json"}  # multi-chunk: not packed
+    assert [set(batch) & alone for batch in batches] == [alone], batches
+
+    manifest = await ckptstore.read_manifest(any_backend, 1)
+    store = item_store(any_backend, manifest, "state")
+    kv = await ts.KvStore.open(store, context=any_backend.ts_context)
+    meta = json.loads((await kv.read("w/zarr.json")).value)
+    await kv.write("w/zarr.json", json.dumps(meta, indent=2).encode())
+    opened = []
+    real_open = ckptstore.checkpoint.restore.open_leaf
+
+    async def open_leaf(store: Any, ctx: Any, info: Any) -> Any:
+        opened.append(info.name)
+        return await real_open(store, ctx, info)
+
+    monkeypatch.setattr(ckptstore.checkpoint.restore, "open_leaf", open_leaf)
+    again = await ckptstore.restore(any_backend, like=like)
+    assert opened == ["w"]
+    for name, value in tree.items():
+        np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(value))
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(value))

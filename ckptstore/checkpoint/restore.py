@@ -154,10 +154,11 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
 
         return await read_split(backend, prefix, packed, infos, others)
 
-    async def open_raw(info: LeafInfo) -> Read | None:
-        if info.name in packed:
-            return _in_memory(await unpack(info))
-        return await RawLeaf.open(source, info)
+    async def open_raw(infos: Sequence[LeafInfo]) -> list[Read | None]:
+        raws = iter(await RawLeaf.open_many(source, [i for i in infos if i.name not in packed]))
+        return [
+            _in_memory(await unpack(info)) if info.name in packed else next(raws) for info in infos
+        ]
 
     return StoredItem(saved.leaves, saved.structure, open_native, read_small, open_raw)
 
@@ -198,9 +199,17 @@ async def _load(
     small = [(info, k) for k, (info, _) in enumerate(wanted) if batched and chunks.small(info)]
     in_batches = {k for _, k in small}
 
+    # Each leaf read on its own first has its zarr.json checked: tiny reads, done before
+    # the batches' large reads start, which they would otherwise queue behind.
+    alone = [k for k in range(len(wanted)) if k not in in_batches]
+    opened: dict[int, Read | None] = {}
+    if stored.open_raw is not None and alone:
+        raws = await stored.open_raw([wanted[k][0] for k in alone])
+        opened = dict(zip(alone, raws, strict=True))
+
     async def one(k: int) -> None:
         info, want = wanted[k]
-        read = await stored.open_raw(info) if stored.open_raw is not None else None
+        read = opened.get(k)
         if read is None:
             arr = await stored.open(info)
 
@@ -229,9 +238,7 @@ async def _load(
                     out[k] = array
 
     groups = chunks.groups(small, budget.limit // 4)
-    await settle(
-        [*(one(k) for k in range(len(wanted)) if k not in in_batches), *map(batch, groups)]
-    )
+    await settle([*map(one, alone), *map(batch, groups)])
     return out
 
 

@@ -27,15 +27,15 @@ class StoredItem:
     format) that names them, and ``open(info)``: the leaf's array, ready to read.
 
     Where the format has them: ``read_small(infos)`` reads many small single-chunk
-    leaves (`ckptstore.chunks.small`) whole, in one batch; ``open_raw(info)`` gives
-    a faster reader of the leaf's regions than its TensorStore array, or None.
+    leaves (`ckptstore.chunks.small`) whole, in one batch; ``open_raw(infos)`` gives
+    each leaf a faster reader of its regions than its TensorStore array, or None.
     """
 
     leaves: dict[str, LeafInfo]
     structure: dict[str, Any]
     open: Callable[[LeafInfo], Awaitable[ts.TensorStore]]
     read_small: Callable[[Sequence[LeafInfo]], Awaitable[list[np.ndarray[Any, Any]]]] | None = None
-    open_raw: Callable[[LeafInfo], Awaitable[Read | None]] | None = None
+    open_raw: Callable[[Sequence[LeafInfo]], Awaitable[Sequence[Read | None]]] | None = None
 
 
 Read = Callable[[Index], Awaitable[np.ndarray[Any, Any]]]
