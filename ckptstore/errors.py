@@ -43,13 +43,23 @@ class PermissionDeniedError(StorageError, PermissionError):
 
 
 class InsufficientSpaceError(StorageError, OSError):
-    """A local tier lacks the free space a save needs; raised before anything is written.
-
-    ``needed`` and ``free`` are bytes (``needed`` includes the margin the save leaves free).
+    """The storage lacks the space a save needs. Raised before anything is written when a
+    local tier's free space is checked first (``needed`` and ``free`` in bytes; ``needed``
+    includes the margin the save leaves free), or when a write fails for want of space or
+    quota (``ENOSPC``, ``EDQUOT``; both 0: not known). Never transient: retrying cannot
+    succeed until space is freed.
     """
 
-    def __init__(self, message: str, *, backend: str | None = None, needed: int = 0, free: int = 0):
-        super().__init__(message, backend=backend)
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str | None = None,
+        key: str | None = None,
+        needed: int = 0,
+        free: int = 0,
+    ):
+        super().__init__(message, backend=backend, key=key)
         self.needed = needed
         self.free = free
 

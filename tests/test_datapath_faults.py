@@ -234,6 +234,15 @@ def test_redact_text() -> None:
         ("DEADLINE_EXCEEDED: Timed out", TransientStorageError),
         ('ABORTED: Error reading "k": All 5 retry attempts failed: x', RetriesExhaustedError),
         ("PERMISSION_DENIED: AccessDenied", PermissionDeniedError),
+        (
+            "RESOURCE_EXHAUSTED: Failed to write 8 bytes to file 7: No space left on device",
+            ckptstore.InsufficientSpaceError,
+        ),
+        (
+            "RESOURCE_EXHAUSTED: Failed to write 8 bytes to file 7: Disk quota exceeded",
+            ckptstore.InsufficientSpaceError,
+        ),
+        ("RESOURCE_EXHAUSTED: SlowDown", TransientStorageError),
         ("DATA_LOSS: checksum mismatch", CorruptCheckpointError),
         ('NOT_FOUND: Error reading "d/1": missing', CorruptCheckpointError),
         ("Error decoding chunk", CorruptCheckpointError),

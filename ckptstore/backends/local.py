@@ -35,6 +35,7 @@ from ckptstore.backends.pagecache import PageCacheEvictor
 from ckptstore.errors import (
     AlreadyExistsError,
     ConfigError,
+    InsufficientSpaceError,
     InvalidKeyError,
     NotFoundError,
     PermissionDeniedError,
@@ -145,6 +146,9 @@ class LocalBackend(Backend):
             return NotFoundError("no such object", backend=self.url, key=key)
         if exc.errno == errno.EEXIST:
             return AlreadyExistsError("object already exists", backend=self.url, key=key)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            text = exc.strerror or "no space left"
+            return InsufficientSpaceError(f"{text}: the storage is full", backend=self.url, key=key)
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return PermissionDeniedError("permission denied", backend=self.url, key=key)
         if exc.errno == errno.EISDIR:

@@ -22,6 +22,7 @@ from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import (
     CkptStoreError,
     CorruptCheckpointError,
+    InsufficientSpaceError,
     NotFoundError,
     PermissionDeniedError,
     RetriesExhaustedError,
@@ -34,6 +35,9 @@ MAX_TEXT = 400
 
 _CODE = re.compile(r"^([A-Z][A-Z_]+): ")
 _EXHAUSTED = re.compile(r"All \d+ retry attempts failed")
+#: The operating system's words for a full disk or quota (TensorStore reports a full disk
+#: as RESOURCE_EXHAUSTED, its code for throttling too: but this one no retry can fix).
+_NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded")
 _KINDS: dict[str, type[StorageError]] = {
     "PERMISSION_DENIED": PermissionDeniedError,
     "UNAUTHENTICATED": PermissionDeniedError,
@@ -63,12 +67,18 @@ def message(exc: BaseException) -> str:
 def storage_error(exc: BaseException, *, op: str) -> StorageError | None:
     """The typed error for a failure of the storage itself; None for anything else.
 
-    Permission refused: `PermissionDeniedError`. Unavailable, timed out, throttled:
+    Out of space or quota: `InsufficientSpaceError`. Permission refused:
+    `PermissionDeniedError`. Unavailable, timed out, throttled:
     `TransientStorageError` (TensorStore already retried it under the backend's policy;
     `RetriesExhaustedError` when it says so).
     """
     if isinstance(exc, StorageError):
         return exc
+    full = _NO_SPACE.search(str(exc))
+    if full is not None:  # the reason first: TensorStore's long text is trimmed
+        return InsufficientSpaceError(
+            f"{op} failed: {full.group(0)}, the storage is full: {message(exc)}"
+        )
     code = status_code(exc)
     kind = _KINDS.get(code or "")
     if kind is None:
