@@ -19,6 +19,7 @@ The hand-offs between these steps are `Handoff` rounds.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.errors import AlreadyExistsError, CkptStoreError
 from ckptstore.leaves import LeafInfo, describe_leaf
 from ckptstore.packs import PackRef, PackTarget, check_packs, read_index, write_index
+
+log = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,11 @@ async def _save(
                 await write_host_view(backend, where, name, leaves, handoff.me)
         return total
 
-    mine = await handoff.everyone(write_mine)
+    try:
+        mine = await handoff.everyone(write_mine)
+    except Exception:
+        await _discard(backend, where, handoff)
+        raise
     written = time.perf_counter()
     phases: dict[str, float] = {}
 
@@ -226,13 +233,20 @@ async def _save(
                 "merge": phases["merge"],
             },
         )
+        committing.append(True)  # from here on, nothing of the attempt is discarded
         if host_local:
             await stage(backend, step, str(where.attempt), 0, handoff.count, manifest, host_view)
         else:
             await commit(backend, manifest)
         phases["commit"] = time.perf_counter() - merged
 
-    await handoff.primary(merge_and_commit)
+    committing: list[bool] = []
+    try:
+        await handoff.primary(merge_and_commit)
+    except Exception:
+        if not committing:
+            await _discard(backend, where, handoff)
+        raise
     if host_local:  # every other process stages its part; the save returns once all have
 
         async def stage_mine() -> dict[str, Any]:
@@ -280,6 +294,21 @@ async def _packed(
     if found:
         raise CkptStoreError(f"packed leaves the tree does not have: {sorted(found)[:5]}")
     return out
+
+
+async def _discard(backend: Backend, where: layout.AttemptDir, handoff: Handoff) -> None:
+    """Remove the attempt of a save that failed before its commit began, so that what it
+    wrote (on a full disk: the space the next save needs) goes at once. Only for a save
+    by one process: in a save by several, others may still be writing into it, and `gc`
+    removes it once nobody has for a while. Best effort: what remains is left to `gc`."""
+    if handoff.count != 1:
+        return
+    try:
+        removed = await backend.delete_prefix(where.root + "/")
+    except Exception as exc:  # the save's own error is the one to raise
+        log.warning("a failed save left attempt %s for gc: %s", where.root, exc)
+    else:
+        log.info("a failed save's attempt %s removed (%d objects)", where.root, removed)
 
 
 def _last(key: str) -> str:
