@@ -307,3 +307,33 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
     for name, value in tree.items():
         np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(value))
         np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(value))
+
+
+async def test_slices_sharing_a_chunk_pass_the_budget_together_whatever_the_device_order(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a mesh whose device order scatters the slices that share a chunk, they still
+    go through the read-ahead budget one after another: a shared chunk is not
+    kept while unrelated slices are read (with a budget of one slice, at most the two
+    chunks of the slices in flight are held, not every chunk of the leaf)."""
+    from ckptstore.rawleaf import RawLeaf
+
+    data = np.random.default_rng(6).standard_normal((64, 32)).astype(np.float32)
+    saved = NamedSharding(mesh((4, 2)), P("x", "y"))  # 8 chunks of 16 x 16
+    await ckptstore.save(any_backend, {"w": jax.device_put(data, saved)}, step=1)
+    # Rows split by the mesh's second axis, columns by its first: in device order, the
+    # slices of one chunk column come one row band after another, its sharers 2 apart.
+    target = NamedSharding(mesh((4, 2), ("a", "b")), P("b", "a"))  # slices of 32 x 8
+    held: list[int] = []
+    real = RawLeaf._fetch_shared
+
+    async def fetch_shared(self: Any, keys: Any) -> Any:
+        got = await real(self, keys)
+        held.append(sum(1 for entry in self._shared.values() if entry.piece is not None))
+        return got
+
+    monkeypatch.setattr(RawLeaf, "_fetch_shared", fetch_shared)
+    like = {"w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=target)}
+    out = await ckptstore.restore(any_backend, like=like, max_inflight_bytes=32 * 8 * 4)
+    np.testing.assert_array_equal(np.asarray(out["w"]), data)
+    assert len(held) == 8 and max(held) <= 2, held

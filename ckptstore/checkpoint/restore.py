@@ -366,7 +366,14 @@ async def _read_sharded(
     for device, index in index_map.items():
         devices_of.setdefault(_key(index, info.shape), (tuple(index or ()), []))[1].append(device)
     itemsize = (dtype if dtype is not None else dtype_of(info.dtype)).itemsize
-    groups = list(devices_of.values())
+
+    # In the order of the stored chunks the slices start in, not of the devices: slices
+    # that share a chunk then pass the budget together, and a shared chunk is not held
+    # while unrelated slices are read (devices can come in any order on a mesh).
+    def chunk_order(key: tuple[tuple[int, int], ...]) -> tuple[list[int], Any]:
+        return [start // c for (start, _), c in zip(key, info.chunk_shape, strict=True)], key
+
+    groups = [devices_of[key] for key in sorted(devices_of, key=chunk_order)]
     expect = getattr(read, "expect", None)
     if expect is not None:
         expect([index for index, _ in groups])
