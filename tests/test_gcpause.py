@@ -95,3 +95,26 @@ async def test_saves_leave_the_collector_on(tmp_path: Path) -> None:
     backend = Watching(tmp_path)
     await ckptstore.save(backend, {"w": np.ones(10, np.float32)}, step=1)
     assert Watching.seen_writing and all(Watching.seen_writing)  # the commit marker's create
+
+
+async def test_a_save_pauses_the_collector_only_while_it_describes_the_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Describing thousands of leaves builds thousands of objects in one synchronous step:
+    the collector is off for that step, and on again before any I/O."""
+    from ckptstore.checkpoint import save as save_module
+
+    seen_describing: list[bool] = []
+    real = save_module.describe_leaf
+
+    def describe_leaf(name: str, value: object) -> object:
+        seen_describing.append(gc.isenabled())
+        return real(name, value)
+
+    monkeypatch.setattr(save_module, "describe_leaf", describe_leaf)
+    Watching.seen_writing.clear()
+    backend = Watching(tmp_path)
+    await ckptstore.save(backend, {f"v{i}": np.ones(4, np.float32) for i in range(5)}, step=1)
+    assert seen_describing == [False] * 5
+    assert Watching.seen_writing and all(Watching.seen_writing)
+    assert gc.isenabled()
