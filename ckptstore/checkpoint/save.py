@@ -203,7 +203,10 @@ async def _save(
     written = time.perf_counter()
     phases: dict[str, float] = {}
 
+    committing = False  # from the commit (or staging) on, nothing of the attempt is discarded
+
     async def merge_and_commit() -> None:
+        nonlocal committing
         reports = await handoff.reports()
         processes = [{k: v for k, v in p.items() if k != _PACKED} for p in reports]
         manifest_items = {}
@@ -237,14 +240,13 @@ async def _save(
                 "merge": phases["merge"],
             },
         )
-        committing.append(True)  # from here on, nothing of the attempt is discarded
+        committing = True
         if host_local:
             await stage(backend, step, str(where.attempt), 0, handoff.count, manifest, host_view)
         else:
             await commit(backend, manifest)
         phases["commit"] = time.perf_counter() - merged
 
-    committing: list[bool] = []
     try:
         await handoff.primary(merge_and_commit)
     except Exception:
