@@ -9,9 +9,10 @@ those objects is garbage. Reference counting frees memory as usual while paused;
 only cycles wait, and the collector is back on (as it was) when the last pausing
 operation of the process ends.
 
-Saves do not pause it, except while they describe the tree (a short synchronous step
-before any I/O): a `CheckpointManager` save runs in the background while the training
-loop goes on, and the loop's cycles would wait for as long as saves run.
+Saves do not pause it, except in their short synchronous steps that build an object
+per leaf: describing the tree (before any I/O), and encoding or parsing the manifest and
+the writers' pack records. A `CheckpointManager` save runs in the background while the
+training loop goes on, and the loop's cycles would wait for as long as saves run.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
+from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import LeafInfo
 
 
@@ -87,18 +88,22 @@ INDEX = "packs.json"
 
 async def write_index(backend: Backend, store: str, refs: Mapping[str, PackRef]) -> None:
     """Record ``refs`` (a writer's packed leaves) in ``store`` (its directory)."""
-    doc = {leaf: ref.to_json() for leaf, ref in refs.items()}
-    await backend.write(_join(store, INDEX), json.dumps(doc, separators=(",", ":")).encode())
+    with gc_paused():  # an object per leaf: see `ckptstore.gcpause`
+        doc = {leaf: ref.to_json() for leaf, ref in refs.items()}
+        data = json.dumps(doc, separators=(",", ":")).encode()
+    await backend.write(_join(store, INDEX), data)
 
 
 async def read_index(backend: Backend, store: str) -> dict[str, PackRef]:
     """The packed leaves a writer recorded in ``store``; a malformed record is corruption."""
     key = _join(store, INDEX)
+    data = await backend.read(key)
     try:
-        doc = json.loads(await backend.read(key))
-        if not isinstance(doc, dict):
-            raise ValueError("not a JSON object")
-        return {leaf: PackRef.from_json(leaf, ref) for leaf, ref in doc.items()}
+        with gc_paused():  # an object per leaf: see `ckptstore.gcpause`
+            doc = json.loads(data)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            return {leaf: PackRef.from_json(leaf, ref) for leaf, ref in doc.items()}
     except ValueError as exc:  # json's errors too
         raise CorruptCheckpointError(f"unreadable pack index {key}: {exc}") from exc
 

@@ -118,3 +118,44 @@ async def test_a_save_pauses_the_collector_only_while_it_describes_the_tree(
     assert seen_describing == [False] * 5
     assert Watching.seen_writing and all(Watching.seen_writing)
     assert gc.isenabled()
+
+
+async def test_a_save_pauses_the_collector_while_it_encodes_its_manifest_and_pack_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest and the pack records hold an object per leaf: encoding and parsing them
+    are synchronous steps with the collector off (a 5,000-leaf commit spent ~90 ms in
+    collections there); the writes around them run with it on."""
+    from ckptstore import packs
+    from ckptstore.leaves import LeafInfo
+
+    seen: dict[str, list[bool]] = {"leaf": [], "ref": []}
+    leaf_to_json, ref_to_json = LeafInfo.to_json, packs.PackRef.to_json
+    ref_from_json = packs.PackRef.from_json.__func__  # type: ignore[attr-defined]
+
+    def watch_leaf(self: LeafInfo) -> dict[str, object]:
+        seen["leaf"].append(gc.isenabled())
+        return leaf_to_json(self)
+
+    def watch_ref(self: packs.PackRef) -> dict[str, object]:
+        seen["ref"].append(gc.isenabled())
+        return ref_to_json(self)
+
+    def watch_ref_parse(cls: type[packs.PackRef], leaf: str, data: object) -> packs.PackRef:
+        seen.setdefault("ref parsed", []).append(gc.isenabled())
+        return ref_from_json(cls, leaf, data)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(LeafInfo, "to_json", watch_leaf)
+    monkeypatch.setattr(packs.PackRef, "to_json", watch_ref)
+    monkeypatch.setattr(packs.PackRef, "from_json", classmethod(watch_ref_parse))
+    Watching.seen_writing.clear()
+    backend = Watching(tmp_path)
+    tree = {f"v{i}": np.ones(4, np.float32) for i in range(5)}
+    await ckptstore.save(backend, tree, step=1)
+    # Each leaf: its record in the manifest; its pack reference in the writer's index and
+    # in the manifest, parsed back from the index and from the manifest's check.
+    assert seen["leaf"] and not any(seen["leaf"]), seen
+    assert seen["ref"] and not any(seen["ref"]), seen
+    assert seen["ref parsed"] and not any(seen["ref parsed"]), seen
+    assert Watching.seen_writing and all(Watching.seen_writing)
+    assert gc.isenabled()

@@ -63,7 +63,11 @@ class Manifest:
         return sum(item.nbytes for item in self.items.values())
 
     def to_bytes(self) -> bytes:
-        doc = {
+        with gc_paused():  # one object per field of thousands of leaves: see `gcpause`
+            return json.dumps(self._doc(), separators=(",", ":")).encode()  # C encoder
+
+    def _doc(self) -> dict[str, Any]:
+        return {
             "format": layout.FORMAT,
             "format_version": self.format_version,
             "step": self.step,
@@ -84,7 +88,6 @@ class Manifest:
                 for name, item in self.items.items()
             },
         }
-        return json.dumps(doc, separators=(",", ":")).encode()  # C encoder: no indent
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
