@@ -215,7 +215,8 @@ async def write_leaves(
             owned = [(info, data) for info, value in group for _, data, _ in pieces_of(value)]
             if not owned:
                 return
-            refs = await finish_first(write_pack(packs.backend, packs.prefix, packs.key(k), owned))
+            write = write_pack(packs.backend, packs.prefix, packs.key(k), owned, encoding=encoding)
+            refs = await finish_first(write)
             for (info, _), ref in zip(owned, refs, strict=True):
                 stats.packed[info.name] = ref
                 stats.leaves.append(info.name)
@@ -237,6 +238,7 @@ async def write_leaves(
         stats.bytes += nbytes
 
     small = [(info, value) for info, value in leaves if chunks.small(info)]
+    encoding = asyncio.Lock()  # packs are encoded one at a time (see `write_pack`)
     kv = await ts.KvStore.open(store, context=context)
     groups = chunks.groups(small, max_inflight_bytes // 4)
     smalls = (

@@ -19,6 +19,7 @@ before its data is read, as it is for leaves in OCDBT stores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -130,11 +131,23 @@ def entry_size(info: LeafInfo) -> int:
 
 
 async def write_pack(
-    backend: Backend, prefix: str, key: str, leaves: Sequence[tuple[LeafInfo, Any]]
+    backend: Backend,
+    prefix: str,
+    key: str,
+    leaves: Sequence[tuple[LeafInfo, Any]],
+    *,
+    encoding: asyncio.Lock | None = None,
 ) -> list[PackRef]:
     """Write one pack of ``leaves`` at ``key`` below ``prefix`` (the item's directory);
-    returns each leaf's `PackRef`, in order."""
-    parts, offsets = await asyncio.to_thread(pack_parts, leaves)
+    returns each leaf's `PackRef`, in order.
+
+    ``encoding``, shared by the packs of one save, is held while this pack's checksums are
+    computed: packs are then encoded one at a time, in the order they ask, and the first
+    reaches storage while the next is encoded. Encoded all at once (they share the
+    interpreter lock and a few cores), every pack would be ready only when the last is,
+    and the storage would wait for all of them (tree c's saves: 1.66 s -> 1.45 s)."""
+    async with encoding or contextlib.nullcontext():
+        parts, offsets = await asyncio.to_thread(pack_parts, leaves)
     await backend.write_gather(_join(prefix, key), parts)
     return [PackRef(key, offset) for offset in offsets]
 

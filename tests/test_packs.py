@@ -230,6 +230,41 @@ async def test_a_save_packs_its_small_leaves(any_backend: Backend) -> None:
     assert report.bytes == sum(info.nbytes for info in item.leaves.values())
 
 
+async def test_a_saves_packs_are_encoded_one_at_a_time_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Encoding packs all at once would make the first ready only when the last is (they
+    share the interpreter lock and the cores); one at a time, in order, the first pack is
+    written while the next is encoded."""
+    import threading
+    import time
+
+    from ckptstore import packs
+
+    running, most, order = [0], [0], []
+    lock = threading.Lock()
+    real = packs.pack_parts
+
+    def pack_parts(leaves: Any) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            order.append(leaves[0][0].name)
+        time.sleep(0.02)  # long enough for an unserialized encode to start meanwhile
+        try:
+            return real(leaves)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(packs, "pack_parts", pack_parts)
+    tree = {f"t{i:04d}": np.full(4, i, np.float32) for i in range(1200)}  # 512 a group: 3
+    await ckptstore.save(LocalBackend(tmp_path), tree, step=1)
+    assert most[0] == 1 and order == ["t0000", "t0512", "t1024"], (most, order)
+    got = await ckptstore.restore(LocalBackend(tmp_path), 1)
+    np.testing.assert_array_equal(got["t1100"], tree["t1100"])
+
+
 async def test_packed_leaves_restore_onto_shardings(tmp_path: Path) -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
