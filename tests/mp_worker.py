@@ -3,8 +3,9 @@
 Usage: mp_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT MODE
 MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "partial" builds the same
 tree as step 2 through a partial save, one part per leaf; "fail" saves like "save" but
-process 1 fails while writing; "late" saves like "save" but another writer commits step 1
-while process 0 merges (every process must then raise `AlreadyExistsError`); "restore"
+process 1 fails while writing ("fail0": process 0 does); "late" saves like "save" but
+another writer commits step 1 while process 0 merges (every process must then raise
+`AlreadyExistsError`); "restore"
 restores step 1 on a transposed (4, 2) mesh and checks every addressable shard; "manager"
 trains 6 steps (donating the state) with a `CheckpointManager` saving every 2 steps and
 keeping 2, then restores the latest on the transposed mesh. Orbax: "orbax-save" saves the
@@ -85,7 +86,7 @@ def main() -> None:
         specs = {"w": P("y", "x"), "v": P(None, "x"), "replicated": P()}
     shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
 
-    if mode == "fail" and int(pid) == 1:
+    if (mode, int(pid)) in (("fail", 1), ("fail0", 0)):
         import ckptstore.checkpoint.save as save_module
 
         async def broken(*args: object, **kwargs: object) -> None:
@@ -181,7 +182,7 @@ def main() -> None:
         for k in SHAPES:
             assert out[k].tobytes() == expected(k).tobytes()
         print(f"tiered restored ok: sharded {sharded[0]}, whole {whole[0]}", flush=True)
-    elif mode in ("save", "fail", "late"):
+    elif mode in ("save", "fail", "fail0", "late"):
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
             for k in SHAPES

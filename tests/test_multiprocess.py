@@ -95,6 +95,22 @@ def test_a_failing_process_fails_the_save_everywhere_quickly(tmp_path: Path) -> 
     assert outputs[1].startswith("failed: RuntimeError: disk on fire")
     assert outputs[0].startswith("failed: CkptStoreError: process 1 failed: RuntimeError: disk")
     assert ckptstore.list_steps_sync(str(root)) == []
+    # Process 0 wrote its shards before it learned of the failure; once both processes had
+    # reported, it removed the attempt (before, it stayed until gc, on a full disk too).
+    left = [p for p in root.rglob("*") if p.is_file()]
+    assert left == [], left
+
+
+def test_when_process_0_fails_it_removes_the_attempt_once_the_other_has_written(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    outputs = run_job(root, "fail0")
+    assert outputs[0].startswith("failed: RuntimeError: disk on fire"), outputs
+    assert outputs[1].startswith("failed: CkptStoreError: save/1 failed on process 0"), outputs
+    assert ckptstore.list_steps_sync(str(root)) == []
+    left = [p for p in root.rglob("*") if p.is_file()]  # process 1's shards went too
+    assert left == [], left
 
 
 def test_two_processes_build_a_step_from_partial_saves(tmp_path: Path) -> None:

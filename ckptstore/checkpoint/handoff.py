@@ -14,6 +14,7 @@ With one process nothing is published: reports and errors stay in this process.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -57,6 +58,7 @@ class Handoff:
         self.me = distributed.process_index()
         self.count = distributed.process_count()
         self._round = 0
+        self._reported = -1  # the round of the last `everyone`
         self._mine: dict[str, Any] = {}  # this process's last report
 
     async def _publish(self, key: str, value: str) -> None:
@@ -71,6 +73,7 @@ class Handoff:
 
     async def everyone(self, work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """Run this process's share and publish its report (or its failure)."""
+        self._reported = self._round
         try:
             report = await work()
         except Exception as exc:
@@ -93,6 +96,22 @@ class Handoff:
                 raise _remote_error(report, f"process {i} failed")
             out.append(report)
         return out
+
+    async def settled(self, wait: float) -> bool:
+        """On process 0: whether every process published its report of the last `everyone`
+        round (done or failed) within ``wait`` seconds, so that none is still doing that
+        round's work. Reports are read, never raised: this runs after a failure."""
+        if self.count == 1:
+            return True
+        deadline = time.monotonic() + wait
+        for i in range(self.count):
+            left = deadline - time.monotonic()
+            key = f"{self.tag}/report/{self._reported}/{i}"
+            try:
+                await distributed.kv_get(key, max(left, 0.001))
+            except errors.CoordinationError:
+                return False
+        return True
 
     async def agree(self, decide: Callable[[], Awaitable[str]]) -> str:
         """Process 0 decides a value (an attempt id, a directory name); everyone gets it."""

@@ -276,6 +276,9 @@ async def _save(
 
 
 _PACKED = "packed"  # a process's report: per item, how many leaves it packed
+#: How long process 0 of a failed save waits for the others to stop writing (each reports
+#: when its writes end) before it removes the attempt; past it, `gc` removes it later.
+DISCARD_WAIT = 60.0
 
 
 async def _packed(
@@ -304,10 +307,14 @@ async def _packed(
 
 async def _discard(backend: Backend, where: layout.AttemptDir, handoff: Handoff) -> None:
     """Remove the attempt of a save that failed before its commit began, so that what it
-    wrote (on a full disk: the space the next save needs) goes at once. Only for a save
-    by one process: in a save by several, others may still be writing into it, and `gc`
-    removes it once nobody has for a while. Best effort: what remains is left to `gc`."""
-    if handoff.count != 1:
+    wrote (on a full disk: the space the next save needs) goes at once. Process 0 removes
+    it once every process has reported the end of its writes (within `DISCARD_WAIT`
+    seconds; a process that never reports may still be writing, so then, as on any error
+    here, the attempt is left to `gc`)."""
+    if handoff.me != 0 or not await handoff.settled(min(handoff.timeout, DISCARD_WAIT)):
+        if handoff.me == 0:
+            why = "not every process reported"
+            log.warning("a failed save left attempt %s for gc: %s", where.root, why)
         return
     try:
         removed = await backend.delete_prefix(where.root + "/")
