@@ -68,8 +68,8 @@ class Handoff:
     def _outcome_key(self) -> str:
         return f"{self.tag}/outcome/{self._round}"
 
-    def _report_key(self, process: int) -> str:
-        return f"{self.tag}/report/{self._round}/{process}"
+    def _report_key(self, process: int, round_: int | None = None) -> str:
+        return f"{self.tag}/report/{self._round if round_ is None else round_}/{process}"
 
     async def everyone(self, work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """Run this process's share and publish its report (or its failure)."""
@@ -101,14 +101,13 @@ class Handoff:
         """On process 0: whether every process published its report of the last `everyone`
         round (done or failed) within ``wait`` seconds, so that none is still doing that
         round's work. Reports are read, never raised: this runs after a failure."""
-        if self.count == 1:
+        if self.count == 1 or self._reported < 0:  # alone, or no round has run: none works
             return True
         deadline = time.monotonic() + wait
         for i in range(self.count):
             left = deadline - time.monotonic()
-            key = f"{self.tag}/report/{self._reported}/{i}"
             try:
-                await distributed.kv_get(key, max(left, 0.001))
+                await distributed.kv_get(self._report_key(i, self._reported), max(left, 0.001))
             except errors.CoordinationError:
                 return False
         return True
