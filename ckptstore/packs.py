@@ -98,8 +98,8 @@ async def write_index(backend: Backend, store: str, refs: Mapping[str, PackRef])
 async def read_index(backend: Backend, store: str) -> dict[str, PackRef]:
     """The packed leaves a writer recorded in ``store``; a malformed record is corruption."""
     key = _join(store, INDEX)
-    data = await backend.read(key)
     try:
+        data = await backend.read(key)
         with gc_paused():  # an object per leaf: see `ckptstore.gcpause`
             doc = json.loads(data)
             if not isinstance(doc, dict):
