@@ -129,7 +129,7 @@ async def test_a_save_pauses_the_collector_while_it_encodes_its_manifest_and_pac
     from ckptstore import packs
     from ckptstore.leaves import LeafInfo
 
-    seen: dict[str, list[bool]] = {"leaf": [], "ref": []}
+    seen: dict[str, list[bool]] = {"leaf": [], "ref": [], "ref parsed": []}
     leaf_to_json, ref_to_json = LeafInfo.to_json, packs.PackRef.to_json
     ref_from_json = packs.PackRef.from_json.__func__  # type: ignore[attr-defined]
 
@@ -142,7 +142,7 @@ async def test_a_save_pauses_the_collector_while_it_encodes_its_manifest_and_pac
         return ref_to_json(self)
 
     def watch_ref_parse(cls: type[packs.PackRef], leaf: str, data: object) -> packs.PackRef:
-        seen.setdefault("ref parsed", []).append(gc.isenabled())
+        seen["ref parsed"].append(gc.isenabled())
         return ref_from_json(cls, leaf, data)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(LeafInfo, "to_json", watch_leaf)

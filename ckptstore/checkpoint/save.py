@@ -311,10 +311,10 @@ async def _discard(backend: Backend, where: layout.AttemptDir, handoff: Handoff)
     it once every process has reported the end of its writes (within `DISCARD_WAIT`
     seconds; a process that never reports may still be writing, so then, as on any error
     here, the attempt is left to `gc`)."""
-    if handoff.me != 0 or not await handoff.settled(min(handoff.timeout, DISCARD_WAIT)):
-        if handoff.me == 0:
-            why = "not every process reported"
-            log.warning("a failed save left attempt %s for gc: %s", where.root, why)
+    if handoff.me != 0:
+        return
+    if not await handoff.settled(min(handoff.timeout, DISCARD_WAIT)):
+        log.warning("a failed save left attempt %s for gc: not every process reported", where.root)
         return
     try:
         removed = await backend.delete_prefix(where.root + "/")
