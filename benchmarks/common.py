@@ -363,6 +363,24 @@ def machine_info(packages: Iterable[str], scratch: Path | None = None) -> dict[s
     return info
 
 
+def recycle_memory(nbytes: int) -> None:
+    """Touch ``nbytes`` of new memory and free it: whatever runs next finds free memory
+    that the host has not taken back.
+
+    On these VMs the guest reports the memory it frees to the host (virtio-balloon free
+    page reporting, within about a second), and the first touch of such a page costs
+    several times a plain one: 1 GiB touched in 0.65-1.1 s against 0.10 s (see
+    docs/benchmarks.md, session 12). Left alone, an operation that lands its result in
+    new memory (a restore, unlike ``dd`` to ``/dev/null``) is fast or slow depending on
+    how long ago something else freed memory; after this, every contender starts alike,
+    as on a machine that does not report.
+    """
+    import numpy as np  # numpy-free callers of this module need not load it
+
+    block = np.ones(nbytes, np.uint8)  # ones, not zeros: calloc would touch nothing
+    del block
+
+
 def release_memory() -> None:
     """Hand memory freed by the last phase back to the system: glibc keeps what thousands
     of small arrays freed in its per-thread arenas, so a run over several trees would

@@ -17,6 +17,10 @@ repetition), medians with their spread:
   the checkpoint's own files (evicted, one after another, 16 MiB reads: the same bytes),
   and (for information, in a phase of their own) vs the raw read and the reading of its
   files into new memory (buffers kept until the read ends), as a restore must read;
+- every timed operation starts from recently freed memory (`common.recycle_memory`):
+  on this VM the host takes freed memory back within about a second, and touching it
+  again costs several times as much; one phase of its own (for information) waits for
+  that first, the restore against the raw read into new memory;
 - on the first tree: peak resident memory a save and a restore add (VmHWM over the RSS
   once the tree is built, each in a fresh subprocess), those restores' times (each the
   first of its process, files evicted: a restarted job's restore) vs Orbax's, and the
@@ -42,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,6 +85,7 @@ PHASES = {
     "orbax": ["ckpt_save", "orbax_save_fsync", "orbax_save"],
     "cold": ["ckpt_restore", "raw_read", "raw_read_files"],
     "cold_fresh": ["ckpt_restore", "raw_read_fresh", "raw_read_files_fresh"],
+    "cold_reclaimed": ["ckpt_restore_reclaimed", "raw_read_fresh_reclaimed"],
     "cold_orbax": ["ckpt_restore", "orbax_restore"],
     "warm": ["ckpt_restore_warm", "orbax_restore_warm"],
 }
@@ -110,6 +116,13 @@ TIME_ROWS: list[tuple[str, str, str, str, float | str | None]] = [
         "cold_fresh",
         "ckpt_restore",
         "raw_read_files_fresh",
+        None,
+    ),
+    (
+        "restore (cold) vs raw read into new memory, freed memory reclaimed by the host",
+        "cold_reclaimed",
+        "ckpt_restore_reclaimed",
+        "raw_read_fresh_reclaimed",
         None,
     ),
     ("restore (warm) vs Orbax", "warm", "ckpt_restore_warm", "orbax_restore_warm", 1.5),
@@ -205,8 +218,11 @@ def orbax_restore(path: Path, abstract: Any) -> Any:
 class Contenders:
     """Timed operations on one tree; each returns seconds. Saves go to fresh directories."""
 
-    def __init__(self, tree: Any, abstract: Any, scratch: Path, nbytes: int) -> None:
+    def __init__(
+        self, tree: Any, abstract: Any, scratch: Path, nbytes: int, reclaim_wait: float
+    ) -> None:
         self.tree, self.abstract, self.scratch = tree, abstract, scratch
+        self.nbytes, self.reclaim_wait = nbytes, reclaim_wait
         self.count = 0
         self.src = scratch / "dd_source.bin"  # as many random bytes, cached
         with open(self.src, "wb") as f:
@@ -218,8 +234,18 @@ class Contenders:
         self.count += 1
         return self.scratch / f"{name}_{self.count}"
 
+    def ready(self, reclaimed: bool = False) -> None:
+        """The last step before a timed operation: twice the state's bytes of recently freed
+        memory (as much as a cold restore's result and page cache need) or, ``reclaimed``,
+        a pause long enough for the host to take freed memory back."""
+        if reclaimed:
+            time.sleep(self.reclaim_wait)
+        else:
+            common.recycle_memory(2 * self.nbytes)
+
     def _dd(self, *flags: str) -> float:
         dst = self.fresh("dd")
+        self.ready()
         with Timer() as t:
             cmd = ["dd", f"if={self.src}", f"of={dst}", "bs=16M", *flags, "status=none"]
             subprocess.run(cmd, check=True)
@@ -232,18 +258,23 @@ class Contenders:
     async def raw_read(self) -> float:
         """Read as many bytes as the tree holds from an evicted file (the restores' floor)."""
         evict_tree(self.src)
+        self.ready()
         with Timer() as t:
             cmd = ["dd", f"if={self.src}", "of=/dev/null", "bs=16M", "status=none"]
             subprocess.run(cmd, check=True)
         return t.seconds
 
-    async def raw_read_fresh(self) -> float:
+    async def raw_read_fresh(self, reclaimed: bool = False) -> float:
         """`raw_read` into new memory, as a restore must read: 16 MiB buffers allocated as a
         restore allocates them (`aligned_empty`), all kept until the read ends."""
         evict_tree(self.src)
+        self.ready(reclaimed)
         with Timer() as t:
             read_fresh([self.src])
         return t.seconds
+
+    async def raw_read_fresh_reclaimed(self) -> float:
+        return await self.raw_read_fresh(reclaimed=True)
 
     async def raw_read_files(self) -> float:
         """Read the restored checkpoint's own files (the same bytes a restore reads, in the
@@ -251,6 +282,7 @@ class Contenders:
         path = self.scratch / "restore_ckpt"
         evict_tree(path)
         buf = bytearray(16 * MiB)
+        self.ready()
         with Timer() as t:
             for file in files_below(path):
                 with open(file, "rb", buffering=0) as f:
@@ -263,12 +295,14 @@ class Contenders:
         least a restore must do, with no checksum, assembly or device hand-off."""
         path = self.scratch / "restore_ckpt"
         evict_tree(path)
+        self.ready()
         with Timer() as t:
             read_fresh(files_below(path))
         return t.seconds
 
     async def ckpt_save(self, keep: Path | None = None) -> float:
         path = keep or self.fresh("ckpt")
+        self.ready()
         with Timer() as t:
             await ckptstore.save(str(path), self.tree, step=self.count)
         if keep is None:
@@ -277,6 +311,7 @@ class Contenders:
 
     async def orbax_save(self, fsync: bool = False, keep: Path | None = None) -> float:
         path = keep or self.fresh("orbax")
+        self.ready()
         with Timer() as t:  # Orbax runs its own event loop: keep it off ours
             await asyncio.to_thread(orbax_save, self.tree, path, fsync)
         if keep is None:
@@ -286,10 +321,11 @@ class Contenders:
     async def orbax_save_fsync(self) -> float:
         return await self.orbax_save(fsync=True)
 
-    async def ckpt_restore(self, cold: bool = True) -> float:
+    async def ckpt_restore(self, cold: bool = True, reclaimed: bool = False) -> float:
         path = self.scratch / "restore_ckpt"
         if cold:
             evict_tree(path)
+        self.ready(reclaimed)
         with Timer() as t:
             jax.block_until_ready(await ckptstore.restore(str(path), like=self.abstract))
         return t.seconds
@@ -297,9 +333,13 @@ class Contenders:
     async def ckpt_restore_warm(self) -> float:
         return await self.ckpt_restore(cold=False)
 
+    async def ckpt_restore_reclaimed(self) -> float:
+        return await self.ckpt_restore(reclaimed=True)
+
     async def orbax_restore(self, cold: bool = True) -> float:
         if cold:
             evict_tree(self.scratch / "restore_orbax")
+        self.ready()
         with Timer() as t:
             await asyncio.to_thread(orbax_restore, self.scratch / "restore_orbax", self.abstract)
         return t.seconds
@@ -491,7 +531,7 @@ def _run_pass(
     tree, abstract = TREES[name](scale, args.seed)
     nbytes, n_leaves = tree_bytes(tree), len(jax.tree_util.tree_leaves(tree))
     print(f"tree {name}: {n_leaves} leaves, {nbytes / MiB:.1f} MiB", flush=True)
-    c = Contenders(tree, abstract, scratch, nbytes)
+    c = Contenders(tree, abstract, scratch, nbytes, args.reclaim_wait)
     asyncio.run(c.ckpt_save(keep=scratch / "restore_ckpt"))  # restore fixtures; warm-up
     if with_orbax:
         asyncio.run(c.orbax_save(keep=scratch / "restore_orbax"))
@@ -629,6 +669,9 @@ def to_json(args: argparse.Namespace, r: dict[str, Any], rows: list[Any], scratc
             "smaller), each interleaved; the first contender rotates every repetition",
             "page_cache": "not dropped (needs root); cold restores and the raw read evict "
             "their files' pages with POSIX_FADV_DONTNEED first; warm ones do not",
+            "free_memory": "each timed operation first touches and frees twice the state's "
+            "bytes (common.recycle_memory); the cold_reclaimed phase instead waits "
+            f"{args.reclaim_wait} s for the host to take freed memory back",
             "orbax": "StandardCheckpointer defaults; orbax_save_fsync adds an fsync of "
             "every file and directory",
         },
@@ -672,6 +715,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-write-results", action="store_true", help="do not write the JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 if any floor fails")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tree")
+    p.add_argument(
+        "--reclaim-wait",
+        type=float,
+        default=3.0,
+        help="seconds the reclaimed phase waits for the host to take freed memory (default 3)",
+    )
     tools = ["ckptstore", "orbax", "ckptstore-restore", "orbax-restore"]
     p.add_argument("--child-memory", choices=tools, help=argparse.SUPPRESS)
     p.add_argument("--child-path", type=Path, help=argparse.SUPPRESS)
@@ -683,6 +732,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown trees {unknown}; choose from {sorted(TREES)}")
     if args.quick:
         args.scale, args.reps, args.merge_stores, args.merge_store_mib = 1 / 16, 2, 16, 1
+        args.reclaim_wait = 0.1
         args.memory_reps = 1 if args.memory_reps is None else args.memory_reps
     if args.memory_reps is None:
         args.memory_reps = min(args.reps, 3)

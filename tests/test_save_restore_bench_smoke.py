@@ -23,6 +23,7 @@ def test_save_restore_benchmark_quick_run() -> None:
     out = proc.stdout
     rows = ["vs dd direct+fsync", "vs Orbax + fsync", "restore (cold) vs raw read"]
     rows += ["restore (cold) vs reading its files into new memory"]
+    rows += ["raw read into new memory, freed memory reclaimed by the host"]
     rows += ["restore (warm) vs Orbax", "peak memory", "first restore of a fresh process", "merge"]
     for tree in "abcd":  # every tree runs
         assert f"tree {tree}:" in out, out
