@@ -3,9 +3,11 @@
 Usage: mp_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT MODE
 MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "partial" builds the same
 tree as step 2 through a partial save, one part per leaf; "fail" saves like "save" but
-process 1 fails while writing ("fail0": process 0 does); "late" saves like "save" but
-another writer commits step 1 while process 0 merges (every process must then raise
-`AlreadyExistsError`); "restore"
+process 1 fails while writing ("fail0": process 0 does; "die": process 1 exits with status
+3 once its writes are done, before it reports them, and process 0 waits 8 s for it, then
+exits without `jax.distributed.shutdown`, which would wait for the dead one); "late" saves
+like "save" but another writer commits step 1 while process 0 merges (every process must
+then raise `AlreadyExistsError`); "restore"
 restores step 1 on a transposed (4, 2) mesh and checks every addressable shard; "manager"
 trains 6 steps (donating the state) with a `CheckpointManager` saving every 2 steps and
 keeping 2, then restores the latest on the transposed mesh. Orbax: "orbax-save" saves the
@@ -93,6 +95,16 @@ def main() -> None:
             raise RuntimeError("disk on fire")
 
         save_module.write_leaves = broken  # type: ignore[assignment]
+    if mode == "die" and int(pid) == 1:
+        import ckptstore.checkpoint.save as save_module
+
+        real_write = save_module.write_leaves
+
+        async def write_then_die(*args, **kwargs):  # type: ignore[no-untyped-def]
+            await real_write(*args, **kwargs)
+            os._exit(3)  # a crash: no report, no cleanup, no shutdown
+
+        save_module.write_leaves = write_then_die
     if mode == "late" and int(pid) == 0:
         import ckptstore.checkpoint.save as save_module
 
@@ -182,17 +194,20 @@ def main() -> None:
         for k in SHAPES:
             assert out[k].tobytes() == expected(k).tobytes()
         print(f"tiered restored ok: sharded {sharded[0]}, whole {whole[0]}", flush=True)
-    elif mode in ("save", "fail", "fail0", "late"):
+    elif mode in ("save", "fail", "fail0", "late", "die"):
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])
             for k in SHAPES
         }
+        timeout = 8 if mode == "die" else 60
         try:
-            result = asyncio.run(ckptstore.save(root, tree, step=1, timeout=60))
+            result = asyncio.run(ckptstore.save(root, tree, step=1, timeout=timeout))
         except (ckptstore.CkptStoreError, RuntimeError) as exc:
             print(f"failed: {type(exc).__name__}: {exc}", flush=True)
         else:
             print(f"saved {result.bytes_written} of {result.bytes}", flush=True)
+        if mode == "die":
+            os._exit(0)
     else:
         like = {
             k: jax.ShapeDtypeStruct(SHAPES[k], np.float32, sharding=shardings[k]) for k in SHAPES

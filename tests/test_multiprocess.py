@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -34,7 +35,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(root: Path, mode: str, num: int = 2, *extra: str) -> list[str]:
+def run_job(
+    root: Path, mode: str, num: int = 2, *extra: str, codes: Sequence[int] = ()
+) -> list[str]:
+    """Run ``num`` workers in ``mode``; their outputs. Each must exit with status 0, or
+    with its entry of ``codes`` where given."""
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
@@ -49,7 +54,8 @@ def run_job(root: Path, mode: str, num: int = 2, *extra: str) -> list[str]:
     outputs = []
     for i, proc in enumerate(procs):
         out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"process {i} failed:\n{err[-3000:]}"
+        want = codes[i] if codes else 0
+        assert proc.returncode == want, f"process {i} exited {proc.returncode}:\n{err[-3000:]}"
         outputs.append(out)
     return outputs
 
@@ -111,6 +117,29 @@ def test_when_process_0_fails_it_removes_the_attempt_once_the_other_has_written(
     assert ckptstore.list_steps_sync(str(root)) == []
     left = [p for p in root.rglob("*") if p.is_file()]  # process 1's shards went too
     assert left == [], left
+
+
+def test_when_a_process_dies_while_writing_nothing_is_committed_and_gc_takes_the_rest(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    started = time.monotonic()
+    outputs = run_job(root, "die", codes=(0, 3))
+    assert outputs[1] == ""  # it died before saying anything
+    # Typed, naming what it waited for: process 1's report of its writes.
+    assert outputs[0].startswith("failed: CoordinationError: process 0: no value for "), outputs
+    assert "/report/1/" in outputs[0], outputs
+    # Its 8 s wait for process 1's report, then as long for the report a discard waits
+    # for, then start-up: not a hang until some outer timeout.
+    assert time.monotonic() - started < 120
+    assert ckptstore.list_steps_sync(str(root)) == []
+    # Process 1 may have been still writing as far as process 0 could tell: the attempt is
+    # left (a discard must not pull it from under a silent writer), and gc takes it.
+    (attempt,) = (root / "1").glob("attempt-*")
+    assert any(p.is_file() for p in attempt.rglob("*"))
+    removal = ckptstore.gc_sync(str(root), older_than=0)
+    assert removal.entries and removal.objects > 0, removal
+    assert [p for p in root.rglob("*") if p.is_file()] == []
 
 
 def test_two_processes_build_a_step_from_partial_saves(tmp_path: Path) -> None:
