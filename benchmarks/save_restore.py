@@ -234,19 +234,20 @@ class Contenders:
         self.count += 1
         return self.scratch / f"{name}_{self.count}"
 
-    def ready(self, reclaimed: bool = False) -> None:
-        """The last step before a timed operation: twice the state's bytes of recently freed
-        memory (as much as a cold restore's result and page cache need) or, ``reclaimed``,
-        a pause long enough for the host to take freed memory back."""
+    def timed(self, reclaimed: bool = False) -> Timer:
+        """The timer of an operation, started right after the last step of its set-up: twice
+        the state's bytes of recently freed memory (as much as a cold restore's result and
+        page cache need) or, ``reclaimed``, a pause long enough for the host to take freed
+        memory back."""
         if reclaimed:
             time.sleep(self.reclaim_wait)
         else:
             common.recycle_memory(2 * self.nbytes)
+        return Timer()
 
     def _dd(self, *flags: str) -> float:
         dst = self.fresh("dd")
-        self.ready()
-        with Timer() as t:
+        with self.timed() as t:
             cmd = ["dd", f"if={self.src}", f"of={dst}", "bs=16M", *flags, "status=none"]
             subprocess.run(cmd, check=True)
         dst.unlink()
@@ -258,8 +259,7 @@ class Contenders:
     async def raw_read(self) -> float:
         """Read as many bytes as the tree holds from an evicted file (the restores' floor)."""
         evict_tree(self.src)
-        self.ready()
-        with Timer() as t:
+        with self.timed() as t:
             cmd = ["dd", f"if={self.src}", "of=/dev/null", "bs=16M", "status=none"]
             subprocess.run(cmd, check=True)
         return t.seconds
@@ -268,8 +268,7 @@ class Contenders:
         """`raw_read` into new memory, as a restore must read: 16 MiB buffers allocated as a
         restore allocates them (`aligned_empty`), all kept until the read ends."""
         evict_tree(self.src)
-        self.ready(reclaimed)
-        with Timer() as t:
+        with self.timed(reclaimed) as t:
             read_fresh([self.src])
         return t.seconds
 
@@ -282,8 +281,7 @@ class Contenders:
         path = self.scratch / "restore_ckpt"
         evict_tree(path)
         buf = bytearray(16 * MiB)
-        self.ready()
-        with Timer() as t:
+        with self.timed() as t:
             for file in files_below(path):
                 with open(file, "rb", buffering=0) as f:
                     while f.readinto(buf):
@@ -295,15 +293,13 @@ class Contenders:
         least a restore must do, with no checksum, assembly or device hand-off."""
         path = self.scratch / "restore_ckpt"
         evict_tree(path)
-        self.ready()
-        with Timer() as t:
+        with self.timed() as t:
             read_fresh(files_below(path))
         return t.seconds
 
     async def ckpt_save(self, keep: Path | None = None) -> float:
         path = keep or self.fresh("ckpt")
-        self.ready()
-        with Timer() as t:
+        with self.timed() as t:
             await ckptstore.save(str(path), self.tree, step=self.count)
         if keep is None:
             shutil.rmtree(path)
@@ -311,8 +307,7 @@ class Contenders:
 
     async def orbax_save(self, fsync: bool = False, keep: Path | None = None) -> float:
         path = keep or self.fresh("orbax")
-        self.ready()
-        with Timer() as t:  # Orbax runs its own event loop: keep it off ours
+        with self.timed() as t:  # Orbax runs its own event loop: keep it off ours
             await asyncio.to_thread(orbax_save, self.tree, path, fsync)
         if keep is None:
             shutil.rmtree(path)
@@ -325,8 +320,7 @@ class Contenders:
         path = self.scratch / "restore_ckpt"
         if cold:
             evict_tree(path)
-        self.ready(reclaimed)
-        with Timer() as t:
+        with self.timed(reclaimed) as t:
             jax.block_until_ready(await ckptstore.restore(str(path), like=self.abstract))
         return t.seconds
 
@@ -339,8 +333,7 @@ class Contenders:
     async def orbax_restore(self, cold: bool = True) -> float:
         if cold:
             evict_tree(self.scratch / "restore_orbax")
-        self.ready()
-        with Timer() as t:
+        with self.timed() as t:
             await asyncio.to_thread(orbax_restore, self.scratch / "restore_orbax", self.abstract)
         return t.seconds
 
