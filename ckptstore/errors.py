@@ -38,6 +38,12 @@ class AlreadyExistsError(StorageError, FileExistsError):
     """``create`` found the key already present: someone else won."""
 
 
+class FencedError(AlreadyExistsError):
+    """Another actor decided this attempt's fate first (commit protocol v3): it was
+    committed, abandoned or garbage-collected by someone else, so this actor stopped before
+    writing anything more into it. The message names the fate and when it was decided."""
+
+
 class PermissionDeniedError(StorageError, PermissionError):
     """The backend refused the operation (credentials, ACLs, read-only media)."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from ckptstore.backends.base import Backend
@@ -26,3 +28,16 @@ def largest_data_file(below: Path) -> Path:
     file of an OCDBT store, or a pack of small leaves (`ckptstore.packs`)."""
     files = [p for p in below.rglob("ocdbt.process_*/**/*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
+
+
+@contextlib.contextmanager
+def a_day_later() -> Iterator[None]:
+    """As if a day had passed, for gc: commit claims that never got a marker, and the fate
+    records of collected attempts (tombstones), expire (`commit.CLAIM_TTL`)."""
+    from ckptstore.checkpoint import commit
+
+    ttl, commit.CLAIM_TTL = commit.CLAIM_TTL, 0.0
+    try:
+        yield
+    finally:
+        commit.CLAIM_TTL = ttl

@@ -16,10 +16,21 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import commit as commit_protocol
 from ckptstore.checkpoint import hostlocal, layout
 from ckptstore.cli import main
 from tests.paths import attempts, committed_root
 from tests.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
+
+
+def data_only(snap: dict[str, bytes]) -> dict[str, bytes]:
+    """A snapshot without fate and deletion records (a collected attempt's tombstone)."""
+    return {k: v for k, v in snap.items() if k.rsplit("/", 1)[-1] not in layout.TOMBSTONES}
+
+
+def claim_ttl_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if a day had passed: commit claims with no marker, and tombstones, expire."""
+    monkeypatch.setattr(commit_protocol, "CLAIM_TTL", 0.0)
 
 
 async def crashed_attempt(backend: Backend, step: int) -> layout.AttemptDir:
@@ -45,7 +56,9 @@ async def test_gc_keeps_committed_and_young_collects_the_rest(any_backend: Backe
     removed = await ckptstore.gc(any_backend, older_than=0)
     assert sorted(removed.entries) == [dead.root, orphan.root] and removed.objects == 4
     assert not await any_backend.exists(dead.manifest)
-    assert await snapshot(any_backend, "1") == committed  # byte for byte as before
+    # byte for byte as before; the collected attempt's fate record stays, as a tombstone
+    assert data_only(await snapshot(any_backend, "1")) == data_only(committed)
+    assert await any_backend.exists(dead.fate) and await any_backend.exists(orphan.fate)
     assert_is_tree(await ckptstore.restore(any_backend, step=1), 1)
     assert (await ckptstore.gc(any_backend, older_than=0)).entries == []
 
@@ -122,16 +135,22 @@ async def test_delete_step(any_backend: Backend) -> None:
     with pytest.raises(ckptstore.CheckpointNotFoundError):
         await ckptstore.delete_step(any_backend, 2)
     assert (await ckptstore.gc(any_backend, older_than=0)).entries == [loser.root]
-    assert [info.key async for info in any_backend.list("2")] == []
+    assert [info.key async for info in any_backend.list("2")] == [loser.fate]  # its tombstone
 
 
-async def test_delete_step_with_an_unreadable_marker(any_backend: Backend) -> None:
+async def test_delete_step_with_an_unreadable_marker(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await ckptstore.save(any_backend, tree_of(1), step=1)
     await any_backend.write("1/COMMITTED", b"garbage")
     with pytest.raises(ckptstore.CorruptCheckpointError):
         await ckptstore.gc(any_backend, older_than=0)  # cannot tell what it references
     assert (await ckptstore.delete_step(any_backend, 1)).entries == ["1/COMMITTED"]
     assert await ckptstore.list_steps(any_backend) == []
+    # Its attempt was claimed for a commit: which marker named it, nobody can tell, so gc
+    # keeps it for the claim's lifetime (a finalize could still be committing it).
+    assert len((await ckptstore.gc(any_backend, older_than=0)).kept_young) == 1
+    claim_ttl_over(monkeypatch)
     assert len((await ckptstore.gc(any_backend, older_than=0)).entries) == 1
 
 
@@ -238,7 +257,9 @@ KILLED_AT_LINK = textwrap.dedent(
 )
 
 
-def test_gc_removes_the_temporary_file_of_a_commit_killed_midway(tmp_path: Path) -> None:
+def test_gc_removes_the_temporary_file_of_a_commit_killed_midway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "ckpt"
     ckptstore.save_sync(str(root), tree_of(1), step=1)
     proc = subprocess.run(
@@ -251,8 +272,13 @@ def test_gc_removes_the_temporary_file_of_a_commit_killed_midway(tmp_path: Path)
     assert temporary.exists()  # and the temporary file too
     dry = asyncio.run(ckptstore.gc(str(root), older_than=0, dry_run=True))
     assert f"2/{temporary.name}" in dry.entries and temporary.exists()
+    # The attempt was claimed for its commit: gc keeps it for the claim's lifetime.
     removal = asyncio.run(ckptstore.gc(str(root), older_than=0))
-    assert f"2/{temporary.name}" in removal.entries and len(removal.entries) == 2
+    assert removal.entries == [f"2/{temporary.name}"] and len(removal.kept_young) == 1
+    claim_ttl_over(monkeypatch)
+    removal = asyncio.run(ckptstore.gc(str(root), older_than=0))
+    assert len(removal.entries) == 1
+    monkeypatch.undo()
     assert not [p for p in (root / "2").rglob("*") if p.is_file()]
     assert_is_tree(ckptstore.restore_sync(str(root), step=1), 1)
     ckptstore.save_sync(str(root), {"x": np.arange(5)}, step=2)  # and saved again

@@ -15,6 +15,7 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
+from ckptstore.checkpoint import commit as commit_protocol
 from tests.paths import attempts, committed_root
 
 
@@ -106,7 +107,7 @@ KILL_AT_POINT = textwrap.dedent(
 )
 
 
-async def check_only_step_one(root: Path) -> None:
+async def check_only_step_one(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend = LocalBackend(root)
     assert await ckptstore.list_steps(backend) == [1]
     restored = await ckptstore.restore(backend)
@@ -116,7 +117,9 @@ async def check_only_step_one(root: Path) -> None:
     result = await ckptstore.save(backend, {"x": np.arange(4)}, step=2)
     assert await ckptstore.list_steps(backend) == [1, 2] and result.attempt != dead
     # Killed mid-write, the dead attempt may hold only the temporary files of packs being
-    # written (invisible to listings): gc then names those.
+    # written (invisible to listings): gc then names those. Killed after its commit claim
+    # (the merge, the manifest), the attempt is kept for the claim's lifetime: a day on.
+    monkeypatch.setattr(commit_protocol, "CLAIM_TTL", 0.0)
     entries = (await ckptstore.gc(backend, older_than=0)).entries
     assert entries and all(e == f"2/{dead}" or e.startswith(f"2/{dead}/") for e in entries)
     assert [info async for info in backend.list(f"2/{dead}")] == []
@@ -124,7 +127,7 @@ async def check_only_step_one(root: Path) -> None:
     np.testing.assert_array_equal((await ckptstore.restore(backend))["x"], np.arange(4))
 
 
-async def test_writer_killed_before_marker(tmp_path: Path) -> None:
+async def test_writer_killed_before_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "ckpt"
     await ckptstore.save(str(root), {"x": np.arange(1000) + 1}, step=1)
     proc = await asyncio.to_thread(
@@ -133,11 +136,13 @@ async def test_writer_killed_before_marker(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
     assert list((root / "2").glob("attempt-*/manifest.json"))  # it got as far as the manifest
     assert not (root / "2" / "COMMITTED").exists()
-    await check_only_step_one(root)
+    await check_only_step_one(root, monkeypatch)
 
 
 @pytest.mark.parametrize("point", ["writing", "merged"])
-async def test_writer_killed_mid_save(tmp_path: Path, point: str) -> None:
+async def test_writer_killed_mid_save(
+    tmp_path: Path, point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "ckpt"
     await ckptstore.save(str(root), {"x": np.arange(1000) + 1}, step=1)
     proc = subprocess.Popen(
@@ -151,7 +156,7 @@ async def test_writer_killed_mid_save(tmp_path: Path, point: str) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert list((root / "2").glob("attempt-*/state/ocdbt.process_0"))  # killed mid-save
-    await check_only_step_one(root)
+    await check_only_step_one(root, monkeypatch)
 
 
 def test_blocking_twins(tmp_path: Path) -> None:

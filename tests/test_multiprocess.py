@@ -24,6 +24,7 @@ from ckptstore.checkpoint.target import opened
 from ckptstore.cli import main
 from ckptstore.lifecycle import tiers
 from tests.mp_worker import SHAPES, expected
+from tests.paths import a_day_later
 from tests.test_partial import shared_target
 
 WORKER = Path(__file__).with_name("mp_worker.py")
@@ -139,6 +140,8 @@ def test_when_a_process_dies_while_writing_nothing_is_committed_and_gc_takes_the
     assert any(p.is_file() for p in attempt.rglob("*"))
     removal = ckptstore.gc_sync(str(root), older_than=0)
     assert removal.entries and removal.objects > 0, removal
+    with a_day_later():  # and, a day later, the collected attempt's tombstone
+        ckptstore.gc_sync(str(root), older_than=0)
     assert [p for p in root.rglob("*") if p.is_file()] == []
 
 

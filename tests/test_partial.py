@@ -285,7 +285,10 @@ async def test_sessions_resume_start_anew_and_abandon(any_backend: Backend) -> N
     await exact.abandon()
     with pytest.raises(ckptstore.CkptStoreError, match="abandoned"):
         await exact.add(part_tree(2))
-    assert not [k async for k in any_backend.list(f"6/{first.attempt}")]
+    # Only the fate record stays: a zombie of the session can no longer commit it.
+    left = [i.key async for i in any_backend.list(f"6/{first.attempt}")]
+    assert left == [f"6/{first.attempt}/FATE"]
+    assert b'"abandon"' in await any_backend.read(left[0])
     latest = await ckptstore.partial_save(any_backend, step=6)  # the other session is left
     assert latest.attempt == fresh.attempt
     await latest.finalize()

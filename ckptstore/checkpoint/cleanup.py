@@ -7,27 +7,59 @@
   format-version-1 saves that never committed, part directories a committed
   attempt does not use, and the temporary files of writes killed midway (local
   disk: `Backend.remove_temporaries`). Only what nobody has written to for
-  ``older_than`` seconds goes, so an in-flight writer is never collected; and
-  never anything a committed attempt's manifest lists under ``references``.
+  ``older_than`` seconds goes, and never anything a committed attempt's manifest
+  lists under ``references``.
+
+Commit protocol v3: `gc` deletes an undecided attempt only after winning its fate
+(`commit.claim`, "collect"), so a writer that was merely slow (any grace, 0
+included) fails its commit with `FencedError` instead of committing what gc
+deleted. An attempt claimed for a commit that never came is kept for
+`commit.CLAIM_TTL`; the fate record of a collected or abandoned attempt stays
+that long too, as a tombstone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend, ObjectInfo
+from ckptstore.checkpoint import commit as protocol
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest, read_marker
+from ckptstore.checkpoint.commit import (
+    COLLECT,
+    Fate,
+    Marker,
+    claim,
+    clear_attempt,
+    committed_steps,
+    load_manifest,
+    new_owner,
+    read_fate,
+    read_marker,
+)
 from ckptstore.checkpoint.hostlocal import STAGED, read_staged
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, opened, single
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    CkptStoreError,
+    CorruptCheckpointError,
+    FencedError,
+    NotFoundError,
+)
+
+log = logging.getLogger("ckptstore")
 
 DEFAULT_GRACE = 6 * 3600.0  # seconds
+DELETE, TRIM = "delete", "trim"  # why an attempt's DELETED record was written
 
 
 @dataclass
@@ -167,21 +199,41 @@ async def delete_step(target: AnyTarget, step: int) -> Removal:
 
 
 async def _delete_from_tiers(tiers: Tiered, step: int) -> Removal:
+    """The fast copy first, leaving ``DELETED`` in its attempt: a promotion of it in flight
+    finds that after creating the durable marker and takes the marker back (`promote_step`).
+    The durable tier is looked at only then, so between the two one of them sees the other."""
     async with tiers.opened() as (fast, durable):
-        found = [b for b in (fast, durable) if await b.exists(layout.commit_key(step))]
+        removal = Removal()
+        marker = (
+            await read_marker(fast, step) if await fast.exists(layout.commit_key(step)) else None
+        )
+        if marker is not None and marker.attempt is not None:
+            try:
+                await fast.create(marker.where.deleted, b"{}")
+            except AlreadyExistsError:
+                pass
+        found = False
+        for backend in (fast, durable):
+            if await backend.exists(layout.commit_key(step)):
+                found = True
+                removal.absorb(
+                    await _delete_step(backend, step, tombstone=backend is fast), backend.url
+                )
         if not found:
             raise CheckpointNotFoundError(
                 f"step {step} is committed on neither tier",
                 backend=f"{fast.url} | {durable.url}",
                 key=layout.commit_key(step),
             )
-        removal = Removal()
-        for backend in found:
-            removal.absorb(await _delete_step(backend, step), backend.url)
         return removal
 
 
-async def _delete_step(backend: Backend, step: int) -> Removal:
+async def _delete_step(
+    backend: Backend, step: int, *, tombstone: bool = False, reason: str = DELETE
+) -> Removal:
+    """Record the deletion in the attempt (``DELETED``: the attempt is dead, for `gc` if
+    this is killed midway, and for a promotion in flight), remove the marker, then the
+    attempt; the records last, or (``tombstone``) not at all."""
     scanned = await scan_step(backend, step)
     if not scanned.committed:
         raise CheckpointNotFoundError(
@@ -194,14 +246,48 @@ async def _delete_step(backend: Backend, step: int) -> Removal:
             backend, await asyncio.gather(*(scan_marker(backend, s) for s in others))
         )
     removal = Removal()
+    if scanned.marker is not None and scanned.marker.attempt is not None:
+        await mark_deleted(backend, scanned.marker.where, reason)
     await backend.delete(layout.commit_key(step))  # from here on, the step is gone
     removal.entries.append(layout.commit_key(step))
     removal.objects += 1
     for entry in scanned.entries if scanned.marker is not None else []:
         if entry.committed and (step, entry.name) not in keep:
-            await _remove(backend, entry.key, entry.objects)
+            if layout.is_attempt(entry.name):
+                where = layout.AttemptDir(step, entry.name)
+                await clear_attempt(backend, where, keep_fate=tombstone)
+            else:
+                await _remove(backend, entry.key, entry.objects)
             removal.add(entry.key, entry.objects)
     return removal
+
+
+async def trim_step(fast: Backend, step: int) -> Removal:
+    """Delete promoted ``step`` from a fast tier (``keep_fast``): as `delete_step`, but the
+    deletion record says "trim", which a promotion in flight does not take for a user's
+    deletion (its durable copy is the one that stays)."""
+    return await _delete_step(fast, layout.check_step(step), reason=TRIM)
+
+
+async def mark_deleted(backend: Backend, where: layout.AttemptDir, reason: str) -> None:
+    """Create the attempt's ``DELETED`` record: ``reason`` is `DELETE` (a user's
+    `delete_step`, which a promotion in flight honours) or `TRIM` (a promoted step leaving
+    the fast tier, which it must not)."""
+    try:
+        await backend.create(where.deleted, json.dumps({"reason": reason}).encode())
+    except AlreadyExistsError:
+        pass
+
+
+async def deleted_by_user(backend: Backend, where: layout.AttemptDir) -> bool:
+    """Whether a `delete_step` (not a trim) recorded the attempt's deletion."""
+    try:
+        doc = json.loads(await backend.read(where.deleted))
+    except NotFoundError:
+        return False
+    except ValueError:
+        return True  # unreadable: the safe answer for a promotion is "deleted"
+    return not (isinstance(doc, dict) and doc.get("reason") == TRIM)
 
 
 async def gc(
@@ -233,12 +319,15 @@ async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
     keep = await _referenced(backend, scans) | await _staged(backend, scans)
     now = time.time()
     removal = Removal()
+    owner = new_owner()
     for s in scans:
-        garbage = [(e.key, e.objects) for e in s.entries if not e.committed]
-        garbage = [(k, o) for k, o in garbage if (s.step, k.split("/")[1]) not in keep]
+        garbage = [e for e in s.entries if not e.committed and (s.step, e.name) not in keep]
+        for entry in [e for e in garbage if layout.is_attempt(e.name)]:
+            await _collect_attempt(backend, entry, older_than, now, dry_run, owner, removal)
+        others = [(e.key, e.objects) for e in garbage if not layout.is_attempt(e.name)]
         if s.marker is not None and s.marker.attempt is not None:
-            garbage += await _unused_parts(backend, s)
-        for key, objects in garbage:
+            others += await _unused_parts(backend, s)
+        for key, objects in others:
             idle = _idle(objects, now)
             if older_than > 0 and (idle is None or idle < older_than):
                 removal.kept_young.append(key)
@@ -251,6 +340,59 @@ async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
         if not info.key.startswith(removed):  # else part of an entry named already
             removal.add(info.key, [info])
     return removal
+
+
+async def _collect_attempt(
+    backend: Backend,
+    entry: Entry,
+    older_than: float,
+    now: float,
+    dry_run: bool,
+    owner: str,
+    removal: Removal,
+) -> None:
+    """One uncommitted attempt: collected once gc wins its fate (an undecided one idle for
+    ``older_than``), or once it is dead (abandoned, collected: then only its tombstone
+    stays, until `CLAIM_TTL`), or once a commit claim on it is older than `CLAIM_TTL`."""
+    where = layout.AttemptDir(entry.step, entry.name)
+    records = {f"{where.root}/{name}" for name in layout.TOMBSTONES}
+    data = [o for o in entry.objects if o.key not in records]
+    try:
+        fate = await read_fate(backend, where) if len(data) < len(entry.objects) else None
+    except CorruptCheckpointError as exc:
+        log.warning("gc keeps %s: %s", where.root, exc)
+        removal.kept_young.append(entry.key)
+        return
+    idle = _idle(data, now) if data else float("inf")
+    if older_than > 0 and (idle is None or idle < older_than):
+        removal.kept_young.append(entry.key)
+        return
+    if any(o.key == where.deleted for o in entry.objects):  # a delete_step killed midway
+        if fate is None:
+            fate = Fate(COLLECT, "", 0.0)  # or a deleted step's tombstone: dead either way
+        else:
+            fate = dataclasses.replace(fate, kind=COLLECT)
+    if fate is None and data:
+        if not dry_run:
+            try:
+                await claim(backend, where, COLLECT, owner)
+            except FencedError:  # a writer decided it first: its to commit or remove
+                removal.kept_young.append(entry.key)
+                return
+            await clear_attempt(backend, where, keep_fate=True)
+        removal.add(entry.key, data)
+        return
+    expired = fate is None or now - fate.time >= protocol.CLAIM_TTL
+    if fate is not None and fate.dead and data:  # a dead attempt's late writes
+        if not dry_run:
+            await clear_attempt(backend, where, keep_fate=True)
+        removal.add(entry.key, data)
+    elif expired:  # a tombstone, or a commit claim whose owner never committed
+        if not dry_run:
+            await clear_attempt(backend, where, keep_fate=False)
+        removal.add(entry.key, entry.objects)
+    else:
+        removal.kept_young.append(entry.key)
 
 
 async def _unused_parts(backend: Backend, s: StepScan) -> list[tuple[str, list[ObjectInfo]]]:

@@ -34,7 +34,7 @@ from typing import Any
 from ckptstore.arrays import addressable_indices, host_view_slices, ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.commit import Marker, digest
+from ckptstore.checkpoint.commit import COMMIT, Marker, claim, digest
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import merge
@@ -255,6 +255,8 @@ async def merge_on_durable(durable: Backend, mine: Staged) -> bytes:
     data = await durable.read(where.manifest)
     if digest(data) != mine.manifest_digest:
         raise CorruptCheckpointError(f"{durable.url}/{where.manifest} is not the staged manifest")
+    owner = "merge-" + str(mine.manifest_digest).removeprefix("sha256:")[:32]
+    fate = await claim(durable, where, COMMIT, owner)  # every promoter of it is this owner
     manifest = Manifest.from_bytes(data, where=f"{durable.url}/{where.manifest}")
     for name, item in manifest.items.items():
         stores = [where.process_store(name, i) for i in range(mine.processes)]
@@ -266,5 +268,6 @@ async def merge_on_durable(durable: Backend, mine: Staged) -> bytes:
         token=secrets.token_hex(16),
         time=time.time(),
     ).to_bytes()
+    fate.check_fresh(where)
     await durable.create(key, marker)
     return marker

@@ -7,6 +7,10 @@ Format version 3 (attempt-scoped; version 2 is the same without packs):
   COMMITTED                               created last, create-if-absent: names the
                                           attempt and carries its manifest's digest
   <attempt>/                              one per save attempt or partial-save session
+    FATE                                  the attempt's fate (commit, abandon, collect),
+                                          created once by whoever decides it (`commit`)
+    DELETED                               left by `delete_step` on tiers: a promotion in
+                                          flight must not bring the step back
     manifest.json                         tree structure, leaves, step, attempt
     SESSION.json                          partial-save sessions only: lets a resumer find it
     <item>/                               e.g. "state"
@@ -37,6 +41,10 @@ from ckptstore.errors import InvalidKeyError, InvalidStepError
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
 SESSION = "SESSION.json"
+FATE = "FATE"
+DELETED = "DELETED"
+#: Records that outlive an attempt's data for a while (`commit.clear_attempt`).
+TOMBSTONES = (FATE, DELETED)
 PARTS = "parts"
 DEFAULT_ITEM = "state"
 FORMAT = "ckptstore"
@@ -76,7 +84,7 @@ def _integer_scalar(value: object) -> bool:
 
 
 _ITEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
-_RESERVED_ITEMS = {PARTS, MANIFEST, SESSION, COMMIT_MARKER, "d", "manifest.ocdbt"}
+_RESERVED_ITEMS = {PARTS, MANIFEST, SESSION, FATE, DELETED, COMMIT_MARKER, "d", "manifest.ocdbt"}
 
 
 def check_item(item: str) -> str:
@@ -136,6 +144,14 @@ class AttemptDir:
     @property
     def session(self) -> str:
         return f"{self.root}/{SESSION}"
+
+    @property
+    def fate(self) -> str:
+        return f"{self.root}/{FATE}"
+
+    @property
+    def deleted(self) -> str:
+        return f"{self.root}/{DELETED}"
 
     def item(self, item: str) -> str:
         return f"{self.root}/{item}"

@@ -11,8 +11,16 @@ Nothing already written is copied, renamed or deleted, on any backend.
 transaction, validates, and commits the step as a normal save does.
 
 Reopening a session for the same step (after a crash) resumes the newest
-uncommitted session of that step and item: its recorded parts are kept, an
-unrecorded (interrupted) part is ignored and left for `ckptstore.gc`.
+uncommitted session of that step and item whose fate is undecided: its recorded
+parts are kept, an unrecorded (interrupted) part is ignored and left for
+`ckptstore.gc`.
+
+Several actors may hold one session (a resumed job and its zombie, a finalize and an
+abandon, gc). `finalize` and `abandon` first claim the attempt's fate
+(`ckptstore.checkpoint.commit.claim`, one create-if-absent): the loser gets
+`FencedError` before it writes anything, so a committed session is never rebuilt or
+deleted under its readers. A finalize killed after its claim leaves the session
+decided: resuming starts a new session (its parts go to gc).
 """
 
 from __future__ import annotations
@@ -29,7 +37,16 @@ from ckptstore import distributed
 from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.commit import commit, ensure_uncommitted
+from ckptstore.checkpoint.commit import (
+    ABANDON,
+    COMMIT,
+    claim,
+    clear_attempt,
+    commit,
+    ensure_uncommitted,
+    new_owner,
+    read_fate,
+)
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import fast_is_shared
 from ckptstore.checkpoint.layout import AttemptDir
@@ -49,6 +66,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     CorruptCheckpointError,
+    FencedError,
     NotFoundError,
     UnsupportedOperationError,
 )
@@ -155,6 +173,8 @@ class PartialSave:
         self.parts: list[Part] = []
         self._owned = owned  # the context manager that opened the backend, if we did
         self._done = ""  # "finalized" or "abandoned" once the session is over
+        self._owner = new_owner()  # this session object's name in the attempt's fate record
+        self._ending = ""  # "finalize" or "abandon" while one runs: the other is refused
 
     @property
     def attempt(self) -> str:
@@ -232,17 +252,25 @@ class PartialSave:
                     backend=self.backend.url,
                     key=layout.step_dir(self.step),
                 )
+            await self._check_undecided(AttemptDir(self.step, attempt))
             return attempt
         if resume:
             names = await self.backend.list_dir(layout.step_dir(self.step))
             found = [(await self._session_created(n), n) for n in names if layout.is_attempt(n)]
-            sessions = [(created, n) for created, n in found if created is not None]
+            sessions = [
+                (created, n)
+                for created, n in found
+                if created is not None and await self._undecided(n)
+            ]
             if sessions:
                 return max(sessions)[1]  # the newest
         fresh = layout.new_attempt()
         record = {"step": self.step, "attempt": fresh, "item": self.item, "created": time.time()}
         await self.backend.create(AttemptDir(self.step, fresh).session, json.dumps(record).encode())
         return fresh
+
+    async def _undecided(self, attempt: str) -> bool:
+        return await read_fate(self.backend, AttemptDir(self.step, attempt)) is None
 
     async def _session_created(self, attempt: str) -> float | None:
         """When the session of this item recorded for ``attempt`` began; None if there is none."""
@@ -270,6 +298,21 @@ class PartialSave:
     def _check_open(self) -> None:
         if self._done:
             raise CkptStoreError(f"the partial save of step {self.step} is already {self._done}")
+        if self._ending:
+            raise CkptStoreError(f"the partial save of step {self.step} is in its {self._ending}")
+
+    async def _check_undecided(self, where: AttemptDir | None = None) -> None:
+        """`FencedError` if another actor already decided the session's fate (an early
+        refusal: what decides is `claim`)."""
+        where = where or self.where
+        fate = await read_fate(self.backend, where)
+        if fate is not None and fate.owner != self._owner:
+            raise FencedError(
+                f"partial-save session {where.attempt} of step {self.step} was already "
+                f"{fate.describe()}",
+                backend=self.backend.url,
+                key=where.fate,
+            )
 
     # ---- parts ----
 
@@ -300,6 +343,7 @@ class PartialSave:
                 raise DuplicateLeafError(taken)
         index = self.parts[-1].index + 1 if self.parts else 0  # same on every process
         handoff = Handoff(f"partial/{self.step}/add/{index}", self.timeout)
+        await self._check_undecided()
 
         async def name_part() -> str:
             return layout.new_part_name(index)
@@ -340,6 +384,8 @@ class PartialSave:
                     backend=self.backend.url,
                     key=key,
                 ) from exc
+            # A part recorded after another actor decided the session is not in its step.
+            await self._check_undecided()
             return recorded
 
         part = await handoff.primary(record) or part
@@ -356,15 +402,34 @@ class PartialSave:
                 f"(it has {[p.index for p in self.parts]})"
             )
         handoff = Handoff(f"partial/{self.step}/drop/{index}", self.timeout)
-        await handoff.primary(lambda: self.backend.delete(self.where.part_record(self.item, index)))
+
+        async def unrecord() -> None:
+            await self._check_undecided()
+            await self.backend.delete(self.where.part_record(self.item, index))
+
+        await handoff.primary(unrecord)
         self.parts.remove(matching[0])
 
     async def abandon(self) -> None:
-        """Delete this session's attempt, every part included; the step stays uncommitted."""
+        """Delete this session's attempt, every part included; the step stays uncommitted.
+
+        Claims the session's fate first: if another actor finalized (or collected) it,
+        `FencedError` and nothing is deleted. The fate record stays as a tombstone
+        (`ckptstore.gc` removes it a day later), so a zombie of the session cannot
+        commit it afterwards."""
         self._check_open()
-        await ensure_uncommitted(self.backend, self.step)
         handoff = Handoff(f"partial/{self.step}/abandon", self.timeout)
-        await handoff.primary(lambda: self.backend.delete_prefix(self.where.root))
+
+        async def drop_all() -> None:
+            await claim(self.backend, self.where, ABANDON, self._owner)
+            await clear_attempt(self.backend, self.where, keep_fate=True)
+
+        self._ending = "abandon"  # before the first await: a finalize of this object waits
+        try:
+            await ensure_uncommitted(self.backend, self.step)
+            await handoff.primary(drop_all)
+        finally:
+            self._ending = ""
         self._done = "abandoned"
         self.parts = []
         await self.close()
@@ -374,6 +439,8 @@ class PartialSave:
     ) -> SaveResult:
         """Merge every part by reference, validate, and commit the step.
 
+        Claims the session's fate first: if another actor (a zombie's finalize, an
+        abandon, gc) decided it, `FencedError` before anything is written.
         ``structure`` (`ckptstore.checkpoint.tree` format) replaces the one the parts'
         subtrees describe, so lists and tuples can span parts (the parts merge as
         dicts); it must name exactly the session's leaves. Raises `AlreadyExistsError`
@@ -386,7 +453,13 @@ class PartialSave:
             raise TreeError("the structure given to finalize does not name the parts' leaves")
         start = time.perf_counter()
         handoff = Handoff(f"partial/{self.step}/finalize", self.timeout)
-        merge_seconds = await handoff.primary(lambda: self._merge_and_commit(metadata, structure))
+        self._ending = "finalize"
+        try:
+            merge_seconds = await handoff.primary(
+                lambda: self._merge_and_commit(metadata, structure)
+            )
+        finally:
+            self._ending = ""
         self._done = "finalized"
         leaves = self.leaves
         await self.close()
@@ -403,6 +476,7 @@ class PartialSave:
         self, metadata: dict[str, Any] | None, given: dict[str, Any] | None
     ) -> float:
         await ensure_uncommitted(self.backend, self.step)
+        fate = await claim(self.backend, self.where, COMMIT, self._owner)
         item, where = self.item, self.where
         stores: list[str] = []
         clear: dict[str, list[str]] = {}
@@ -434,7 +508,7 @@ class PartialSave:
             processes=processes,
             metadata=metadata or {},
         )
-        await commit(self.backend, manifest)
+        await commit(self.backend, manifest, fate)
         return merged.seconds
 
 

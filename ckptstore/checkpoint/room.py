@@ -22,7 +22,7 @@ import jax
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.cleanup import delete_step
+from ckptstore.checkpoint.cleanup import trim_step
 from ckptstore.checkpoint.commit import committed_steps
 from ckptstore.checkpoint.hostlocal import (
     drop_staged,
@@ -89,7 +89,7 @@ async def _evict(fast: Backend, step: int) -> None:
         await drop_staged(fast, step)
         return
     try:
-        await delete_step(fast, step)
+        await trim_step(fast, step)  # promoted: the durable copy stays
     except CheckpointNotFoundError:  # another process on this host evicted it first
         pass
 

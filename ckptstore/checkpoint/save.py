@@ -7,8 +7,10 @@ Protocol (every process runs the same code; see `ckptstore.checkpoint.commit`):
 2. each process writes its own shards into its own OCDBT store below that
    attempt, with no coordination (process 0 also writes every leaf's metadata),
    and reports;
-3. process 0 merges the stores by reference in one atomic transaction,
-   validates, writes the attempt's manifest and creates the commit marker;
+3. process 0 claims the attempt's fate for its commit (a `gc` that decided to
+   collect it first wins, and the save fails with `FencedError`), merges the stores
+   by reference in one atomic transaction, validates, writes the attempt's manifest
+   and creates the commit marker;
 4. everyone returns once process 0 published the outcome (or raises its error).
 
 Nothing outside the attempt is written or deleted, so a concurrent writer of
@@ -29,7 +31,15 @@ from ckptstore import distributed
 from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.commit import commit, ensure_uncommitted
+from ckptstore.checkpoint.commit import (
+    ABANDON,
+    COMMIT,
+    claim,
+    clear_attempt,
+    commit,
+    ensure_uncommitted,
+    new_owner,
+)
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import (
     can_write_host_view,
@@ -44,7 +54,7 @@ from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
-from ckptstore.errors import AlreadyExistsError, CkptStoreError
+from ckptstore.errors import AlreadyExistsError, CkptStoreError, FencedError
 from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import LeafInfo, describe_leaf
 from ckptstore.packs import PackRef, PackTarget, check_packs, read_index, write_index
@@ -165,6 +175,7 @@ async def _save(
         return layout.new_attempt()
 
     where = layout.AttemptDir(step, await handoff.agree(fresh_attempt))
+    owner = new_owner()  # process 0's name in the attempt's fate record
 
     async def write_mine() -> dict[str, Any]:
         total: dict[str, Any] = {"process": handoff.me, "shards": 0, "bytes": 0, "seconds": 0.0}
@@ -198,7 +209,7 @@ async def _save(
     try:
         mine = await handoff.everyone(write_mine)
     except Exception:
-        await _discard(backend, where, handoff)
+        await _discard(backend, where, handoff, owner)
         raise
     written = time.perf_counter()
     phases: dict[str, float] = {}
@@ -208,6 +219,7 @@ async def _save(
     async def merge_and_commit() -> None:
         nonlocal committing
         reports = await handoff.reports()
+        fate = await claim(backend, where, COMMIT, owner)  # before the first shared write
         processes = [{k: v for k, v in p.items() if k != _PACKED} for p in reports]
         manifest_items = {}
         for name, item in items.items():
@@ -244,14 +256,14 @@ async def _save(
         if host_local:
             await stage(backend, step, str(where.attempt), 0, handoff.count, manifest, host_view)
         else:
-            await commit(backend, manifest)
+            await commit(backend, manifest, fate)
         phases["commit"] = time.perf_counter() - merged
 
     try:
         await handoff.primary(merge_and_commit)
     except Exception:
         if not committing:
-            await _discard(backend, where, handoff)
+            await _discard(backend, where, handoff, owner)
         raise
     if host_local:  # every other process stages its part; the save returns once all have
 
@@ -305,19 +317,26 @@ async def _packed(
     return out
 
 
-async def _discard(backend: Backend, where: layout.AttemptDir, handoff: Handoff) -> None:
+async def _discard(
+    backend: Backend, where: layout.AttemptDir, handoff: Handoff, owner: str
+) -> None:
     """Remove the attempt of a save that failed before its commit began, so that what it
     wrote (on a full disk: the space the next save needs) goes at once. Process 0 removes
     it once every process has reported the end of its writes (within `DISCARD_WAIT`
     seconds; a process that never reports may still be writing, so then, as on any error
-    here, the attempt is left to `gc`)."""
+    here, the attempt is left to `gc`), after claiming its fate (its own commit claim
+    counts; one that `gc` won is gc's to remove)."""
     if handoff.me != 0:
         return
     if not await handoff.settled(min(handoff.timeout, DISCARD_WAIT)):
         log.warning("a failed save left attempt %s for gc: not every process reported", where.root)
         return
     try:
-        removed = await backend.delete_prefix(where.root + "/")
+        await claim(backend, where, ABANDON, owner)
+        removed = await clear_attempt(backend, where, keep_fate=False)
+    except FencedError:
+        log.info("a failed save's attempt %s is gc's (it decided first)", where.root)
+        return
     except Exception as exc:  # the save's own error is the one to raise
         log.warning("a failed save left attempt %s for gc: %s", where.root, exc)
     else:

@@ -285,7 +285,8 @@ class CheckpointManager:
             return 0.0
         keep = self.keep_policy.keep(records, time.time())
         keep.add(max(r.step for r in records))  # never the latest committed step
-        tiers = [b for b in (self.durable, self.backend) if b is not None]
+        # The fast tier first: its deletion record stops a promotion in flight (`promote_step`).
+        tiers = [b for b in (self.backend, self.durable) if b is not None]
         committed = {id(b): set(await committed_steps(b)) for b in tiers}
         for record in records:
             if record.step not in keep:

@@ -21,11 +21,19 @@ from typing import Any
 
 from ckptstore import distributed
 from ckptstore.arrays import ByteBudget
+from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.blocking import run
-from ckptstore.checkpoint.cleanup import delete_step
-from ckptstore.checkpoint.commit import Marker, committed_steps, load_manifest
+from ckptstore.checkpoint.cleanup import delete_step, deleted_by_user, trim_step
+from ckptstore.checkpoint.commit import (
+    COMMIT,
+    Marker,
+    claim,
+    committed_steps,
+    digest,
+    load_manifest,
+)
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import (
     drop_staged,
@@ -46,6 +54,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    FencedError,
     NotFoundError,
 )
 
@@ -300,7 +309,14 @@ async def promote_step(
     max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
     progress: Callable[[int, int], None] | None = None,
 ) -> Promotion:
-    """Copy committed ``step``'s attempt from ``fast`` to ``durable``; its marker last."""
+    """Copy committed ``step``'s attempt from ``fast`` to ``durable``; its marker last.
+
+    The durable attempt's fate is claimed for this commit before anything is copied (the
+    owner is named after the marker, so a resumed or concurrent promotion of the same
+    step is the same owner), so a `gc` of the durable tier never collects it midway.
+    A `delete_step` of the step on tiers that ran meanwhile is honoured: the marker is
+    taken back and `FencedError` raised (the ``DELETED`` record it leaves, checked after
+    the marker is created)."""
     start = time.perf_counter()
     key = layout.commit_key(step)
     try:
@@ -315,18 +331,42 @@ async def promote_step(
     if await _same_marker(durable, key, marker_bytes):
         result.already = True
         return result
+    fate = None
+    if marker.attempt is not None:
+        owner = "promote-" + digest(marker_bytes).removeprefix("sha256:")[:32]
+        fate = await claim(durable, marker.where, COMMIT, owner)
     objects = await _attempt_objects(fast, marker)
     await copy_objects(
         fast, durable, objects, marker.where.root, result, max_bytes_in_flight, progress
     )
     await load_manifest(durable, marker)  # the durable copy's manifest checks out
+    if fate is not None:
+        fate.check_fresh(marker.where)
     try:
         await durable.create(key, marker_bytes)
     except AlreadyExistsError:
         if not await _same_marker(durable, key, marker_bytes):
             raise  # the durable tier committed another attempt of this step
+    if marker.attempt is not None and await deleted_by_user(fast, marker.where):
+        await _take_back(durable, step, marker_bytes)
+        raise FencedError(
+            f"step {step} was deleted while it was being promoted; not promoted",
+            backend=durable.url,
+            key=key,
+        )
     result.seconds = time.perf_counter() - start
     return result
+
+
+async def _take_back(durable: Backend, step: int, marker_bytes: bytes) -> None:
+    """Remove the durable copy a promotion just committed (its marker first), if the
+    durable marker is still this one."""
+    try:
+        if await durable.read(layout.commit_key(step)) != marker_bytes:
+            return
+    except NotFoundError:
+        return
+    await delete_step(durable, step)
 
 
 async def copy_objects(
@@ -357,7 +397,7 @@ async def copy_objects(
         if progress is not None:
             progress(result.bytes, total)
 
-    await asyncio.gather(*(copy(o) for o in todo))
+    await gather_first_error(copy(o) for o in todo)  # a failure stops the other copies
     landed = {i.key: i.size async for i in durable.list(root)}
     missing = [o.key for o in objects if landed.get(o.key) != o.size]
     if missing:
@@ -382,9 +422,11 @@ async def _same_marker(durable: Backend, key: str, marker_bytes: bytes) -> bool:
 
 
 async def _attempt_objects(fast: Backend, marker: Marker) -> list[ObjectInfo]:
-    """The committed attempt's objects (a version-1 step: the step's non-attempt entries)."""
+    """The committed attempt's objects (a version-1 step: the step's non-attempt entries);
+    not its fate or deletion records, which each tier keeps for itself."""
     if marker.attempt is not None:
-        return [info async for info in fast.list(marker.where.root)]
+        records = {f"{marker.where.root}/{name}" for name in layout.TOMBSTONES}
+        return [info async for info in fast.list(marker.where.root) if info.key not in records]
     return [
         info
         async for info in fast.list(layout.step_dir(marker.step))
@@ -399,7 +441,7 @@ async def trim_fast(fast: Backend, durable: Backend, keep: int) -> None:
     on_durable = set(await committed_steps(durable))
     for step in on_fast[:-keep]:
         if step in on_durable and await _marker_matches(fast, durable, step):
-            await delete_step(fast, step)
+            await trim_step(fast, step)
 
 
 async def _marker_matches(fast: Backend, durable: Backend, step: int) -> bool:
