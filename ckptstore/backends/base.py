@@ -93,6 +93,13 @@ class Backend(ABC):
     def url(self) -> str:
         """A URL naming the root; never contains a credential."""
 
+    @property
+    def location(self) -> str:
+        """What storage this is, as one string: two backends with equal locations (or one
+        nested in the other, by a ``/``-separated prefix) are the same bytes, however their
+        URLs were spelled. Local disk: the real path; object stores: endpoint and URL."""
+        return self.url.rstrip("/")
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
 
@@ -239,6 +246,12 @@ class Backend(ABC):
         whoever created it, TensorStore included: a commit calls it before its marker, so a
         crash of the machine cannot keep the marker and lose a directory entry it relies on.
         Nothing here: object stores have no directories."""
+
+    async def escapes(self, prefix: str) -> Names:
+        """Keys below ``prefix`` that lead out of the root (symbolic links on a local
+        disk), which every read refuses; `verify` reports them instead of reading through
+        TensorStore, which would follow them. None here: object stores have no links."""
+        return []
 
     async def remove_temporaries(self, older_than: float, *, dry_run: bool = False) -> Infos:
         """Remove what writes killed midway left behind: temporary objects `list` never

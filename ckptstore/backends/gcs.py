@@ -184,6 +184,10 @@ class GcsBackend(ObjectStoreBackend):
     def url(self) -> str:
         return f"gs://{self.bucket}/{self.root}" if self.root else f"gs://{self.bucket}"
 
+    @property
+    def location(self) -> str:
+        return f"{self.endpoint_url or 'default'}|{self.url}"
+
     def __repr__(self) -> str:
         where = f" endpoint={redact_url(self.endpoint_url)}" if self.endpoint_url else ""
         source = self.credentials if self.credentials in ("default", "anonymous") else "file"

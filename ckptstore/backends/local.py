@@ -99,6 +99,10 @@ class LocalBackend(Backend):
     def url(self) -> str:
         return f"file://{self.root}"
 
+    @property
+    def location(self) -> str:
+        return f"file://{os.path.realpath(self.root)}"
+
     def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
         norm = validate_prefix(prefix)
         path = self.root / norm if norm else self.root
@@ -275,6 +279,22 @@ class LocalBackend(Backend):
 
         await aiofiles.os.wrap(sync)()
 
+    async def escapes(self, prefix: str) -> list[str]:
+        top = self._path(validate_prefix(prefix))
+        root = os.path.realpath(self.root)
+
+        def walk() -> list[str]:
+            out = []
+            for dirpath, dirs, files in os.walk(top):  # links are listed, never followed
+                for name in dirs + files:
+                    path = os.path.join(dirpath, name)
+                    real = os.path.realpath(path)
+                    if real != root and not real.startswith(root + os.sep):
+                        out.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
+            return sorted(out)
+
+        return await aiofiles.os.wrap(walk)()
+
     async def remove_temporaries(
         self, older_than: float, *, dry_run: bool = False
     ) -> list[ObjectInfo]:
@@ -352,21 +372,38 @@ def _pread_into(path: Path, offset: int, outs: Sequence[memoryview]) -> int:
 
 
 def _remove_tree(path: Path) -> int:
-    """Remove files below ``path`` (then the empty directories); returns the file count."""
+    """Remove files below ``path`` (then the empty directories); returns the file count.
+
+    A symbolic link is removed as a link, never followed (a linked directory's content is
+    not below ``path``). A directory a concurrent writer put something into meanwhile
+    stays, with that new content: removal never fails because someone else was writing."""
     count = 0
+    if path.is_symlink():
+        os.remove(path)
+        return 1
     if not path.is_dir():
         return 0
     for dirpath, dirs, files in os.walk(path, topdown=False):
-        for name in files:
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
             with contextlib.suppress(FileNotFoundError):  # a writer's temporary file, gone
                 os.remove(os.path.join(dirpath, name))
                 count += 0 if TEMP_MARKER in name else 1
         for name in dirs:
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(os.path.join(dirpath, name))
-    with contextlib.suppress(FileNotFoundError):
-        os.rmdir(path)
+            _remove_dir(os.path.join(dirpath, name))
+    _remove_dir(str(path))
     return count
+
+
+def _remove_dir(path: str) -> None:
+    """``rmdir`` that leaves a directory gone already, a link (removed above) or one that
+    is not empty (a concurrent writer's new file) alone."""
+    try:
+        os.rmdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ENOTEMPTY:
+            raise
 
 
 async def _durable_put(

@@ -170,6 +170,10 @@ class S3Backend(ObjectStoreBackend):
     def url(self) -> str:
         return f"s3://{self.bucket}/{self.root}" if self.root else f"s3://{self.bucket}"
 
+    @property
+    def location(self) -> str:
+        return f"{self.endpoint_url or 'default'}|{self.url}"
+
     def __repr__(self) -> str:
         where = f" endpoint={redact_url(self.endpoint_url)}" if self.endpoint_url else ""
         return f"<S3Backend {self.url}{where} credentials={self.credentials}>"

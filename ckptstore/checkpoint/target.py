@@ -79,7 +79,19 @@ class Tiered:
         async with AsyncExitStack() as stack:
             fast = await stack.enter_async_context(opened(self.fast))
             durable = await stack.enter_async_context(opened(self.durable))
+            check_distinct(fast, durable)
             yield fast, durable
+
+
+def check_distinct(fast: Backend, durable: Backend) -> None:
+    """`ConfigError` if the two tiers are one storage (or one lies inside the other),
+    however their URLs are spelled: trimming the fast tier would delete the only copy."""
+    a, b = fast.location, durable.location
+    if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
+        raise ConfigError(
+            f"the fast tier {fast.url} and the durable tier {durable.url} are the same "
+            "storage (or one lies inside the other): give the tiers separate locations"
+        )
 
 
 #: Anything the public entry points accept: a `Target`, or a `Tiered` pair of them.

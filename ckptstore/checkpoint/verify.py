@@ -107,6 +107,11 @@ async def verify_step(
         report.record(f"{step}/{layout.COMMIT_MARKER}", exc)
         return report
     report.attempt = manifest.attempt
+    if manifest.attempt is not None:
+        for key in await backend.escapes(layout.AttemptDir(step, manifest.attempt).root):
+            report.problems[key] = "leads outside the checkpoint's root (a link): not read"
+        if report.problems:
+            return report
     for name in manifest.items:
         await _verify_item(backend, manifest, name, report, budget)
     return report

@@ -34,7 +34,7 @@ from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import known_shared
 from ckptstore.checkpoint.restore import restore
 from ckptstore.checkpoint.save import save_items
-from ckptstore.checkpoint.target import Target, as_tiered, open_target
+from ckptstore.checkpoint.target import Target, as_tiered, check_distinct, open_target
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle import tiers
@@ -122,6 +122,7 @@ class CheckpointManager:
         self.durable: Backend | None = None
         if self.tiered is not None:
             self.durable = open_target(self.tiered.durable)
+            check_distinct(self.backend, self.durable)  # before anything is written
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="ckptstore-manager", daemon=True

@@ -81,6 +81,10 @@ class FaultyBackend(Backend):
     def url(self) -> str:
         return self.inner.url
 
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
     def kvstore_spec(self, prefix: str = "") -> dict[str, Any]:
         return self.inner.kvstore_spec(prefix)
 
