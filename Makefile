@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-wheel demo lint typecheck bench torture clean
+.PHONY: test test-wheel demo lint typecheck bench torture races clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,14 @@ bench: $(STAMP)
 # committed step must restore bit-exact. Results: benchmarks/results/torture.json.
 torture: $(STAMP)
 	$(PY) -m tests.torture --points 300
+
+# `make races`: commit protocol v3's proof. The interleaving checker in full (every schedule
+# of each pair of actors with up to two preemptions, 20,000 seeded random walks over each
+# triple) and 50 rounds of every two-process race shape on local disk and moto S3.
+# Results: benchmarks/results/interleave.json.
+races: $(STAMP)
+	$(PY) -m tests.interleave --bound 2 --walks 20000 --out benchmarks/results/interleave.json
+	CKPTSTORE_RACE_ROUNDS=50 $(PY) -m pytest -q tests/test_fate_races.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,665 @@
+"""The interleaving checker: the commit protocol's actors as coroutines on one event loop,
+paused before every backend operation, run under schedules chosen on purpose.
+
+Every actor (a save, a partial-save finalize, an abandon, gc, delete_step, a promotion,
+a restore, ...) talks to a `GatedBackend`: before each byte operation it waits at a gate
+until the scheduler lets it through. The scheduler waits until every live actor is paused
+at a gate (or done), then releases exactly one. A schedule is the sequence of actors
+released; replaying it gives the same run. What TensorStore does between two byte
+operations (writing chunks, a merge) is one step of the actor that runs it.
+
+Schedules are explored two ways:
+
+- `explore_pairs`: every schedule of two actors with at most ``bound`` preemptions (a
+  preemption: releasing another actor while the last one could have gone on), depth
+  first, each schedule run from a fresh store (iterative context bounding: races between
+  two actors need one or two preemptions);
+- `random_walks`: seeded random schedules over three actors; a failing seed replays.
+
+After every schedule the `Scenario`'s invariants are checked on the stores themselves:
+a step an actor was told is committed restores bit-exact and verifies (unless a
+delete_step of it succeeded), every listed step restores and verifies, every failure an
+actor met is a `CkptStoreError`, and what the scenario adds (a deleted step stays deleted).
+
+`python -m tests.interleave` runs the full exploration (`make races`); the test suite runs
+a bounded one (`tests/test_interleave.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import contextvars
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+import ckptstore
+from ckptstore.backends import memory
+from ckptstore.backends.base import Backend
+from ckptstore.testing.faults import FaultyBackend
+
+T = TypeVar("T")
+
+_actor: contextvars.ContextVar[str | None] = contextvars.ContextVar("actor", default=None)
+
+#: Seconds an actor may run between two gates before the run counts as stuck.
+STUCK_AFTER = 30.0
+
+
+class Scheduler:
+    """Holds every actor at its next gate; releases one at a time."""
+
+    def __init__(self) -> None:
+        self.paused: dict[str, tuple[asyncio.Future[None], str]] = {}
+        self.running: set[str] = set()
+        self.done: set[str] = set()  # actors whose main task ended (a leftover task of
+        # theirs may still pass a gate: it is released, never waited for)
+        self._changed = asyncio.Event()
+        self._one_at_a_time: dict[str, asyncio.Lock] = {}
+
+    @contextlib.asynccontextmanager
+    async def gate(self, op: str) -> AsyncIterator[None]:
+        """Around one byte operation: wait to be released. An actor's operations go one
+        at a time (its concurrent tasks queue here), so an actor is either paused at its
+        gate, inside one released operation, running code between two, or done."""
+        name = _actor.get()
+        if name is None:  # set-up and checks run ungated
+            yield
+            return
+        lock = self._one_at_a_time.setdefault(name, asyncio.Lock())
+        async with lock:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.paused[name] = (done, op)
+            self.running.discard(name)
+            self._changed.set()
+            try:
+                await done
+            except asyncio.CancelledError:  # the actor cancelled this task (its sibling failed)
+                if self.paused.get(name, (None,))[0] is done:
+                    del self.paused[name]
+                    self.running.add(name)  # the actor goes on unwinding
+                    self._changed.set()
+                raise
+            yield
+
+    def finished(self, name: str) -> None:
+        self.done.add(name)
+        self.running.discard(name)
+        self._changed.set()
+
+    async def quiescent(self) -> None:
+        """Wait until no actor is running (each is paused at a gate, or done)."""
+        deadline = time.monotonic() + STUCK_AFTER
+        while self.running:
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"actors {sorted(self.running)} never reached a gate")
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    def release(self, name: str) -> str:
+        done, op = self.paused.pop(name)
+        if name not in self.done:
+            self.running.add(name)
+        done.set_result(None)
+        return op
+
+
+class GatedBackend(FaultyBackend):
+    """A backend whose every byte operation first waits at the scheduler's gate."""
+
+    def __init__(self, inner: Backend, scheduler: Scheduler):
+        super().__init__(inner)
+        self.scheduler = scheduler
+
+    async def _around(self, op: str, key: str | None, call: Callable[[], Awaitable[T]]) -> T:
+        async with self.scheduler.gate(f"{op} {key}"):
+            return await call()
+
+
+# ---- the world a schedule runs in ----
+
+STEP = 1
+
+
+def tree(value: float) -> dict[str, Any]:
+    """A tiny tree whose every number says who saved it."""
+    return {"w": np.full(4, value, np.float32), "b": np.full(2, value + 0.5, np.float32)}
+
+
+PARTS = [{"w": np.full(4, 7.0, np.float32)}, {"b": np.full(2, 7.5, np.float32)}]
+PARTS_TREE = {"w": PARTS[0]["w"], "b": PARTS[1]["b"]}
+EXTRA = {"c": np.full(3, 9.0, np.float32)}
+
+
+@dataclass
+class World:
+    """The stores of one schedule and what its actors were told."""
+
+    scheduler: Scheduler
+    fast: GatedBackend
+    durable: GatedBackend
+    names: list[str]
+    sessions: list[Any] = field(default_factory=list)
+    #: Trees a committed step may hold, by step: set-up's and every committer's.
+    candidates: dict[int, list[Any]] = field(default_factory=dict)
+    #: (actor, step, tree): actors told their save or finalize committed that tree.
+    told: list[tuple[str, int, Any]] = field(default_factory=list)
+    deleted: set[int] = field(default_factory=set)  # steps a delete_step removed (ok)
+    outcomes: dict[str, str] = field(default_factory=dict)  # actor -> "ok" or the error
+
+    @property
+    def tiers(self) -> ckptstore.Tiered:
+        return ckptstore.Tiered(fast=self.fast, durable=self.durable)
+
+    @classmethod
+    def new(cls, run: int) -> World:
+        scheduler = Scheduler()
+        names = [f"interleave-{run}-fast", f"interleave-{run}-durable"]
+        fast, durable = (GatedBackend(memory.MemoryBackend(name), scheduler) for name in names)
+        return cls(scheduler, fast, durable, names)
+
+    def close(self) -> None:
+        for name in self.names:
+            memory.forget(name)
+
+
+Actor = Callable[[World], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Actors that share something, the state they start from, and extra invariants."""
+
+    name: str
+    setup: Callable[[World], Awaitable[None]]
+    actors: dict[str, Actor]
+    check: Callable[[World], Awaitable[list[str]]] | None = None
+    tiered: bool = False  # restores and listings go through both tiers
+
+
+# ---- actors ----
+
+
+def save_actor(value: float, step: int = STEP) -> Actor:
+    async def act(world: World) -> None:
+        want = tree(value)
+        world.candidates.setdefault(step, []).append(want)
+        await ckptstore.save(world.fast, want, step=step)
+        world.told.append((_name(), step, want))
+
+    return act
+
+
+def finalize_actor(session_index: int) -> Actor:
+    """Finalize a session the set-up opened (several actors may hold the same one)."""
+
+    async def act(world: World) -> None:
+        session = world.sessions[session_index]
+        await session.finalize()
+        world.told.append((_name(), STEP, PARTS_TREE))
+
+    return act
+
+
+async def abandon_actor(world: World) -> None:
+    await world.sessions[0].abandon()
+
+
+def add_actor(session_index: int) -> Actor:
+    """A zombie adding one more part to a session it holds."""
+
+    async def act(world: World) -> None:
+        await world.sessions[session_index].add(EXTRA)
+
+    return act
+
+
+async def resume_actor(world: World) -> None:
+    """A successor: resumes the newest open session of the step, adds a part, finalizes."""
+    session = await ckptstore.partial_save(world.fast, STEP)
+    have = set(session.leaves)
+    for part in [*PARTS, EXTRA]:
+        if not set(part) & have:
+            await session.add(part)
+    await session.finalize()
+    world.told.append((_name(), STEP, {**PARTS_TREE, **EXTRA}))
+
+
+def gc_actor(tiered: bool = False) -> Actor:
+    async def act(world: World) -> None:
+        await ckptstore.gc(world.tiers if tiered else world.fast, older_than=0)
+
+    return act
+
+
+def delete_actor(tiered: bool = False) -> Actor:
+    async def act(world: World) -> None:
+        await ckptstore.delete_step(world.tiers if tiered else world.fast, STEP)
+        world.deleted.add(STEP)
+
+    return act
+
+
+async def promote_actor(world: World) -> None:
+    await ckptstore.promote(world.tiers, step=STEP)
+
+
+def restore_actor(tiered: bool = False) -> Actor:
+    async def act(world: World) -> None:
+        got = await ckptstore.restore(world.tiers if tiered else world.fast, step=STEP)
+        if not any(_same(got, want) for want in world.candidates.get(STEP, [])):
+            raise AssertionError(f"restore returned a tree no one committed: {got}")
+
+    return act
+
+
+async def verify_actor(world: World) -> None:
+    report = await ckptstore.verify(world.fast, step=STEP)
+    if not report.ok:
+        world.outcomes["verify-report"] = f"problems {report.problems[:2]}"
+
+
+def _name() -> str:
+    return str(_actor.get())
+
+
+# ---- set-ups ----
+
+
+async def nothing(world: World) -> None:
+    return None
+
+
+async def committed(world: World) -> None:
+    want = tree(1.0)
+    world.candidates[STEP] = [want]
+    await ckptstore.save(world.fast, want, step=STEP)
+
+
+async def promoted_half(world: World) -> None:
+    """Committed on the fast tier (not promoted yet)."""
+    await committed(world)
+
+
+async def session_twice(world: World) -> None:
+    """One partial-save session with two parts, held by two actors (a job and its zombie)."""
+    world.candidates[STEP] = [PARTS_TREE, {**PARTS_TREE, **EXTRA}]
+    first = await ckptstore.partial_save(world.fast, STEP)
+    for part in PARTS:
+        await first.add(part)
+    world.sessions = [
+        first,
+        await ckptstore.partial_save(world.fast, STEP, attempt=first.attempt),
+    ]
+
+
+# ---- invariants ----
+
+
+async def check_world(world: World, scenario: Scenario) -> list[str]:
+    """What went wrong in a finished schedule (empty: nothing)."""
+    problems = [f"{a}: {o}" for a, o in world.outcomes.items() if o.startswith("untyped")]
+    target: Any = world.tiers if scenario.tiered else world.fast
+    listed = set(await ckptstore.list_steps(target))
+    for actor, step, _ in world.told:
+        if step in world.deleted:
+            continue
+        if step not in listed:
+            problems.append(f"{actor} was told step {step} committed; it is not listed")
+    for step in sorted(listed):
+        try:
+            got = await ckptstore.restore(target, step=step)
+        except ckptstore.CkptStoreError as exc:
+            problems.append(f"listed step {step} does not restore: {exc!r}")
+            continue
+        if not any(_same(got, want) for want in world.candidates.get(step, [])):
+            problems.append(f"listed step {step} holds a tree no one committed")
+        told = [want for _, s, want in world.told if s == step]
+        if told and step not in world.deleted and not any(_same(got, w) for w in told):
+            problems.append(f"step {step} holds another tree than the one its saver was told")
+        report = await ckptstore.verify(target, step=step)
+        if not report.ok:
+            problems.append(f"listed step {step} fails verify: {report.problems[:2]}")
+    if "verify-report" in world.outcomes and not world.deleted:
+        problems.append(f"verify during the schedule: {world.outcomes['verify-report']}")
+    if scenario.check is not None:
+        problems += await scenario.check(world)
+    return problems
+
+
+async def stays_deleted(world: World) -> list[str]:
+    """A step delete_step removed (and nobody saved again) is on neither tier."""
+    if STEP not in world.deleted:
+        return []
+    out = []
+    for backend in (world.fast.inner, world.durable.inner):
+        if STEP in await ckptstore.list_steps(backend):
+            out.append(f"step {STEP} was deleted but is listed again on {backend.url}")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+# ---- scenarios ----
+
+SCENARIOS = [
+    Scenario(
+        "zombie and successor finalize one session",
+        session_twice,
+        {"finalize-a": finalize_actor(0), "finalize-b": finalize_actor(1)},
+    ),
+    Scenario(
+        "abandon races finalize",
+        session_twice,
+        {"abandon": abandon_actor, "finalize": finalize_actor(1)},
+    ),
+    Scenario(
+        "one session object: finalize and abandon at once",
+        session_twice,
+        {"abandon": abandon_actor, "finalize": finalize_actor(0)},
+    ),
+    Scenario("gc races finalize", session_twice, {"gc": gc_actor(), "finalize": finalize_actor(0)}),
+    Scenario("gc races a save", nothing, {"gc": gc_actor(), "save": save_actor(2.0)}),
+    Scenario(
+        "two saves of one step", nothing, {"save-a": save_actor(2.0), "save-b": save_actor(3.0)}
+    ),
+    Scenario(
+        "a successor resumes while the zombie finalizes",
+        session_twice,
+        {"resume": resume_actor, "finalize": finalize_actor(0)},
+    ),
+    Scenario(
+        "a successor resumes while the zombie abandons",
+        session_twice,
+        {"resume": resume_actor, "abandon": abandon_actor},
+    ),
+    Scenario(
+        "a zombie adds a part while the successor finalizes",
+        session_twice,
+        {"add": add_actor(0), "finalize": finalize_actor(1)},
+    ),
+    Scenario(
+        "delete_step races restore",
+        committed,
+        {"delete": delete_actor(), "restore": restore_actor()},
+    ),
+    Scenario("delete_step races gc", committed, {"delete": delete_actor(), "gc": gc_actor()}),
+    Scenario("verify races gc", committed, {"verify": verify_actor, "gc": gc_actor()}),
+    Scenario(
+        "delete_step races a save of the same step",
+        committed,
+        {"delete": delete_actor(), "save": save_actor(2.0)},
+    ),
+    Scenario(
+        "delete_step on tiers races a promotion",
+        promoted_half,
+        {"delete": delete_actor(tiered=True), "promote": promote_actor},
+        check=stays_deleted,
+        tiered=True,
+    ),
+    Scenario(
+        "two promotions of one step",
+        promoted_half,
+        {"promote-a": promote_actor, "promote-b": promote_actor},
+        tiered=True,
+    ),
+    Scenario(
+        "gc of both tiers races a promotion",
+        promoted_half,
+        {"gc": gc_actor(tiered=True), "promote": promote_actor},
+        tiered=True,
+    ),
+]
+
+#: Triples for the random walks: each adds a third actor to a race above.
+TRIPLES = [
+    Scenario(
+        "finalize, finalize and gc",
+        session_twice,
+        {"finalize-a": finalize_actor(0), "finalize-b": finalize_actor(1), "gc": gc_actor()},
+    ),
+    Scenario(
+        "abandon, finalize and gc",
+        session_twice,
+        {"abandon": abandon_actor, "finalize": finalize_actor(1), "gc": gc_actor()},
+    ),
+    Scenario(
+        "resume, finalize and abandon",
+        session_twice,
+        {"resume": resume_actor, "finalize": finalize_actor(1), "abandon": abandon_actor},
+    ),
+    Scenario(
+        "two saves and gc",
+        nothing,
+        {"save-a": save_actor(2.0), "save-b": save_actor(3.0), "gc": gc_actor()},
+    ),
+    Scenario(
+        "delete_step, a promotion and gc on tiers",
+        promoted_half,
+        {"delete": delete_actor(tiered=True), "promote": promote_actor, "gc": gc_actor(True)},
+        check=stays_deleted,
+        tiered=True,
+    ),
+    Scenario(
+        "delete_step, restore and a save",
+        committed,
+        {"delete": delete_actor(), "restore": restore_actor(), "save": save_actor(2.0)},
+    ),
+]
+
+
+# ---- running schedules ----
+
+_runs = itertools.count()
+
+
+@dataclass
+class Run:
+    """One schedule's outcome."""
+
+    scenario: str
+    schedule: list[str]
+    enabled: list[list[str]]  # at each decision, the actors that could go
+    problems: list[str]
+
+
+Chooser = Callable[[list[str], list[str]], str]
+
+
+async def run_schedule(scenario: Scenario, choose: Chooser) -> Run:
+    """Run ``scenario`` once, ``choose(enabled, schedule_so_far)`` picking who goes next."""
+    world = World.new(next(_runs))
+    try:
+        await scenario.setup(world)
+        tasks = []
+        for name, actor in scenario.actors.items():
+            world.scheduler.running.add(name)
+            context = contextvars.copy_context()
+            context.run(_actor.set, name)
+            task = asyncio.create_task(_outcome(world, name, actor), context=context)
+            task.add_done_callback(lambda _, n=name: world.scheduler.finished(n))
+            tasks.append(task)
+        schedule: list[str] = []
+        enabled: list[list[str]] = []
+        while True:
+            await world.scheduler.quiescent()
+            ready = sorted(world.scheduler.paused)
+            if not ready:
+                break
+            pick = choose(ready, schedule)
+            schedule.append(pick)
+            enabled.append(ready)
+            world.scheduler.release(pick)
+        await asyncio.gather(*tasks)
+        problems = await check_world(world, scenario)
+        return Run(scenario.name, schedule, enabled, problems)
+    finally:
+        for session in world.sessions:
+            await session.close()
+        world.close()
+
+
+async def _outcome(world: World, name: str, actor: Actor) -> None:
+    try:
+        await actor(world)
+        world.outcomes[name] = "ok"
+    except ckptstore.CkptStoreError as exc:
+        world.outcomes[name] = f"typed {type(exc).__name__}"
+    except Exception as exc:  # an untyped error is a finding
+        world.outcomes[name] = f"untyped {type(exc).__name__}: {exc}"
+
+
+def following(prefix: Sequence[str]) -> Chooser:
+    """Follow ``prefix``; then keep the last actor going while it can (no preemption)."""
+
+    def choose(ready: list[str], so_far: list[str]) -> str:
+        if len(so_far) < len(prefix):
+            want = prefix[len(so_far)]
+            if want in ready:
+                return want
+        if so_far and so_far[-1] in ready:
+            return so_far[-1]
+        return ready[0]
+
+    return choose
+
+
+def preemptions(schedule: Sequence[str], enabled: Sequence[Sequence[str]]) -> int:
+    """Switches to another actor while the previous one could have gone on."""
+    return sum(
+        1
+        for i in range(1, len(schedule))
+        if schedule[i] != schedule[i - 1] and schedule[i - 1] in enabled[i]
+    )
+
+
+@dataclass
+class Tally:
+    schedules: int = 0
+    failing: int = 0
+    examples: list[Run] = field(default_factory=list)
+    per_scenario: dict[str, list[int]] = field(default_factory=dict)  # [schedules, failing]
+
+    def add(self, run: Run) -> None:
+        self.schedules += 1
+        counts = self.per_scenario.setdefault(run.scenario, [0, 0])
+        counts[0] += 1
+        if run.problems:
+            self.failing += 1
+            counts[1] += 1
+            if len(self.examples) < 20:
+                self.examples.append(run)
+
+
+async def explore_pairs(
+    scenario: Scenario, bound: int, tally: Tally, limit: int | None = None
+) -> None:
+    """Every schedule of ``scenario`` with at most ``bound`` preemptions (depth first,
+    each prefix extended without preemption), or the first ``limit`` of them."""
+    stack: list[list[str]] = [[]]
+    seen: set[tuple[str, ...]] = set()
+    while stack and (limit is None or tally.per_scenario.get(scenario.name, [0])[0] < limit):
+        prefix = stack.pop()
+        run = await run_schedule(scenario, following(prefix))
+        key = tuple(run.schedule)
+        if key in seen:
+            continue
+        seen.add(key)
+        tally.add(run)
+        for i in range(len(prefix), len(run.schedule)):
+            for other in run.enabled[i]:
+                if other == run.schedule[i]:
+                    continue
+                alt = [*run.schedule[:i], other]
+                if preemptions(alt, run.enabled[: i + 1]) <= bound:
+                    stack.append(alt)
+
+
+async def random_walks(scenario: Scenario, walks: int, seed: int, tally: Tally) -> None:
+    """``walks`` schedules of ``scenario``, each choosing uniformly at every step from
+    its own seed (``seed + i``: a failing walk replays from it)."""
+    for i in range(walks):
+        rng = random.Random(seed + i)
+
+        def choose(ready: list[str], so_far: list[str], rng: random.Random = rng) -> str:
+            return rng.choice(ready)
+
+        run = await run_schedule(scenario, choose)
+        if run.problems:
+            run.problems.append(f"replay: seed {seed + i}")
+        tally.add(run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bound", type=int, default=2, help="preemptions per pair schedule")
+    parser.add_argument("--walks", type=int, default=20000, help="random walks per triple")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="", help="run scenarios whose name contains this")
+    parser.add_argument("--out", default="", help="write the tally as JSON here")
+    args = parser.parse_args(argv)
+    tally = Tally()
+    start = time.perf_counter()
+
+    async def everything() -> None:
+        for scenario in SCENARIOS:
+            if args.only in scenario.name:
+                await explore_pairs(scenario, args.bound, tally)
+                _progress(scenario.name, tally, start)
+        for k, scenario in enumerate(TRIPLES):
+            if args.only in scenario.name:
+                await random_walks(scenario, args.walks, args.seed + k * 1_000_000, tally)
+                _progress(scenario.name, tally, start)
+
+    asyncio.run(everything())
+    summary = {
+        "schedules": tally.schedules,
+        "failing": tally.failing,
+        "seconds": round(time.perf_counter() - start, 1),
+        "bound": args.bound,
+        "walks": args.walks,
+        "seed": args.seed,
+        "scenarios": {
+            k: {"schedules": v[0], "failing": v[1]} for k, v in tally.per_scenario.items()
+        },
+        "examples": [
+            {"scenario": r.scenario, "schedule": r.schedule, "problems": r.problems}
+            for r in tally.examples
+        ],
+    }
+    text = json.dumps(summary, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 1 if tally.failing else 0
+
+
+def _progress(name: str, tally: Tally, start: float) -> None:
+    done, bad = tally.per_scenario.get(name, [0, 0])
+    print(
+        f"[{time.perf_counter() - start:7.1f} s] {name}: {done} schedules, {bad} failing",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
