@@ -237,3 +237,71 @@ async def test_a_stored_implementation_this_jax_lacks_is_refused_typed(tmp_path:
     async with LocalBackend(root) as backend:
         with pytest.raises(ckptstore.CkptStoreError, match="'future_rng' is unknown"):
             await restore_manifest(backend, forged)
+
+
+# ---- a Flax NNX model: typed keys in nnx.Rngs and Dropout, an nnx.Optimizer ----
+
+
+def test_an_nnx_model_with_dropout_resumes_bit_exact_through_the_manager(tmp_path: Path) -> None:
+    """Train with dropout, save model + optimizer through the manager, keep training; a
+    fresh model restored from the step (no key code) trains on to the very same numbers."""
+    nnx = pytest.importorskip("flax.nnx")
+    import optax
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: Any) -> None:
+            self.lin1 = nnx.Linear(8, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.lin2 = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.lin2(self.drop(jax.nn.relu(self.lin1(x))))
+
+    def make() -> tuple[Any, Any]:
+        model = Model(nnx.Rngs(params=0, dropout=1))
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model: Any, optimizer: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        def loss_fn(model: Any) -> jax.Array:
+            return jnp.mean((model(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(0), (32, 8))
+    y = jnp.sum(x, axis=1, keepdims=True)
+
+    def run(model: Any, optimizer: Any, steps: range) -> list[float]:
+        return [float(train_step(model, optimizer, x, y)) for _ in steps]
+
+    model, optimizer = make()
+    run(model, optimizer, range(3))
+    state = nnx.state((model, optimizer))
+    assert any(
+        jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) for leaf in jax.tree.leaves(state)
+    ), "the state holds typed keys (what this test is about)"
+    options = ckptstore.ManagerOptions(handle_sigterm=False)
+    root = str(tmp_path / "run")
+    with ckptstore.CheckpointManager(root, options=options) as mgr:
+        handle = mgr.save(3, state)
+        assert handle is not None
+        handle.wait()
+    expected = run(model, optimizer, range(3, 6))  # the run that was not interrupted
+
+    fresh_model, fresh_optimizer = nnx.eval_shape(make)  # nothing computed, no keys drawn
+    with ckptstore.CheckpointManager(root, options=options) as mgr:
+        assert mgr.latest_step() == 3
+        restored = mgr.restore(like=nnx.state((fresh_model, fresh_optimizer)))
+    nnx.update((fresh_model, fresh_optimizer), restored)
+    assert run(fresh_model, fresh_optimizer, range(3, 6)) == expected
+    for a, b in zip(
+        jax.tree.leaves(nnx.state((model, optimizer))),
+        jax.tree.leaves(nnx.state((fresh_model, fresh_optimizer))),
+        strict=True,
+    ):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            assert a.dtype == b.dtype
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
