@@ -4,6 +4,7 @@ plain and partial saves, the manager's staging, sharded or not, with and without
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,18 @@ async def test_partial_saves_hold_typed_keys(tmp_path: Path) -> None:
     restored = await ckptstore.restore(root, like=like)
     assert restored["rng"]["b"].sharding.is_equivalent_to(sharded.sharding, 1)
     assert_same_keys(restored["rng"]["b"], sharded)
+
+
+async def test_tiers_promote_typed_keys_and_restore_them_from_the_durable_tier(
+    tmp_path: Path,
+) -> None:
+    tiers = ckptstore.Tiered(str(tmp_path / "fast"), str(tmp_path / "durable"))
+    keys = jax.random.split(jax.random.key(2, impl="rbg"), 5)
+    await ckptstore.save(tiers, {"rng": keys}, step=1)
+    await ckptstore.promote(tiers)
+    shutil.rmtree(tmp_path / "fast")  # a restart on new machines: only the durable copy
+    assert_same_keys((await ckptstore.restore(tiers))["rng"], keys)
+    assert_same_keys((await ckptstore.restore(tiers, like={"rng": keys}))["rng"], keys)
 
 
 @pytest.mark.parametrize("staging", ["host", "view"])
