@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ckptstore.backends.base import Backend
+from ckptstore.backends.endpoints import check_endpoint
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, InvalidURLError
 
@@ -257,8 +258,10 @@ def _check_options(kind: str, options: Mapping[str, Any], *, source: str) -> Non
     for name, value in options.items():
         want = _OPTION_TYPES.get(name)
         if want is not None and (type(value) is not want):  # a bool is no int here
-            shown = "a value" if name == "credentials" else repr(value)[:40]  # maybe a secret
+            shown = "a value" if name in ("credentials", "endpoint") else repr(value)[:40]
             raise ConfigError(f"{source}: option {name!r} must be a {want.__name__}, not {shown}")
+    if options.get("endpoint"):  # before any SDK sees it (see `check_endpoint`)
+        check_endpoint(options["endpoint"], f"{source}: option 'endpoint'", bare_host=kind == "gcs")
 
 
 def _retry(value: Any, source: str) -> RetryPolicy:
