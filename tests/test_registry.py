@@ -186,3 +186,18 @@ def test_a_secret_passed_as_credentials_is_not_echoed(url: str, secret: str) -> 
     with pytest.raises(ckptstore.ConfigError) as info:
         ckptstore.open_backend(url, credentials=secret)
     assert "SECRET" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://b/x?X-Amz-Signature=SIGSECRET&X-Amz-Credential=AKIASECRET",
+        "gs://b/x?pw=SIGSECRET",
+        "s3://b/x#SIGSECRET",
+        "memory://m?token=SIGSECRET",
+    ],
+)
+def test_a_signed_query_string_is_never_echoed(url: str) -> None:
+    with pytest.raises(InvalidURLError, match="query strings") as info:
+        ckptstore.open_backend(url)
+    assert "SECRET" not in str(info.value) and "?***" in str(info.value)

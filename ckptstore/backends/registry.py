@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ckptstore.backends._errors import redact_text, redact_url
 from ckptstore.backends.base import Backend
 from ckptstore.backends.endpoints import check_endpoint
 from ckptstore.backends.retry import RetryPolicy
@@ -144,8 +145,16 @@ def parse_url(url: str) -> tuple[str, tuple[str, str]]:
 
 
 def redact(url: str) -> str:
-    """``url`` without any ``user:password@`` part, for messages."""
-    return re.sub(r"://[^/@]*@", "://***@", url)
+    """``url`` fit for messages: no ``user:password@`` part (everything up to the last
+    ``@`` after the scheme goes), and no query string or fragment (a signed URL's
+    ``X-Amz-Signature=...&X-Amz-Credential=...``): they are shown as ``?***``."""
+    if "://" not in url:
+        return url  # a path: nothing in it is a credential ckptstore would send anywhere
+    url = redact_url(url)
+    cut = re.search(r"[?#]", url)
+    if cut is not None:
+        url = url[: cut.start()] + "?***"
+    return redact_text(url)
 
 
 def profiles_dir() -> Path:
