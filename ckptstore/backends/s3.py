@@ -52,8 +52,10 @@ from ckptstore.backends.objectstore import (
     replaced,
 )
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.backends.sdklog import quiet_aws_sdk
+from ckptstore.backends.sdklog import quiet_aws_sdk, redact_sdk_logs
 from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
+
+redact_sdk_logs()  # before any client exists: botocore's DEBUG lines quote credentials
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
