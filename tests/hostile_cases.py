@@ -220,4 +220,19 @@ ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
         "key",
     ),
     ("test_partial", "test_sessions_resume_start_anew_and_abandon", "session", 2, None),
+    (
+        "test_secrets",
+        "test_an_endpoint_carrying_a_secret_is_refused_unechoed",
+        "endpoint",
+        10,
+        "endpoint",
+    ),
+    ("test_secrets", "test_a_target_url_carrying_a_secret_is_refused_unechoed", "URL", 9, "target"),
+    (
+        "test_secrets",
+        "test_a_secret_key_and_token_reaching_a_dead_server_are_not_logged",
+        "secret",
+        1,
+        None,
+    ),
 ]
