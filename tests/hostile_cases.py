@@ -145,6 +145,19 @@ PROFILES: dict[str, tuple[bytes, str]] = {
     "options not a table": (b'url = "/x"\noptions = 3\n', "must be a table"),
     "tiers without durable": (b'[tiers]\nfast = "/tmp/f"\n', "fast and durable"),
     "tiers not a table": (b"tiers = 5\n", "is a table"),
+    "retry attempts a string": (
+        b'url = "/x"\n[options.retry]\nmax_attempts = "many"\n',
+        r"\[options.retry\] max_attempts must be an integer",
+    ),
+    "retry delay infinite": (
+        b'url = "/x"\n[options.retry]\nmax_delay = inf\n',
+        r"\[options.retry\] max_delay must be a finite number",
+    ),
+    "retry a string": (b'url = "/x"\n[options]\nretry = "many"\n', "'retry' must be"),
+    "timeout infinite": (
+        b'url = "s3://b/p"\n[options]\nread_timeout = inf\n',
+        "read_timeout must be a finite number",
+    ),
     "empty": (b"", "is required"),
 }
 
@@ -220,6 +233,13 @@ ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
         "key",
     ),
     ("test_partial", "test_sessions_resume_start_anew_and_abandon", "session", 2, None),
+    (
+        "test_registry",
+        "test_every_option_of_the_wrong_type_is_named",
+        "profile",
+        0,
+        "kind, field, value",
+    ),
     (
         "test_secrets",
         "test_an_endpoint_carrying_a_secret_is_refused_unechoed",

@@ -226,6 +226,8 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
         profile["manager"] = _expand(raw["manager"], file)
     kind, _ = parse_url(profile["url"])
     _check_options(kind, profile["options"], source=str(file))
+    if "retry" in profile["options"]:
+        _retry(profile["options"]["retry"], str(file))  # checked field by field now
     return profile
 
 
@@ -282,8 +284,16 @@ def _retry(value: Any, source: str) -> RetryPolicy:
         unknown = set(value) - {"max_attempts", "base_delay", "max_delay"}
         if unknown:
             raise ConfigError(f"{source}: unknown retry setting(s) {sorted(unknown)}")
-        return RetryPolicy(**value)
-    raise ConfigError(f"{source}: retry must be a RetryPolicy, an int or a table")
+        try:
+            return RetryPolicy(**value)
+        except ConfigError as exc:  # name where it came from: "[options.retry] max_delay"
+            raise ConfigError(
+                f"{source}: [options.retry] {str(exc).removeprefix('retry ')}"
+            ) from None
+    raise ConfigError(
+        f"{source}: option 'retry' must be a RetryPolicy, an int (max_attempts) or a table, "
+        f"not a {type(value).__name__}"
+    )
 
 
 def require_extra(kind: str) -> None:
