@@ -158,6 +158,10 @@ PROFILES: dict[str, tuple[bytes, str]] = {
         b'url = "s3://b/p"\n[options]\nread_timeout = inf\n',
         "read_timeout must be a finite number",
     ),
+    "keep_fast a string": (
+        b'[tiers]\nfast = "/tmp/f"\ndurable = "/tmp/d"\nkeep_fast = "2"\n',
+        "keep_fast must be a number of steps",
+    ),
     "empty": (b"", "is required"),
 }
 
@@ -239,6 +243,14 @@ ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
         "profile",
         0,
         "kind, field, value",
+    ),
+    ("test_registry", "test_tiers_fields_of_the_wrong_type_are_named", "profile", 4, "line, match"),
+    (
+        "test_registry",
+        "test_manager_fields_of_the_wrong_type_are_named",
+        "profile",
+        6,
+        "table, match",
     ),
     (
         "test_secrets",

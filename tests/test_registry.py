@@ -264,3 +264,35 @@ def test_every_option_of_the_wrong_type_is_named(
         ckptstore.open_backend(profile=profile)
     assert name in str(info.value) and "must be" in str(info.value)
     assert "retry]" not in table or "[options.retry]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('keep_fast = "2"', "keep_fast must be a number of steps"),
+        ("keep_fast = 1.5", "keep_fast must be a number of steps"),
+        ("keep_fast = true", "keep_fast must be a number of steps"),
+        ('free_margin = "1G"', "free_margin must be bytes"),
+    ],
+)
+def test_tiers_fields_of_the_wrong_type_are_named(line: str, match: str, tmp_path: Path) -> None:
+    profile = tmp_path / "t.toml"
+    profile.write_text(f'[tiers]\nfast = "f"\ndurable = "d"\n{line}\n')
+    with pytest.raises(ConfigError, match=match):
+        ckptstore.Tiered.from_profile(profile)
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ({"save_initial": "no"}, "save_initial must be true or false"),
+        ({"save_on_preemption": 1}, "save_on_preemption must be true or false"),
+        ({"gc_on_start": "yes"}, "gc_on_start must be true or false"),
+        ({"if_busy": ["wait"]}, "if_busy must be a string"),
+        ({"keep_best": {"metric": 3}}, "keep_best.metric must be a string"),
+        ({"keep_latest": "3"}, "keep_latest must be an integer"),
+    ],
+)
+def test_manager_fields_of_the_wrong_type_are_named(table: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ckptstore.ManagerOptions.from_table(table)
