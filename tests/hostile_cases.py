@@ -253,6 +253,13 @@ ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
         "table, match",
     ),
     (
+        "test_hostile_trees",
+        "test_a_hostile_tree_is_refused_before_anything_is_written",
+        "tree",
+        14,
+        "case",
+    ),
+    (
         "test_secrets",
         "test_an_endpoint_carrying_a_secret_is_refused_unechoed",
         "endpoint",
