@@ -167,7 +167,7 @@ def parse_tree_metadata(data: bytes, where: str) -> TreeMetadata:
         tree = doc.get("tree_metadata")
         if not isinstance(tree, dict):
             raise ValueError("'tree_metadata' is missing or not an object")
-        entries = [_entry(label, value) for label, value in tree.items()]
+        entries = [_entry(label, value, len(tree)) for label, value in tree.items()]
         use_ocdbt = _flag(doc, "use_ocdbt", None)
         return TreeMetadata(
             entries=entries,
@@ -186,7 +186,9 @@ def _flag(doc: dict[str, Any], key: str, default: bool | None) -> bool | None:
     return value
 
 
-def _entry(label: str, value: Any) -> Entry:
+def _entry(label: str, value: Any, count: int) -> Entry:
+    """One entry of ``tree_metadata`` (which has ``count`` entries: every element of a
+    sequence is described by one at least, so no index reaches ``count``)."""
     if not isinstance(value, dict):
         raise ValueError(f"entry {label[:80]!r} is not an object")
     keys = value.get("key_metadata")
@@ -203,6 +205,11 @@ def _entry(label: str, value: Any) -> Entry:
             raise ValueError(f"entry {label[:80]!r}: bad key {str(key)[:80]}")
         if kind == SEQUENCE and layout.parse_step(name) is None:  # a plain decimal index
             raise ValueError(f"entry {label[:80]!r}: sequence index {name[:40]!r}")
+        if kind == SEQUENCE and (len(name) > 18 or int(name) >= count):  # no huge int()
+            raise ValueError(
+                f"entry {label[:80]!r}: sequence index {name[:40]!r} beyond the {count} "
+                "entries a sequence could have"
+            )
         path.append((name, kind))
     meta = value.get("value_metadata")
     if not isinstance(meta, dict):
