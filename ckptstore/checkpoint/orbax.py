@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,6 +335,13 @@ async def open_item(backend: Backend, where: str, item: str, *, default_item: st
         )
     reader = _Reader(backend, prefix, use_ocdbt, meta.use_zarr3, meta.every_chunk_stored)
     opened = await settle(reader.open(entry) for entry in arrays)
+    await _check_declared(
+        backend,
+        prefix,
+        use_ocdbt,
+        meta.every_chunk_stored,
+        [(entry, info) for entry, (info, _) in zip(arrays, opened, strict=True)],
+    )
     leaves = {info.name: info for info, _ in opened}
     stores = {info.name: arr for info, arr in opened}
 
@@ -341,6 +349,65 @@ async def open_item(backend: Backend, where: str, item: str, *, default_item: st
         return stores[info.name]
 
     return StoredItem(leaves, structure, open_leaf)
+
+
+#: No codec Orbax writes packs more bytes than this into one stored byte: zstd (Orbax's
+#: default) at most ~32768 (a 128 KiB block as a 4-byte RLE block), deflate ~1032, lz4 ~255.
+MAX_COMPRESSION = 1 << 16
+#: Arrays declaring more bytes than this are checked against the bytes stored (a listing).
+CHECK_STORED_ABOVE = 64 << 20
+#: More than any array can hold (TensorStore's indices are int64).
+MAX_DECLARED_BYTES = 1 << 62
+_METADATA_NAMES = frozenset({".zarray", ".zattrs", ".zgroup", "zarr.json"})
+
+
+async def _check_declared(
+    backend: Backend,
+    prefix: str,
+    ocdbt: bool,
+    every_chunk: bool,
+    opened: list[tuple[Entry, LeafInfo]],
+) -> None:
+    """Each array's declared size against the bytes stored, before any buffer is sized
+    by it (a ``.zarray`` edited to declare ``[2**34]`` would otherwise size a 128 GiB
+    read, and a failed allocation in TensorStore aborts the process).
+
+    An array declaring more than `CHECK_STORED_ABOVE` bytes must have stored at least
+    1/`MAX_COMPRESSION` of them (in an OCDBT store: the whole store's files, an upper
+    bound), and, as a plain zarr directory where Orbax stored every chunk, a chunk file
+    for each chunk its grid has. Else `CorruptCheckpointError`, naming both sizes.
+    """
+    whole: int | None = None
+    for entry, info in opened:
+        if info.nbytes <= CHECK_STORED_ABOVE:
+            continue
+        chunks: int | None = None
+        if ocdbt:
+            if whole is None:
+                whole = sum([o.size async for o in backend.list(prefix)])
+            stored = whole
+        else:
+            data = [
+                o
+                async for o in backend.list(_join(prefix, entry.param))
+                if o.key.rsplit("/", 1)[-1] not in _METADATA_NAMES
+            ]
+            stored, chunks = sum(o.size for o in data), len(data)
+        grid = math.prod(-(-d // c) for d, c in zip(info.shape, info.chunk_shape, strict=True))
+        declared = (
+            f"Orbax array {entry.param!r} declares shape {list(info.shape)} of {info.dtype} "
+            f"({info.nbytes} bytes"
+        )
+        if every_chunk and chunks is not None and grid > chunks:
+            raise CorruptCheckpointError(
+                f"{declared}, {grid} chunks) but {chunks} chunk(s) are stored", leaf=entry.name
+            )
+        if info.nbytes > stored * MAX_COMPRESSION:
+            raise CorruptCheckpointError(
+                f"{declared}) but {stored} bytes are stored: no codec compresses "
+                f"{MAX_COMPRESSION}:1, the declared size is impossible",
+                leaf=entry.name,
+            )
 
 
 def _check_params(entries: list[Entry], where: str) -> None:
@@ -404,6 +471,13 @@ def _leaf_info(entry: Entry, arr: ts.TensorStore) -> LeafInfo:
                 f"Orbax scalar stored with shape {list(shape)}", leaf=entry.name
             )
         python_type = _PYTHON_TYPES.get(dtype.kind)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_DECLARED_BYTES:
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} declares shape {list(shape)} of {dtype} "
+            f"({nbytes} bytes): impossible",
+            leaf=entry.name,
+        )
     chunk = arr.chunk_layout.read_chunk.shape or shape
     return LeafInfo(
         name=entry.name,
