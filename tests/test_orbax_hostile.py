@@ -155,3 +155,55 @@ def test_a_huge_sequence_index_is_a_typed_error(index: str, tmp_path: Path) -> N
     with pytest.raises(ckptstore.CorruptCheckpointError, match="sequence index"):
         ckptstore.restore_sync(path)
     assert cli(["info", str(path)]) == 1
+
+
+MEMORY_CHILD = textwrap.dedent(
+    """
+    import resource, sys
+    limit = 4 << 30
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import ckptstore
+    try:
+        ckptstore.restore_sync(sys.argv[1])
+        print("restore: no error")
+    except ckptstore.CkptStoreError as exc:
+        print("restore:", type(exc).__name__, exc)
+    """
+)
+
+
+def test_a_consistent_array_larger_than_memory_is_refused_typed(tmp_path: Path) -> None:
+    """An array whose declared size its stored bytes can hold (8 GiB of zeros in 1024
+    zstd chunks of 8 MiB, ~270 bytes each) but this process cannot map (a 4 GiB
+    address-space limit): restore raises `InsufficientMemoryError` before TensorStore sizes
+    the buffer, instead of aborting in its allocation."""
+    path = tmp_path / "ckpt"
+    orbax_save(path, {"w": np.arange(4.0), "v": np.arange(3)}, ocdbt=False)
+    chunk = 1 << 20
+    one = ts.open(
+        {
+            "driver": "zarr",
+            "kvstore": f"file://{tmp_path / 'one'}/",
+            "metadata": {"shape": [chunk], "chunks": [chunk], "dtype": "<f8"},
+        },
+        create=True,
+    ).result()
+    one[...].write(np.zeros(chunk)).result()
+    stored = (tmp_path / "one" / "0").read_bytes()
+    assert len(stored) * orbax.MAX_COMPRESSION > chunk * 8  # passes the stored-bytes check
+    zarray = json.loads((path / "w" / ".zarray").read_text())
+    zarray.update(
+        shape=[1024 * chunk],
+        chunks=[chunk],
+        compressor=json.loads((tmp_path / "one" / ".zarray").read_text())["compressor"],
+    )
+    (path / "w" / ".zarray").write_text(json.dumps(zarray))
+    (path / "w" / "0").unlink()
+    for i in range(1024):
+        (path / "w" / str(i)).write_bytes(stored)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_CHILD, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # -6: SIGABRT (std::bad_alloc)
+    assert proc.stdout.startswith("restore: InsufficientMemoryError"), proc.stdout
+    assert "8589934592-byte buffer" in proc.stdout and "(leaf 'w')" in proc.stdout
