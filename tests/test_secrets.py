@@ -255,8 +255,15 @@ def test_a_secret_key_and_token_reaching_a_dead_server_are_not_logged(
     backend = ckptstore.open_backend(
         "s3://b/p", endpoint=f"http://127.0.0.1:{port}", credentials="env", retry=1
     )
+
+    async def listing() -> None:
+        try:
+            await ckptstore.list_steps(backend)
+        finally:
+            await backend.close()
+
     with pytest.raises(ckptstore.StorageError) as info:
-        ckptstore.list_steps_sync(backend)
+        asyncio.run(listing())
     assert storage_failed(info.value)
     assert any(r.name.startswith("botocore") for r in every_log.records)  # it logged
     assert found([*texts(info.value), repr(backend), *logged(every_log)]) == []
