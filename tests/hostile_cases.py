@@ -222,6 +222,13 @@ ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
     ("test_orbax_hostile", "test_info_flags_an_impossible_size", "Orbax size", 0, "case"),
     (
         "test_orbax_hostile",
+        "test_an_edited_zarray_is_corrupt_not_different_data",
+        "Orbax metadata",
+        0,
+        "edit",
+    ),
+    (
+        "test_orbax_hostile",
         "test_declared_sizes_beyond_the_stored_bytes_never_abort",
         "Orbax size",
         10,

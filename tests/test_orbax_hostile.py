@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -207,3 +208,36 @@ def test_a_consistent_array_larger_than_memory_is_refused_typed(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]  # -6: SIGABRT (std::bad_alloc)
     assert proc.stdout.startswith("restore: InsufficientMemoryError"), proc.stdout
     assert "8589934592-byte buffer" in proc.stdout and "(leaf 'w')" in proc.stdout
+
+
+def _edit_zarray(path: Path, name: str, **fields: Any) -> None:
+    zarray = path / name / ".zarray"
+    doc = json.loads(zarray.read_text())
+    doc.update(fields)
+    zarray.write_text(json.dumps(doc))
+
+
+#: .zarray edits that restored different data silently: id -> (fields, text of the error).
+ZARRAY_EDITS: dict[str, tuple[dict[str, Any], str]] = {
+    "order F": ({"order": "F"}, "has order 'F'"),
+    "shape smaller than its chunks": ({"shape": [2, 3]}, r"chunks \[4, 3\] larger than"),
+    "shape and chunks smaller than the shards": (
+        {"shape": [2, 3], "chunks": [2, 3]},
+        r"_METADATA records shards of \[4, 3\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(ZARRAY_EDITS))
+def test_an_edited_zarray_is_corrupt_not_different_data(edit: str, tmp_path: Path) -> None:
+    """A jax.Array (its shard shape recorded in _METADATA) stored as plain zarr v2."""
+    path = tmp_path / "ckpt"
+    tree = {"m": jax.numpy.arange(12.0).reshape(4, 3)}
+    orbax_save(path, tree, ocdbt=False)
+    assert ckptstore.restore_sync(path)["m"].tolist() == np.arange(12.0).reshape(4, 3).tolist()
+    fields, match = ZARRAY_EDITS[edit]
+    _edit_zarray(path, "m", **fields)
+    with pytest.raises(ckptstore.CorruptCheckpointError, match=match) as info:
+        ckptstore.restore_sync(path)
+    assert info.value.leaf == "m"
+    assert cli(["info", str(path)]) == 1

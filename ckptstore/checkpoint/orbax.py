@@ -118,6 +118,7 @@ class Entry:
 
     keys: tuple[tuple[str, int], ...]  # (name, SEQUENCE | DICT) from the root down
     value_type: str
+    write_shape: tuple[int, ...] | None = None  # a jax.Array's shard shape, where recorded
 
     @property
     def name(self) -> str:
@@ -222,7 +223,14 @@ def _entry(label: str, value: Any, count: int) -> Entry:
         raise ValueError(f"entry {label[:80]!r} has unknown value type {value_type[:40]!r}")
     if not isinstance(meta.get("skip_deserialize", False), bool):
         raise ValueError(f"entry {label[:80]!r}: skip_deserialize is not true or false")
-    return Entry(tuple(path), value_type)
+    write_shape = meta.get("write_shape")
+    if write_shape is not None and (
+        not isinstance(write_shape, list)
+        or len(write_shape) > 64
+        or not all(type(d) is int and 0 <= d < 2**62 for d in write_shape)
+    ):
+        raise ValueError(f"entry {label[:80]!r}: bad write_shape {str(write_shape)[:80]}")
+    return Entry(tuple(path), value_type, None if write_shape is None else tuple(write_shape))
 
 
 # ---- the tree structure ----
@@ -457,7 +465,42 @@ class _Reader:
                 f"{self.backend.url}/{self.prefix}: {str(exc)[:300]}",
                 leaf=entry.name,
             ) from exc
-        return _leaf_info(entry, arr), arr
+        info = _leaf_info(entry, arr)
+        if not self.zarr3:
+            _check_zarr2(entry, info, arr.spec().to_json().get("metadata", {}))
+        return info, arr
+
+
+def _check_zarr2(entry: Entry, info: LeafInfo, metadata: dict[str, Any]) -> None:
+    """What Orbax writes, checked against an array's ``.zarray`` (zarr v2 has no checksum,
+    so an edited one would restore different data silently): C order (``F`` restores
+    transposed), chunks no larger than the array (they are its shards, or parts of them: a
+    shape edited smaller would restore truncated), and the shard shape ``_METADATA``
+    records for a jax.Array, which the shape must hold. A dtype edited to another of the
+    same size cannot be caught: nothing else records it."""
+    order = metadata.get("order", "C")
+    if order != "C":
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} has order {str(order)[:8]!r}: Orbax writes C "
+            "order, so the .zarray was edited (F would restore the array transposed)",
+            leaf=entry.name,
+        )
+    shape = info.shape
+    if any(c > d > 0 for c, d in zip(info.chunk_shape, shape, strict=True)):
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} has chunks {list(info.chunk_shape)} larger than "
+            f"its shape {list(shape)}: Orbax writes chunks that fit (a shape edited smaller?)",
+            leaf=entry.name,
+        )
+    recorded = entry.write_shape
+    if recorded is not None and (
+        len(recorded) != len(shape) or any(w > d for w, d in zip(recorded, shape, strict=False))
+    ):
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} has shape {list(shape)}, but _METADATA records "
+            f"shards of {list(recorded)}",
+            leaf=entry.name,
+        )
 
 
 def _leaf_info(entry: Entry, arr: ts.TensorStore) -> LeafInfo:
