@@ -46,6 +46,7 @@ from ckptstore.leaves import (
     key_data_aval,
     key_impl_name,
 )
+from ckptstore.membudget import check_fits
 from ckptstore.packs import read_packed, read_split
 from ckptstore.rawleaf import RawLeaf
 
@@ -423,6 +424,8 @@ async def _materialize(
     sharding = getattr(want, "sharding", None)
     if isinstance(sharding, jax.sharding.Sharding):
         return await _read_sharded(read, info, sharding, dtype if cast else None, budget)
+    if budget is not None:  # else already in memory
+        check_fits(info.nbytes, "reading the leaf whole", leaf=info.name)
     async with _holding(budget, info.nbytes):
         whole = await read(())
     if cast and dtype is not None:
@@ -471,6 +474,7 @@ async def _read_sharded(
 
     async def place(index: Index, devices: list[Any]) -> list[jax.Array]:
         nbytes = math.prod(_key_shape(_key(index, info.shape))) * itemsize
+        check_fits(nbytes, "reading one device's slice", leaf=info.name)
         async with _holding(budget, nbytes):
             data = await read(index)
             if dtype is not None:

@@ -69,9 +69,13 @@ class Tiered:
         margin = table.get("free_margin", FREE_MARGIN)
         if isinstance(margin, bool) or not isinstance(margin, int):
             raise ConfigError(f"profile {path} [tiers] free_margin must be bytes (an int)")
-        return cls(
-            resolve(table["fast"]), resolve(table["durable"]), table.get("keep_fast"), margin
-        )
+        keep = table.get("keep_fast")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)):
+            raise ConfigError(
+                f"profile {path} [tiers] keep_fast must be a number of steps (an int >= 1), "
+                f"not a {type(keep).__name__}"
+            )
+        return cls(resolve(table["fast"]), resolve(table["durable"]), keep, margin)
 
     @asynccontextmanager
     async def opened(self) -> AsyncIterator[tuple[Backend, Backend]]:

@@ -99,8 +99,8 @@ class Stager:
         are reused): the manager allows one save in flight.
         """
         start = time.perf_counter()
+        names = [name for name, _ in flatten(tree)]  # checks the tree whole first
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        names = [name for name, _ in flatten(tree)]  # checks leaf types and name clashes
         for name, leaf in zip(names, leaves, strict=True):
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise CkptStoreError(f"leaf {name!r} was deleted (donated?) before staging")
