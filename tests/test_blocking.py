@@ -36,22 +36,7 @@ def test_every_async_entry_point_has_a_blocking_twin() -> None:
         assert not inspect.iscoroutinefunction(twin) and f"`ckptstore.{name}`" in twin.__doc__
 
 
-TWINS = [
-    pytest.param(
-        name,
-        marks=[
-            pytest.mark.xfail(
-                strict=True,
-                reason="promote_sync in ckptstore/lifecycle/tiers.py is still (*args, **kwargs): "
-                "that file is being rewritten elsewhere; make it `blocking(promote)` there",
-            )
-        ]
-        if name == "promote_sync"
-        else [],
-    )
-    for name in ckptstore.__all__
-    if name.endswith("_sync")
-]
+TWINS = [name for name in ckptstore.__all__ if name.endswith("_sync")]
 
 
 @pytest.mark.parametrize("name", TWINS)

@@ -24,7 +24,7 @@ from ckptstore.arrays import ByteBudget
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.blocking import run
+from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.cleanup import delete_step, deleted_by_user, trim_step
 from ckptstore.checkpoint.commit import (
     COMMIT,
@@ -194,9 +194,7 @@ async def promote(
         return await _promote(tiers, fast, durable, step, max_bytes_in_flight, progress)
 
 
-def promote_sync(*args: Any, **kwargs: Any) -> list[Promotion]:
-    """`ckptstore.promote`, blocking (see `ckptstore.checkpoint.blocking`)."""
-    return run(promote(*args, **kwargs))
+promote_sync = blocking(promote)
 
 
 async def _promote(
