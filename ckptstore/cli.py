@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -18,11 +19,11 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan
+from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan, scan_step
 from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import Tiered, open_target
-from ckptstore.checkpoint.tiered import read_manifest, verify
+from ckptstore.checkpoint.tiered import read_manifest, tier_steps, verify
 from ckptstore.cli_text import count, duration_text, human, when
 from ckptstore.cli_tiers import cmd_ls_tiers, cmd_promote
 from ckptstore.errors import (
@@ -53,6 +54,10 @@ examples:
   ckptstore --endpoint http://127.0.0.1:9000 ls s3://bucket/run
                                                an S3-compatible server (MinIO, moto)
   ckptstore --profile moto info                the target is the profile's URL
+  ckptstore rm /data/ckpt --step 28 --step 30-40 --dry-run
+                                               what removing steps would remove
+  ckptstore rm /data/ckpt --keep-latest 3 --json
+                                               every committed step but the 3 latest
   ckptstore gc /data/ckpt --older-than 1d --dry-run
   ckptstore promote nvme-s3-tiered.toml        fast tier -> durable tier
   ckptstore promote nvme-s3-tiered.toml --watch --interval 30s
@@ -302,8 +307,153 @@ def _print_removal(removal: Removal, verb: str) -> None:
     )
 
 
-async def cmd_rm(target: Backend | Tiered, step: int) -> int:
-    _print_removal(await delete_step(target, step), "removed")
+@dataclass(frozen=True)
+class StepSpec:
+    """One ``rm --step``: a step (``28``, which must be committed) or an inclusive range
+    (``10-20``, whichever committed steps lie in it)."""
+
+    first: int
+    last: int
+    single: bool
+
+
+def parse_step_spec(text: str) -> StepSpec:
+    """An argparse type: ``N`` or ``A-B`` (0 <= A <= B)."""
+    first_text, dash, last_text = text.partition("-")
+    try:
+        first = int(first_text)
+        last = int(last_text) if dash else first
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step or a range A-B: {text!r}") from None
+    if first < 0 or last < first:
+        raise argparse.ArgumentTypeError(f"not a range of steps: {text!r} (A-B, 0 <= A <= B)")
+    return StepSpec(first, last, single=not dash)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive number: {text!r}")
+    return value
+
+
+def select_steps(
+    committed: Sequence[int], specs: Sequence[StepSpec], keep_latest: int | None, shown: str
+) -> list[int]:
+    """The committed steps ``rm`` removes: those ``specs`` name (a single step that is not
+    committed is `CheckpointNotFoundError`, before anything is removed) and, with
+    ``keep_latest``, all but the ``keep_latest`` latest."""
+    present = set(committed)
+    missing = sorted({s.first for s in specs if s.single and s.first not in present})
+    if missing:
+        some = f"step {missing[0]} is" if len(missing) == 1 else f"steps {_steps_text(missing)} are"
+        raise CheckpointNotFoundError(f"{some} not committed in {shown}; nothing was removed")
+    chosen = {s for s in committed for spec in specs if spec.first <= s <= spec.last}
+    if keep_latest is not None:
+        chosen |= set(sorted(committed)[: max(0, len(committed) - keep_latest)])
+    return sorted(chosen)
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    """``1-3, 7``: ascending steps, runs of consecutive ones as ranges."""
+    runs: list[list[int]] = []
+    for step in sorted(steps):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+async def _committed(target: Backend | Tiered) -> list[int]:
+    """Committed ckptstore steps (on tiers: on either tier); never an Orbax root's."""
+    if isinstance(target, Tiered):
+        async with target.opened() as (fast, durable):
+            return await tier_steps(fast, durable)
+    return await committed_steps(target)
+
+
+async def _would_delete(target: Backend | Tiered, step: int) -> Removal:
+    """What `delete_step` would remove (a dry run), from the same scan it makes."""
+
+    async def on(backend: Backend) -> Removal | None:
+        scanned = await scan_step(backend, step)
+        if not scanned.committed:
+            return None
+        removal = Removal(entries=[layout.commit_key(step)], objects=1)
+        for entry in scanned.entries if scanned.marker is not None else []:
+            if entry.committed:  # an attempt another step references would stay (none yet)
+                removal.add(entry.key, entry.objects)
+        return removal
+
+    if isinstance(target, Backend):
+        return await on(target) or Removal()
+    removal = Removal()
+    async with target.opened() as (fast, durable):
+        for backend in (fast, durable):
+            if (found := await on(backend)) is not None:
+                removal.absorb(found, backend.url)
+    return removal
+
+
+async def cmd_rm(
+    target: Backend | Tiered,
+    shown: str,
+    specs: Sequence[StepSpec],
+    keep_latest: int | None,
+    dry_run: bool,
+    as_json: bool,
+) -> int:
+    """Remove the selected committed steps, oldest first; stops at the first failure (what
+    was removed until then is still reported, then the error)."""
+    committed = await _committed(target)
+    steps = select_steps(committed, specs, keep_latest, shown)
+    done: list[tuple[int, Removal]] = []
+    failure: CkptStoreError | None = None
+    for step in steps:
+        try:
+            removal = await (_would_delete if dry_run else delete_step)(target, step)
+        except CkptStoreError as exc:
+            failure = exc
+            break
+        done.append((step, removal))
+    remaining = [s for s in committed if s not in {s for s, _ in done}]
+    if as_json:
+        doc: dict[str, Any] = {
+            "dry_run": dry_run,
+            "steps": [
+                {"step": s, "entries": r.entries, "objects": r.objects, "bytes": r.bytes}
+                for s, r in done
+            ],
+            "remaining": remaining,
+        }
+        if failure is not None:
+            doc["error"] = str(failure)
+        print(json.dumps(doc, indent=1))
+    else:
+        verb = "would remove" if dry_run else "removed"
+        for _, removal in done:
+            for key in removal.entries:
+                print(f"{verb} {key}")
+        if done:
+            removals = [r for _, r in done]
+            print(
+                f"{verb} {count(len(done), 'step')} ({_steps_text([s for s, _ in done])}): "
+                f"{count(sum(len(r.entries) for r in removals), 'entry', 'entries')}, "
+                f"{count(sum(r.objects for r in removals), 'object')}, "
+                f"{human(sum(r.bytes for r in removals))}"
+            )
+        elif failure is None:
+            print(f"nothing to remove in {shown}")
+        stay = "would remain" if dry_run else "remains" if len(remaining) == 1 else "remain"
+        listed = f": {_steps_text(remaining)}" if remaining else ""
+        print(f"{count(len(remaining), 'committed step')} {stay}{listed}")
+    if failure is not None:
+        raise failure
     return 0
 
 
@@ -388,9 +538,25 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("target", nargs="?", help=target_help)
     verify.add_argument("--step", type=int)
     verify.add_argument("--json", action="store_true", help="machine-readable report")
-    rm = command("rm", "delete one committed step (its marker first)")
+    rm = command("rm", "delete committed steps (each one's marker first)")
     rm.add_argument("target", nargs="?", help=target_help)
-    rm.add_argument("--step", type=int, required=True)
+    which = rm.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--step",
+        dest="steps",
+        action="append",
+        type=parse_step_spec,
+        metavar="N|A-B",
+        help="a committed step, or every committed step from A to B (inclusive); repeatable",
+    )
+    which.add_argument(
+        "--keep-latest",
+        type=positive_int,
+        metavar="N",
+        help="every committed step but the N latest",
+    )
+    rm.add_argument("--dry-run", action="store_true", help="show what would go, remove nothing")
+    rm.add_argument("--json", action="store_true", help="machine-readable output")
     collect = command("gc", "remove uncommitted attempts and unused parts")
     collect.add_argument("target", nargs="?", help=target_help)
     collect.add_argument(
@@ -497,10 +663,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.all:
             raise ConfigError(f"ls --all lists one store: give a tier of {tiers} (its URL)")
         return asyncio.run(cmd_ls_tiers(tiers, args.json))
+    rm_args = (
+        getattr(args, "steps", None) or [],
+        getattr(args, "keep_latest", None),
+        getattr(args, "dry_run", False),
+        getattr(args, "json", False),
+    )
     on_tiers: dict[str, Callable[[Tiered], Coroutine[Any, Any, int]]] = {
         "info": lambda t: cmd_info(t, args.step, args.json),
         "verify": lambda t: cmd_verify(t, args.step, args.json),
-        "rm": lambda t: cmd_rm(t, args.step),
+        "rm": lambda t: cmd_rm(t, args.target or "the tiers' profile", *rm_args),
         "gc": lambda t: cmd_gc(t, args.older_than, args.dry_run),
     }
     if args.command in on_tiers and (tiers := _tiers_profile(args)) is not None:
@@ -509,7 +681,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "ls": lambda b, shown: (cmd_ls_all if args.all else cmd_ls)(b, shown, args.json),
         "info": lambda b, _: cmd_info(b, args.step, args.json),
         "verify": lambda b, _: cmd_verify(b, args.step, args.json),
-        "rm": lambda b, _: cmd_rm(b, args.step),
+        "rm": lambda b, shown: cmd_rm(b, shown, *rm_args),
         "gc": lambda b, _: cmd_gc(b, args.older_than, args.dry_run),
     }
     return asyncio.run(_on_target(args, args.target, commands[args.command]))

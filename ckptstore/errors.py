@@ -124,6 +124,17 @@ class IncompleteCheckpointError(CkptStoreError):
         super().__init__(f"{message}: {listed}")
 
 
+class InsufficientMemoryError(CkptStoreError, MemoryError):
+    """A read would need a buffer larger than this process can map (its address-space
+    limit, or the machine's memory and swap): refused before the buffer is sized, since a
+    failed allocation inside TensorStore aborts the process. ``needed`` and ``available``
+    in bytes. Restore onto a sharding (``like=`` with shardings) to read slices instead."""
+
+    def __init__(self, message: str, *, needed: int, available: int, leaf: str | None = None):
+        self.needed, self.available, self.leaf = needed, available, leaf
+        super().__init__(f"{message} (leaf {leaf!r})" if leaf else message)
+
+
 class TreeMismatchError(CkptStoreError, ValueError):
     """The checkpoint and the requested tree disagree (missing or extra leaves, shapes, dtypes).
 

@@ -4,10 +4,16 @@ A leaf is a jax array, a numpy array or scalar, or a Python number. `describe_le
 turns one into a `LeafInfo` (shape, dtype, chunk shape, kind, sharding) before any
 byte is written, so unsupported leaves are refused up front. The TensorStore I/O
 that uses this schema is in `ckptstore.arrays`.
+
+A typed PRNG key array (``jax.random.key(0)``, any implementation) is stored as its
+key data (`jax.random.key_data`: uint32, the key shape plus the implementation's
+trailing dimensions) with the implementation's name in `LeafInfo.prng_impl`; restore
+wraps the data again (`jax.random.wrap_key_data`) into keys of that implementation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -40,13 +46,16 @@ class LeafInfo:
     kind: str  # "jax" | "numpy" | "scalar"
     python_type: str | None = None  # "int" | "float" | "bool" | "complex" for Python numbers
     sharding: dict[str, Any] | None = None
+    #: A typed PRNG key leaf: its implementation's name (``"threefry2x32"``, ``"rbg"``...).
+    #: Shape, dtype and chunks are then those of the key data (`jax.random.key_data`).
+    prng_impl: str | None = None
 
     @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_of(self.dtype).itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "chunk_shape": list(self.chunk_shape),
@@ -55,6 +64,9 @@ class LeafInfo:
             "sharding": self.sharding,
             "nbytes": self.nbytes,
         }
+        if self.prng_impl is not None:  # only on key leaves: other records stay as they were
+            out["prng_impl"] = self.prng_impl
+        return out
 
     @classmethod
     def from_json(cls, name: str, data: dict[str, Any]) -> LeafInfo:
@@ -66,6 +78,7 @@ class LeafInfo:
             kind=data["kind"],
             python_type=data.get("python_type"),
             sharding=data.get("sharding"),
+            prng_impl=data.get("prng_impl"),
         )
 
 
@@ -173,6 +186,9 @@ class HostShards:
     sharding: jax.sharding.Sharding
     pieces: tuple[tuple[Index, np.ndarray[Any, Any]], ...]
     extra: tuple[tuple[Index, np.ndarray[Any, Any]], ...] | None = None
+    #: Staged from a typed PRNG key array: its implementation (`key_impl_name`); the
+    #: shape, dtype, sharding and pieces are then its key data's.
+    prng_impl: str | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -180,13 +196,60 @@ def _is_key_dtype(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
 
 
-def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES) -> LeafInfo:
-    """The `LeafInfo` for one leaf value."""
-    if isinstance(value, jax.Array) and _is_key_dtype(value.dtype):
+def is_key_array(value: Any) -> bool:
+    """Whether ``value`` is a typed PRNG key array (``jax.random.key``, not key data)."""
+    return isinstance(value, jax.Array) and _is_key_dtype(value.dtype)
+
+
+def is_key_like(value: Any) -> bool:
+    """Whether ``value`` (an array or a `jax.ShapeDtypeStruct`) has a typed PRNG key dtype."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and _is_key_dtype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def key_impl_name(dtype: Any) -> str:
+    """The name of a typed key dtype's implementation, as ``jax.random.key(seed, impl=...)``
+    takes it; `UnsupportedLeafError` for an implementation that cannot be named so
+    (one made with ``jax.extend.random.define_prng_impl`` and never registered)."""
+    # jax.random.key_impl needs an array, not a dtype (a `ShapeDtypeStruct` has only that).
+    name = getattr(getattr(dtype, "_impl", None), "name", None)
+    if isinstance(name, str):
+        try:
+            if jax.eval_shape(functools.partial(jax.random.key, 0, impl=name)).dtype == dtype:
+                return name
+        except (ValueError, TypeError):
+            pass
+    raise UnsupportedLeafError(
+        f"typed PRNG keys of dtype {dtype} cannot be saved: their implementation is not "
+        "registered by name in jax"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def key_data_aval(impl: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """The trailing shape and the dtype of one key's data for the implementation ``impl``;
+    `UnsupportedLeafError` for a name this jax does not know."""
+    try:
+        data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    except (ValueError, TypeError, KeyError) as exc:
         raise UnsupportedLeafError(
-            f"leaf {name!r} is a typed PRNG key ({value.dtype}); save "
-            "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data"
-        )
+            f"PRNG implementation {impl!r} is unknown to this jax ({jax.__version__})"
+        ) from exc
+    return tuple(data.shape), np.dtype(data.dtype)
+
+
+def storable(value: Any) -> Any:
+    """What is written for a leaf: a typed PRNG key array's data, else the value itself."""
+    return jax.random.key_data(value) if is_key_array(value) else value
+
+
+def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES) -> LeafInfo:
+    """The `LeafInfo` for one leaf value (of a typed PRNG key array: of its key data,
+    with the implementation's name; write `storable(value)`)."""
+    if is_key_array(value):
+        info = describe_leaf(name, jax.random.key_data(value), target_chunk)
+        return dataclasses.replace(info, prng_impl=key_impl_name(value.dtype))
     if isinstance(value, (jax.Array, HostShards)):
         dtype = dtype_name(value.dtype)
         shard_shape = value.sharding.shard_shape(value.shape)
@@ -197,6 +260,7 @@ def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES)
             chunk_shape=choose_chunks(shard_shape, value.dtype.itemsize, target_chunk),
             kind="jax",
             sharding=sharding_json(value.sharding),
+            prng_impl=value.prng_impl if isinstance(value, HostShards) else None,
         )
     python_type = None
     if type(value) in (bool, int, float, complex):  # np.float64 is a float too: not this

@@ -7,6 +7,7 @@ import asyncio
 import inspect
 import json
 import os
+import pydoc
 import signal
 import subprocess
 import sys
@@ -33,6 +34,34 @@ def test_every_async_entry_point_has_a_blocking_twin() -> None:
         twin = getattr(ckptstore, f"{name}_sync", None)
         assert twin is not None and f"{name}_sync" in ckptstore.__all__, name
         assert not inspect.iscoroutinefunction(twin) and f"`ckptstore.{name}`" in twin.__doc__
+
+
+TWINS = [name for name in ckptstore.__all__ if name.endswith("_sync")]
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_every_twin_has_its_async_functions_signature_and_types(name: str) -> None:
+    twin, fn = getattr(ckptstore, name), getattr(ckptstore, name.removesuffix("_sync"))
+    mine, theirs = inspect.signature(twin), inspect.signature(fn)
+    assert list(mine.parameters) != ["args", "kwargs"], f"{name} has no signature"
+    assert mine.parameters == theirs.parameters, name
+    hints, async_hints = inspect.get_annotations(twin), dict(inspect.get_annotations(fn))
+    if name == "partial_save_sync":  # a session whose methods block
+        assert hints["return"] is ckptstore.PartialSaveSync
+        async_hints["return"] = ckptstore.PartialSaveSync
+    assert hints == async_hints, name
+    assert twin.__name__ == name and twin.__module__.startswith("ckptstore.")
+    assert getattr(sys.modules[twin.__module__], name) is twin  # found where it says it is
+    assert inspect.cleandoc(fn.__doc__) in twin.__doc__  # help() shows the whole story
+    assert "(*args, **kwargs)" not in pydoc.render_doc(twin, renderer=pydoc.plaintext)
+
+
+def test_the_blocking_sessions_methods_have_the_async_ones_signatures() -> None:
+    for name in ("add", "drop", "abandon", "finalize", "close"):
+        mine = inspect.signature(getattr(ckptstore.PartialSaveSync, name))
+        theirs = inspect.signature(getattr(ckptstore.PartialSave, name))
+        assert mine.parameters == theirs.parameters, name
+        assert mine.return_annotation == theirs.return_annotation, name
 
 
 def test_partial_save_sync(tmp_path: Path) -> None:

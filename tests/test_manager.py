@@ -226,6 +226,40 @@ def test_the_latest_step_is_never_deleted(root: str) -> None:
         assert mgr.all_steps() == [1, 3]  # the best, and the latest though it is worst
 
 
+def attempts(root: str, step: int) -> list[str]:
+    return sorted(p.name for p in (Path(root) / str(step)).iterdir() if p.is_dir())
+
+
+def test_a_committed_step_is_refused_at_save_before_staging(root: str) -> None:
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        handle = mgr.save(1, make_state(1))
+        assert handle is not None
+        handle.wait()
+        ckptstore.save_sync(root, make_state(2), step=2)  # another writer committed step 2
+        for step in (1, 2):
+            state = make_state(step)
+            state["w"].delete()  # staging would refuse a deleted leaf: this is refused first
+            with pytest.raises(ckptstore.AlreadyExistsError, match=f"step {step} is already"):
+                mgr.save(step, state, force=True)
+        handle = mgr.save(3, make_state(3))
+        with pytest.raises(ckptstore.AlreadyExistsError, match="step 3 is already committed"):
+            mgr.save(3, make_state(3), force=True)  # saved again while the first is in flight
+        assert handle.wait().step == 3
+        assert [len(attempts(root, step)) for step in (1, 2, 3)] == [1, 1, 1]  # nothing new
+        handle = mgr.save(4, make_state(4))  # the manager carries on
+        assert handle is not None and handle.wait().step == 4
+        assert mgr.all_steps() == [1, 2, 3, 4]
+
+
+def test_a_step_committed_only_on_the_durable_tier_is_refused_at_save(tmp_path: Path) -> None:
+    tiers = ckptstore.Tiered(str(tmp_path / "fast"), str(tmp_path / "durable"))
+    ckptstore.save_sync(tiers.durable, {"x": np.ones(3)}, step=5)
+    with ckptstore.CheckpointManager(tiers, options=options()) as mgr:
+        with pytest.raises(ckptstore.AlreadyExistsError, match="step 5 is already committed"):
+            mgr.save(5, {"x": np.zeros(3)}, force=True)
+        assert ckptstore.list_steps_sync(tiers.fast) == []
+
+
 async def test_retention_never_touches_a_step_being_written(tmp_path: Path) -> None:
     from tests.test_commit import STALLS, Stalled
 

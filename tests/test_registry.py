@@ -186,3 +186,113 @@ def test_a_secret_passed_as_credentials_is_not_echoed(url: str, secret: str) -> 
     with pytest.raises(ckptstore.ConfigError) as info:
         ckptstore.open_backend(url, credentials=secret)
     assert "SECRET" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://b/x?X-Amz-Signature=SIGSECRET&X-Amz-Credential=AKIASECRET",
+        "gs://b/x?pw=SIGSECRET",
+        "s3://b/x#SIGSECRET",
+        "memory://m?token=SIGSECRET",
+    ],
+)
+def test_a_signed_query_string_is_never_echoed(url: str) -> None:
+    with pytest.raises(InvalidURLError, match="query strings") as info:
+        ckptstore.open_backend(url)
+    assert "SECRET" not in str(info.value) and "?***" in str(info.value)
+
+
+#: Every profile option by the type it takes, and TOML values of other types.
+_WRONG = {
+    "str": ["[1]", "{ a = 1 }", "true", "1.5"],
+    "bool": ['"yes"', "1", "[true]"],
+    "int": ['"2"', "1.5", "true", "[1]"],
+    "seconds": ['"2"', "true", "inf", "nan", "[1]"],
+}
+_TYPED_OPTIONS = {
+    "local": {"concurrency": "int", "fsync": "bool", "drop_cache": "bool", "create": "bool"},
+    "memory": {"concurrency": "int"},
+    "s3": {
+        "endpoint": "str",
+        "region": "str",
+        "credentials": "str",
+        "profile": "str",
+        "multipart_threshold": "int",
+        "part_size": "int",
+        "read_part_size": "int",
+        "read_concurrency": "int",
+        "ts_request_concurrency": "int",
+        "connect_timeout": "seconds",
+        "read_timeout": "seconds",
+    },
+    "gcs": {
+        "endpoint": "str",
+        "project": "str",
+        "credentials": "str",
+        "emulator": "bool",
+        "resumable_threshold": "int",
+        "chunk_size": "int",
+    },
+}
+_RETRY = {"max_attempts": "int", "base_delay": "seconds", "max_delay": "seconds"}
+_URLS = {"local": "ROOT", "memory": "memory://m", "s3": "s3://b/p", "gcs": "gs://b/p"}
+
+
+def _wrong_typed_options() -> list[tuple[str, str, str]]:
+    cases = []
+    for kind, options in _TYPED_OPTIONS.items():
+        for name, want in options.items():
+            cases += [(kind, f"[options]\n{name}", value) for value in _WRONG[want]]
+        for name, want in _RETRY.items():
+            cases += [(kind, f"[options.retry]\n{name}", value) for value in _WRONG[want]]
+        cases += [(kind, "[options]\nretry", value) for value in ('"many"', "1.5", "[1]")]
+    return cases
+
+
+@pytest.mark.parametrize(("kind", "field", "value"), _wrong_typed_options())
+def test_every_option_of_the_wrong_type_is_named(
+    kind: str, field: str, value: str, tmp_path: Path
+) -> None:
+    """Profiles are checked field by field: a value of the wrong type is a `ConfigError`
+    naming the field and what it takes, never a TypeError from deeper down."""
+    table, name = field.split("\n")
+    url = _URLS[kind].replace("ROOT", str(tmp_path / "ck"))
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'url = "{url}"\n{table}\n{name} = {value}\n')
+    with pytest.raises(ConfigError) as info:
+        ckptstore.open_backend(profile=profile)
+    assert name in str(info.value) and "must be" in str(info.value)
+    assert "retry]" not in table or "[options.retry]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('keep_fast = "2"', "keep_fast must be a number of steps"),
+        ("keep_fast = 1.5", "keep_fast must be a number of steps"),
+        ("keep_fast = true", "keep_fast must be a number of steps"),
+        ('free_margin = "1G"', "free_margin must be bytes"),
+    ],
+)
+def test_tiers_fields_of_the_wrong_type_are_named(line: str, match: str, tmp_path: Path) -> None:
+    profile = tmp_path / "t.toml"
+    profile.write_text(f'[tiers]\nfast = "f"\ndurable = "d"\n{line}\n')
+    with pytest.raises(ConfigError, match=match):
+        ckptstore.Tiered.from_profile(profile)
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ({"save_initial": "no"}, "save_initial must be true or false"),
+        ({"save_on_preemption": 1}, "save_on_preemption must be true or false"),
+        ({"gc_on_start": "yes"}, "gc_on_start must be true or false"),
+        ({"if_busy": ["wait"]}, "if_busy must be a string"),
+        ({"keep_best": {"metric": 3}}, "keep_best.metric must be a string"),
+        ({"keep_latest": "3"}, "keep_latest must be an integer"),
+    ],
+)
+def test_manager_fields_of_the_wrong_type_are_named(table: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ckptstore.ManagerOptions.from_table(table)

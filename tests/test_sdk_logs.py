@@ -3,6 +3,7 @@ source it skips) stay off stderr unless asked for; other stderr output is untouc
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ AWS_LINE = (
 TS_LINE = b"W1201 05:08:52.124881   31545 s3_key_value_store.cc:120] something TensorStore says\n"
 
 SCRIPT = """
+import logging
 import logging
 import os
 import sys
@@ -85,3 +87,25 @@ def test_only_the_sdk_lines_are_held_back(
     with quiet_aws_sdk():
         os.write(2, AWS_LINE)
     assert capfd.readouterr().err == AWS_LINE.decode()
+
+
+def test_botocore_debug_records_are_redacted(caplog: pytest.LogCaptureFixture) -> None:
+    """The forms botocore logs at DEBUG: a request's headers, the canonical request it
+    signs, an STS reply. (tests/test_secrets.py checks the same against a real client.)"""
+    import ckptstore.backends.s3  # noqa: F401 - installs the filter
+
+    lines = {
+        "botocore.endpoint": "Sending http request: <AWSPreparedRequest headers={"
+        "'X-Amz-Security-Token': b'TOK1', 'Authorization': b'AWS4-HMAC-SHA256 "
+        "Credential=AKIA/x, SignedHeaders=host, Signature=SIG2'}>",
+        "botocore.auth": "CanonicalRequest:\nGET\n/\n\nx-amz-security-token:TOK3\n",
+        "botocore.parsers": "Response body:\nb'<SecretAccessKey>KEY4</SecretAccessKey>"
+        "<SessionToken>TOK5</SessionToken>'",
+    }
+    caplog.set_level("DEBUG")
+    for name, line in lines.items():
+        logging.getLogger(name).debug("%s", line)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 3
+    for secret in ("TOK1", "SIG2", "TOK3", "KEY4", "TOK5"):
+        assert secret not in text, text

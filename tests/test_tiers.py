@@ -93,6 +93,29 @@ async def test_a_damaged_fast_copy_falls_back_to_the_durable_one(
     assert "fast copy of step 3 is damaged" in caplog.text
 
 
+async def test_a_damaged_fast_copy_is_never_promoted_nor_trimmed(
+    tiered: ckptstore.Tiered,
+) -> None:
+    """A same-size one-byte flip in a fast data file: promotion refuses (typed, naming the
+    damage), the durable tier lists nothing, and keep_fast keeps the only copy."""
+    trimmed = ckptstore.Tiered(tiered.fast, tiered.durable, keep_fast=1)
+    for step in (1, 2):
+        await ckptstore.save(trimmed.fast, tree(step), step=step)
+    root = await committed_root(ckptstore.open_backend(trimmed.fast), 1)
+    data = largest_data_file(Path(trimmed.fast, root, "state"))
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    data.write_bytes(bytes(blob))
+    with pytest.raises(ckptstore.CorruptCheckpointError, match="damaged on the fast tier"):
+        await ckptstore.promote(trimmed)
+    assert await ckptstore.list_steps(trimmed.durable) == []
+    assert await ckptstore.list_steps(trimmed.fast) == [1, 2]
+    assert_tree(await ckptstore.restore(trimmed.fast, step=2), 2)
+    await ckptstore.promote(trimmed, step=2)  # the intact step still goes
+    assert await ckptstore.list_steps(trimmed.durable) == [2]
+    assert await ckptstore.list_steps(trimmed.fast) == [1, 2]  # 1 is the only copy of 1
+
+
 async def test_keep_fast_trims_only_promoted_steps(tiered: ckptstore.Tiered) -> None:
     trimmed = ckptstore.Tiered(tiered.fast, tiered.durable, keep_fast=1)
     for step in (1, 2, 3):

@@ -133,8 +133,18 @@ _SIGNED = re.compile(
     r"access_token|refresh_token|client_secret|sig|token)=)[^&\s'\"<>]+",
     re.I,
 )
+#: A header as text (``Authorization: ...``) or in a logged dict (``'X-Amz-Security-Token':
+#: b'...'``, the form of botocore's debug lines): a quoted value goes whole.
 _AUTH = re.compile(
-    r"((?:Authorization|Proxy-Authorization|X-Amz-Security-Token)\s*[:=]\s*)\S+", re.I
+    r"((?:Authorization|Proxy-Authorization|X-Amz-Security-Token)['\"]?\s*[:=]\s*)"
+    r"(?:b?'[^']*'|b?\"[^\"]*\"|\S+)",
+    re.I,
+)
+#: Temporary credentials in a logged response body (STS's XML, a credential service's JSON).
+_CREDENTIAL_FIELDS = re.compile(
+    r"(<(?:SecretAccessKey|SessionToken)>)[^<]*|"
+    r"(\"(?:SecretAccessKey|SessionToken|Token|secret_key|token)\"\s*:\s*)\"[^\"]*\"",
+    re.I,
 )
 _BEARER = re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+", re.I)
 
@@ -144,6 +154,7 @@ def redact_text(text: str) -> str:
     text = _USERINFO_IN_TEXT.sub(r"\1***@", text)
     text = _SIGNED.sub(r"\1***", text)
     text = _AUTH.sub(r"\1***", text)
+    text = _CREDENTIAL_FIELDS.sub(lambda m: (m.group(1) or m.group(2)) + "***", text)
     return _BEARER.sub(r"\1***", text)
 
 

@@ -40,6 +40,7 @@ from ckptstore.backends._errors import (
     transport_error,
 )
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
+from ckptstore.backends.endpoints import check_endpoint
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.objectstore import (
     CONNECT_TIMEOUT,
@@ -66,9 +67,10 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 
-def _normalize_endpoint(url: str) -> str:
-    url = url.rstrip("/")
-    return url if "://" in url else f"http://{url}"
+def _normalize_endpoint(url: str, field: str) -> str:
+    """``url`` checked (`check_endpoint`: a scheme-less ``host[:port]`` is ``http://``),
+    without a trailing ``/``; `ConfigError` naming ``field`` if it is no endpoint."""
+    return check_endpoint(url, field, bare_host=True)
 
 
 class GcsBackend(ObjectStoreBackend):
@@ -138,9 +140,11 @@ class GcsBackend(ObjectStoreBackend):
         self.root = validate_prefix(prefix)
         emulator_host = os.environ.get(EMULATOR_ENV, "default")
         env_endpoint = None if emulator_host in ("", "default") else emulator_host
+        field = "GCS option 'endpoint'"
         if endpoint_url is None:
             endpoint_url = env_endpoint  # as gcsfs and google-cloud-storage do
-        self.endpoint_url = _normalize_endpoint(endpoint_url) if endpoint_url else None
+            field = f"${EMULATOR_ENV}"
+        self.endpoint_url = _normalize_endpoint(endpoint_url, field) if endpoint_url else None
         self.emulated = self._emulated(emulator, env_endpoint)
         self.project = project
         self.credentials = credentials
@@ -164,7 +168,7 @@ class GcsBackend(ObjectStoreBackend):
         """Emulator mode: as asked, else whether the endpoint is ``$STORAGE_EMULATOR_HOST``."""
         if emulator is None:
             return env_endpoint is not None and self.endpoint_url == _normalize_endpoint(
-                env_endpoint
+                env_endpoint, f"${EMULATOR_ENV}"
             )
         if not isinstance(emulator, bool):
             raise ConfigError(f"GCS emulator must be true or false, got {emulator!r}")
@@ -208,7 +212,7 @@ class GcsBackend(ObjectStoreBackend):
         endpoint = self.endpoint_url
         if endpoint is not None and endpoint != GCS_ENDPOINT:
             ts_url = os.environ.get(TENSORSTORE_ENV)
-            if ts_url is None or _normalize_endpoint(ts_url) != endpoint:
+            if ts_url is None or _normalize_endpoint(ts_url, f"${TENSORSTORE_ENV}") != endpoint:
                 raise ConfigError(
                     f"{self.url} uses endpoint {redact_url(endpoint)} but TensorStore "
                     f"reads its GCS endpoint from ${TENSORSTORE_ENV}; set it to the same URL"

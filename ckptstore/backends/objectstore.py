@@ -33,6 +33,7 @@ import re
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from math import inf
 from typing import Any, Protocol
 
 import tensorstore as ts
@@ -135,8 +136,11 @@ class ObjectStoreBackend(Backend):
     ):
         super().__init__(**options)
         for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < inf:
+                raise ConfigError(
+                    f"{name} must be a finite number of seconds > 0, got {value!r} "
+                    f"(a {type(value).__name__})"
+                )
         self.connect_timeout = float(connect_timeout)
         self.read_timeout = float(read_timeout)
         self.read_split = ReadSplit(read_part_size, read_concurrency)

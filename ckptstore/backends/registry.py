@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ckptstore.backends._errors import redact_text, redact_url
 from ckptstore.backends.base import Backend
+from ckptstore.backends.endpoints import check_endpoint
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, InvalidURLError
 
@@ -143,8 +145,16 @@ def parse_url(url: str) -> tuple[str, tuple[str, str]]:
 
 
 def redact(url: str) -> str:
-    """``url`` without any ``user:password@`` part, for messages."""
-    return re.sub(r"://[^/@]*@", "://***@", url)
+    """``url`` fit for messages: no ``user:password@`` part (everything up to the last
+    ``@`` after the scheme goes), and no query string or fragment (a signed URL's
+    ``X-Amz-Signature=...&X-Amz-Credential=...``): they are shown as ``?***``."""
+    if "://" not in url:
+        return url  # a path: nothing in it is a credential ckptstore would send anywhere
+    url = redact_url(url)
+    cut = re.search(r"[?#]", url)
+    if cut is not None:
+        url = url[: cut.start()] + "?***"
+    return redact_text(url)
 
 
 def profiles_dir() -> Path:
@@ -216,6 +226,8 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
         profile["manager"] = _expand(raw["manager"], file)
     kind, _ = parse_url(profile["url"])
     _check_options(kind, profile["options"], source=str(file))
+    if "retry" in profile["options"]:
+        _retry(profile["options"]["retry"], str(file))  # checked field by field now
     return profile
 
 
@@ -257,8 +269,10 @@ def _check_options(kind: str, options: Mapping[str, Any], *, source: str) -> Non
     for name, value in options.items():
         want = _OPTION_TYPES.get(name)
         if want is not None and (type(value) is not want):  # a bool is no int here
-            shown = "a value" if name == "credentials" else repr(value)[:40]  # maybe a secret
+            shown = "a value" if name in ("credentials", "endpoint") else repr(value)[:40]
             raise ConfigError(f"{source}: option {name!r} must be a {want.__name__}, not {shown}")
+    if options.get("endpoint"):  # before any SDK sees it (see `check_endpoint`)
+        check_endpoint(options["endpoint"], f"{source}: option 'endpoint'", bare_host=kind == "gcs")
 
 
 def _retry(value: Any, source: str) -> RetryPolicy:
@@ -270,8 +284,16 @@ def _retry(value: Any, source: str) -> RetryPolicy:
         unknown = set(value) - {"max_attempts", "base_delay", "max_delay"}
         if unknown:
             raise ConfigError(f"{source}: unknown retry setting(s) {sorted(unknown)}")
-        return RetryPolicy(**value)
-    raise ConfigError(f"{source}: retry must be a RetryPolicy, an int or a table")
+        try:
+            return RetryPolicy(**value)
+        except ConfigError as exc:  # name where it came from: "[options.retry] max_delay"
+            raise ConfigError(
+                f"{source}: [options.retry] {str(exc).removeprefix('retry ')}"
+            ) from None
+    raise ConfigError(
+        f"{source}: option 'retry' must be a RetryPolicy, an int (max_attempts) or a table, "
+        f"not a {type(value).__name__}"
+    )
 
 
 def require_extra(kind: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,15 +27,29 @@ class RetryPolicy:
     max_delay: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ConfigError(f"retry max_attempts must be >= 1, got {self.max_attempts}")
-        if self.base_delay < 0 or self.max_delay < 0:
-            raise ConfigError("retry delays must be >= 0")
+        attempts = self.max_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ConfigError(f"retry max_attempts must be an integer >= 1, got {_shown(attempts)}")
+        for name in ("base_delay", "max_delay"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 <= value < math.inf
+            ):
+                raise ConfigError(
+                    f"retry {name} must be a finite number of seconds >= 0, got {_shown(value)}"
+                )
 
     def delay(self, retry: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (1-based)."""
         cap = min(self.max_delay, self.base_delay * (2 ** (retry - 1)))
         return (rng or random).uniform(0.0, cap)
+
+
+def _shown(value: object) -> str:
+    """``value`` and its type, short, for a message (``'many'`` (a str))."""
+    return f"{repr(value)[:40]} (a {type(value).__name__})"
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)

@@ -41,6 +41,7 @@ from ckptstore.backends._errors import (
     transport_error,
 )
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
+from ckptstore.backends.endpoints import check_endpoint
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
 from ckptstore.backends.objectstore import (
     CONNECT_TIMEOUT,
@@ -51,8 +52,10 @@ from ckptstore.backends.objectstore import (
     replaced,
 )
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.backends.sdklog import quiet_aws_sdk
+from ckptstore.backends.sdklog import quiet_aws_sdk, redact_sdk_logs
 from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
+
+redact_sdk_logs()  # before any client exists: botocore's DEBUG lines quote credentials
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
@@ -72,6 +75,19 @@ _TS_CREDENTIALS = {
     "anonymous": {"type": "anonymous"},
 }
 _TRANSIENT_BOTO = (BotoConnectionError, HTTPClientError, IncompleteReadError)
+
+
+def _endpoint(option: str | None) -> str | None:
+    """The endpoint: the option, else ``$AWS_ENDPOINT_URL_S3``, else ``$AWS_ENDPOINT_URL``
+    (the first one set, non-empty), checked by `check_endpoint` under its own name."""
+    for field, value in (
+        ("S3 option 'endpoint'", option),
+        ("$AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+        ("$AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL")),
+    ):
+        if value:
+            return check_endpoint(value, field)
+    return None
 
 
 def as_body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
@@ -145,12 +161,8 @@ class S3Backend(ObjectStoreBackend):
         self.root = validate_prefix(prefix)
         # AWS convention: the service-specific variable, then the general one. Resolved here
         # once, so s3fs and TensorStore (which reads neither) reach the same server.
-        self.endpoint_url = (
-            endpoint_url
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or None
-        )
+        # Checked here, so no SDK sees a malformed one or one carrying credentials.
+        self.endpoint_url = _endpoint(endpoint_url)
         self.region = region
         self.credentials = credentials
         self.profile = profile

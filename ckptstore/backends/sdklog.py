@@ -11,6 +11,10 @@ for configurations that work. TensorStore offers no setting to lower that level.
 writes back everything except those lines; they go to the ``ckptstore.aws`` logger at
 DEBUG instead. Set ``CKPTSTORE_AWS_LOGS=1`` (or ask TensorStore for them with
 ``TENSORSTORE_VERBOSE_LOGGING=aws``) to see them on stderr as the SDK prints them.
+
+`redact_sdk_logs` masks credentials in botocore's own DEBUG records: each request's headers
+(``X-Amz-Security-Token``, ``Authorization``), the canonical request it signs, and response
+bodies (an STS reply's ``SecretAccessKey``), whichever handler the application attaches.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
+from ckptstore.backends._errors import redact_text
+
 SHOW_ENV = "CKPTSTORE_AWS_LOGS"
 log = logging.getLogger("ckptstore.aws")
 
@@ -32,6 +38,44 @@ log = logging.getLogger("ckptstore.aws")
 #: ``.cc`` file there).
 _AWS_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [A-Za-z][\w-]*:\d+\] ")
 _lock = threading.Lock()
+
+
+#: botocore's loggers whose DEBUG records quote credentials (a filter on a logger sees only
+#: the records logged through that very logger, so each is named).
+SDK_LOGGERS = (
+    "botocore.auth",
+    "botocore.endpoint",
+    "botocore.parsers",
+    "botocore.hooks",
+    "botocore.httpsession",
+    "aiobotocore.endpoint",
+    "aiobotocore.httpsession",
+)
+
+
+class _Redact(logging.Filter):
+    """Replaces a record's message by its redacted text (`redact_text`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: let logging report it as it would
+            return True
+        redacted = redact_text(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+_REDACT = _Redact()
+
+
+def redact_sdk_logs() -> None:
+    """Install the redacting filter on `SDK_LOGGERS` (idempotent)."""
+    for name in SDK_LOGGERS:
+        logger = logging.getLogger(name)
+        if _REDACT not in logger.filters:
+            logger.addFilter(_REDACT)
 
 
 def wanted() -> bool:

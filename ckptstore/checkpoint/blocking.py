@@ -9,25 +9,31 @@ Ctrl-C while that cancellation runs stops waiting for it.
 
 The twins of `ckptstore.promote`, `export_orbax` and `import_orbax` live beside
 them (`lifecycle.tiers`, `importers`), as this layer must not import those.
+
+Every twin is made by `blocking` from its async function, so it has that function's
+parameters and types: `inspect.signature`, ``help()``, IDEs and mypy see them
+(``save_sync(root, tree, step="3")`` is a type error, as it is for ``save``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
-from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
-from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.partial import Part, PartialSave, partial_save
 from ckptstore.checkpoint.save import SaveResult, save
 from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
-from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.leaves import LeafInfo
 
 T = TypeVar("T")
+R = TypeVar("R")
+Params = ParamSpec("Params")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -75,44 +81,51 @@ def _wait(done: threading.Event) -> None:
         pass
 
 
-def save_sync(*args: Any, **kwargs: Any) -> SaveResult:
-    """`ckptstore.save`, blocking."""
-    return run(save(*args, **kwargs))
+@overload
+def blocking(fn: Callable[Params, Coroutine[Any, Any, T]]) -> Callable[Params, T]: ...
 
 
-def restore_sync(*args: Any, **kwargs: Any) -> Any:
-    """`ckptstore.restore`, blocking."""
-    return run(restore(*args, **kwargs))
+@overload
+def blocking(
+    fn: Callable[Params, Coroutine[Any, Any, T]], then: Callable[[T], R]
+) -> Callable[Params, R]: ...
 
 
-def list_steps_sync(*args: Any, **kwargs: Any) -> list[int]:
-    """`ckptstore.list_steps`, blocking."""
-    return run(list_steps(*args, **kwargs))
+def blocking(
+    fn: Callable[Params, Coroutine[Any, Any, T]], then: Callable[[T], Any] | None = None
+) -> Callable[Params, Any]:
+    """The blocking twin of the async function ``fn``, named ``<fn>_sync`` in the calling
+    module: ``fn``'s parameters and types, its result (or ``then(result)``) returned once
+    `run` has run it to completion."""
+
+    def twin(*args: Params.args, **kwargs: Params.kwargs) -> Any:
+        result = run(fn(*args, **kwargs))
+        return result if then is None else then(result)
+
+    twin.__name__ = twin.__qualname__ = f"{fn.__name__}_sync"
+    twin.__module__ = sys._getframe(1).f_globals.get("__name__", __name__)
+    doc = inspect.cleandoc(fn.__doc__ or "")
+    twin.__doc__ = f"`ckptstore.{fn.__name__}`, blocking (see `ckptstore.checkpoint.blocking`)."
+    if doc:
+        twin.__doc__ += f"\n\n{doc}"
+    twin.__wrapped__ = fn  # type: ignore[attr-defined]  # typing.get_type_hints finds fn's names
+    signature = inspect.signature(fn)
+    annotations = dict(fn.__annotations__)
+    if then is not None:
+        signature = signature.replace(return_annotation=then)
+        annotations["return"] = then
+    twin.__signature__ = signature  # type: ignore[attr-defined]
+    twin.__annotations__ = annotations
+    return twin
 
 
-def verify_sync(*args: Any, **kwargs: Any) -> VerifyReport:
-    """`ckptstore.verify`, blocking."""
-    return run(verify(*args, **kwargs))
-
-
-def read_manifest_sync(*args: Any, **kwargs: Any) -> Manifest:
-    """`ckptstore.read_manifest`, blocking."""
-    return run(read_manifest(*args, **kwargs))
-
-
-def delete_step_sync(*args: Any, **kwargs: Any) -> Removal:
-    """`ckptstore.delete_step`, blocking."""
-    return run(delete_step(*args, **kwargs))
-
-
-def gc_sync(*args: Any, **kwargs: Any) -> Removal:
-    """`ckptstore.gc`, blocking."""
-    return run(gc(*args, **kwargs))
-
-
-def partial_save_sync(*args: Any, **kwargs: Any) -> PartialSaveSync:
-    """`ckptstore.partial_save`, blocking: a session whose methods block."""
-    return PartialSaveSync(run(partial_save(*args, **kwargs)))
+save_sync = blocking(save)
+restore_sync = blocking(restore)
+list_steps_sync = blocking(list_steps)
+verify_sync = blocking(verify)
+read_manifest_sync = blocking(read_manifest)
+delete_step_sync = blocking(delete_step)
+gc_sync = blocking(gc)
 
 
 class PartialSaveSync:
@@ -153,9 +166,11 @@ class PartialSaveSync:
         """`PartialSave.abandon`, blocking."""
         run(self.session.abandon())
 
-    def finalize(self, **kwargs: Any) -> SaveResult:
+    def finalize(
+        self, *, metadata: dict[str, Any] | None = None, structure: dict[str, Any] | None = None
+    ) -> SaveResult:
         """`PartialSave.finalize`, blocking."""
-        return run(self.session.finalize(**kwargs))
+        return run(self.session.finalize(metadata=metadata, structure=structure))
 
     def close(self) -> None:
         """`PartialSave.close`, blocking."""
@@ -174,3 +189,7 @@ class PartialSaveSync:
 
     def __repr__(self) -> str:
         return f"<PartialSaveSync step {self.step} attempt {self.attempt}>"
+
+
+#: A session whose methods block (`PartialSaveSync`).
+partial_save_sync = blocking(partial_save, PartialSaveSync)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from ckptstore.packs import PackRef
 KINDS = ("jax", "numpy", "scalar")
 PYTHON_TYPES = (None, "int", "float", "bool", "complex")
 MAX_RANK = 64
+#: A PRNG implementation's name (`LeafInfo.prng_impl`): jax's are "threefry2x32", "rbg"...
+_IMPL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 @dataclass
@@ -218,6 +221,13 @@ def parse_leaf(name: str, d: Any) -> LeafInfo:
     sharding = d.get("sharding")
     if sharding is not None and not isinstance(sharding, dict):
         raise ValueError(f"leaf {name!r}: bad sharding")
+    prng_impl = d.get("prng_impl")  # absent before typed PRNG keys were saved
+    if prng_impl is not None and not (
+        isinstance(prng_impl, str) and _IMPL_NAME.fullmatch(prng_impl)
+    ):
+        raise ValueError(f"leaf {name!r}: bad PRNG implementation {str(prng_impl)[:40]!r}")
+    if prng_impl is not None and (d["kind"] != "jax" or shape == []):
+        raise ValueError(f"leaf {name!r}: PRNG key data must be a jax array of rank 1 or more")
     info = LeafInfo.from_json(name, d)
     if info.nbytes >= 2**63:
         raise ValueError(f"leaf {name!r}: impossibly large")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,7 @@ class Entry:
 
     keys: tuple[tuple[str, int], ...]  # (name, SEQUENCE | DICT) from the root down
     value_type: str
+    write_shape: tuple[int, ...] | None = None  # a jax.Array's shard shape, where recorded
 
     @property
     def name(self) -> str:
@@ -167,7 +169,7 @@ def parse_tree_metadata(data: bytes, where: str) -> TreeMetadata:
         tree = doc.get("tree_metadata")
         if not isinstance(tree, dict):
             raise ValueError("'tree_metadata' is missing or not an object")
-        entries = [_entry(label, value) for label, value in tree.items()]
+        entries = [_entry(label, value, len(tree)) for label, value in tree.items()]
         use_ocdbt = _flag(doc, "use_ocdbt", None)
         return TreeMetadata(
             entries=entries,
@@ -186,7 +188,9 @@ def _flag(doc: dict[str, Any], key: str, default: bool | None) -> bool | None:
     return value
 
 
-def _entry(label: str, value: Any) -> Entry:
+def _entry(label: str, value: Any, count: int) -> Entry:
+    """One entry of ``tree_metadata`` (which has ``count`` entries: every element of a
+    sequence is described by one at least, so no index reaches ``count``)."""
     if not isinstance(value, dict):
         raise ValueError(f"entry {label[:80]!r} is not an object")
     keys = value.get("key_metadata")
@@ -203,6 +207,11 @@ def _entry(label: str, value: Any) -> Entry:
             raise ValueError(f"entry {label[:80]!r}: bad key {str(key)[:80]}")
         if kind == SEQUENCE and layout.parse_step(name) is None:  # a plain decimal index
             raise ValueError(f"entry {label[:80]!r}: sequence index {name[:40]!r}")
+        if kind == SEQUENCE and (len(name) > 18 or int(name) >= count):  # no huge int()
+            raise ValueError(
+                f"entry {label[:80]!r}: sequence index {name[:40]!r} beyond the {count} "
+                "entries a sequence could have"
+            )
         path.append((name, kind))
     meta = value.get("value_metadata")
     if not isinstance(meta, dict):
@@ -214,7 +223,14 @@ def _entry(label: str, value: Any) -> Entry:
         raise ValueError(f"entry {label[:80]!r} has unknown value type {value_type[:40]!r}")
     if not isinstance(meta.get("skip_deserialize", False), bool):
         raise ValueError(f"entry {label[:80]!r}: skip_deserialize is not true or false")
-    return Entry(tuple(path), value_type)
+    write_shape = meta.get("write_shape")
+    if write_shape is not None and (
+        not isinstance(write_shape, list)
+        or len(write_shape) > 64
+        or not all(type(d) is int and 0 <= d < 2**62 for d in write_shape)
+    ):
+        raise ValueError(f"entry {label[:80]!r}: bad write_shape {str(write_shape)[:80]}")
+    return Entry(tuple(path), value_type, None if write_shape is None else tuple(write_shape))
 
 
 # ---- the tree structure ----
@@ -327,6 +343,13 @@ async def open_item(backend: Backend, where: str, item: str, *, default_item: st
         )
     reader = _Reader(backend, prefix, use_ocdbt, meta.use_zarr3, meta.every_chunk_stored)
     opened = await settle(reader.open(entry) for entry in arrays)
+    await _check_declared(
+        backend,
+        prefix,
+        use_ocdbt,
+        meta.every_chunk_stored,
+        [(entry, info) for entry, (info, _) in zip(arrays, opened, strict=True)],
+    )
     leaves = {info.name: info for info, _ in opened}
     stores = {info.name: arr for info, arr in opened}
 
@@ -334,6 +357,65 @@ async def open_item(backend: Backend, where: str, item: str, *, default_item: st
         return stores[info.name]
 
     return StoredItem(leaves, structure, open_leaf)
+
+
+#: No codec Orbax writes packs more bytes than this into one stored byte: zstd (Orbax's
+#: default) at most ~32768 (a 128 KiB block as a 4-byte RLE block), deflate ~1032, lz4 ~255.
+MAX_COMPRESSION = 1 << 16
+#: Arrays declaring more bytes than this are checked against the bytes stored (a listing).
+CHECK_STORED_ABOVE = 64 << 20
+#: More than any array can hold (TensorStore's indices are int64).
+MAX_DECLARED_BYTES = 1 << 62
+_METADATA_NAMES = frozenset({".zarray", ".zattrs", ".zgroup", "zarr.json"})
+
+
+async def _check_declared(
+    backend: Backend,
+    prefix: str,
+    ocdbt: bool,
+    every_chunk: bool,
+    opened: list[tuple[Entry, LeafInfo]],
+) -> None:
+    """Each array's declared size against the bytes stored, before any buffer is sized
+    by it (a ``.zarray`` edited to declare ``[2**34]`` would otherwise size a 128 GiB
+    read, and a failed allocation in TensorStore aborts the process).
+
+    An array declaring more than `CHECK_STORED_ABOVE` bytes must have stored at least
+    1/`MAX_COMPRESSION` of them (in an OCDBT store: the whole store's files, an upper
+    bound), and, as a plain zarr directory where Orbax stored every chunk, a chunk file
+    for each chunk its grid has. Else `CorruptCheckpointError`, naming both sizes.
+    """
+    whole: int | None = None
+    for entry, info in opened:
+        if info.nbytes <= CHECK_STORED_ABOVE:
+            continue
+        chunks: int | None = None
+        if ocdbt:
+            if whole is None:
+                whole = sum([o.size async for o in backend.list(prefix)])
+            stored = whole
+        else:
+            data = [
+                o
+                async for o in backend.list(_join(prefix, entry.param))
+                if o.key.rsplit("/", 1)[-1] not in _METADATA_NAMES
+            ]
+            stored, chunks = sum(o.size for o in data), len(data)
+        grid = math.prod(-(-d // c) for d, c in zip(info.shape, info.chunk_shape, strict=True))
+        declared = (
+            f"Orbax array {entry.param!r} declares shape {list(info.shape)} of {info.dtype} "
+            f"({info.nbytes} bytes"
+        )
+        if every_chunk and chunks is not None and grid > chunks:
+            raise CorruptCheckpointError(
+                f"{declared}, {grid} chunks) but {chunks} chunk(s) are stored", leaf=entry.name
+            )
+        if info.nbytes > stored * MAX_COMPRESSION:
+            raise CorruptCheckpointError(
+                f"{declared}) but {stored} bytes are stored: no codec compresses "
+                f"{MAX_COMPRESSION}:1, the declared size is impossible",
+                leaf=entry.name,
+            )
 
 
 def _check_params(entries: list[Entry], where: str) -> None:
@@ -383,7 +465,42 @@ class _Reader:
                 f"{self.backend.url}/{self.prefix}: {str(exc)[:300]}",
                 leaf=entry.name,
             ) from exc
-        return _leaf_info(entry, arr), arr
+        info = _leaf_info(entry, arr)
+        if not self.zarr3:
+            _check_zarr2(entry, info, arr.spec().to_json().get("metadata", {}))
+        return info, arr
+
+
+def _check_zarr2(entry: Entry, info: LeafInfo, metadata: dict[str, Any]) -> None:
+    """What Orbax writes, checked against an array's ``.zarray`` (zarr v2 has no checksum,
+    so an edited one would restore different data silently): C order (``F`` restores
+    transposed), chunks no larger than the array (they are its shards, or parts of them: a
+    shape edited smaller would restore truncated), and the shard shape ``_METADATA``
+    records for a jax.Array, which the shape must hold. A dtype edited to another of the
+    same size cannot be caught: nothing else records it."""
+    order = metadata.get("order", "C")
+    if order != "C":
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} has order {str(order)[:8]!r}: Orbax writes C "
+            "order, so the .zarray was edited (F would restore the array transposed)",
+            leaf=entry.name,
+        )
+    shape = info.shape
+    if any(c > d > 0 for c, d in zip(info.chunk_shape, shape, strict=True)):
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} has chunks {list(info.chunk_shape)} larger than "
+            f"its shape {list(shape)}: Orbax writes chunks that fit (a shape edited smaller?)",
+            leaf=entry.name,
+        )
+    recorded = entry.write_shape
+    if recorded is not None and (
+        len(recorded) != len(shape) or any(w > d for w, d in zip(recorded, shape, strict=False))
+    ):
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} has shape {list(shape)}, but _METADATA records "
+            f"shards of {list(recorded)}",
+            leaf=entry.name,
+        )
 
 
 def _leaf_info(entry: Entry, arr: ts.TensorStore) -> LeafInfo:
@@ -397,6 +514,13 @@ def _leaf_info(entry: Entry, arr: ts.TensorStore) -> LeafInfo:
                 f"Orbax scalar stored with shape {list(shape)}", leaf=entry.name
             )
         python_type = _PYTHON_TYPES.get(dtype.kind)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_DECLARED_BYTES:
+        raise CorruptCheckpointError(
+            f"Orbax array {entry.param!r} declares shape {list(shape)} of {dtype} "
+            f"({nbytes} bytes): impossible",
+            leaf=entry.name,
+        )
     chunk = arr.chunk_layout.read_chunk.shape or shape
     return LeafInfo(
         name=entry.name,

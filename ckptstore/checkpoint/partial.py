@@ -70,7 +70,7 @@ from ckptstore.errors import (
     NotFoundError,
     UnsupportedOperationError,
 )
-from ckptstore.leaves import LeafInfo, describe_leaf
+from ckptstore.leaves import LeafInfo, describe_leaf, storable
 
 _PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
 
@@ -333,6 +333,8 @@ class PartialSave:
         self._check_open()
         named = flatten(subtree)
         infos = [describe_leaf(name, value) for name, value in named]
+        if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
+            named = [(name, storable(value)) for name, value in named]
         saved = self.leaves
         nested = _nesting_conflicts(set(saved), [info.name for info in infos])
         if nested:

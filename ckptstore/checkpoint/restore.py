@@ -12,6 +12,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -35,9 +36,17 @@ from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
-from ckptstore.errors import CheckpointNotFoundError, TreeMismatchError
+from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError, TreeMismatchError
 from ckptstore.gcpause import gc_paused
-from ckptstore.leaves import Index, LeafInfo, dtype_of
+from ckptstore.leaves import (
+    Index,
+    LeafInfo,
+    dtype_of,
+    is_key_like,
+    key_data_aval,
+    key_impl_name,
+)
+from ckptstore.membudget import check_fits
 from ckptstore.packs import read_packed, read_split
 from ckptstore.rawleaf import RawLeaf
 
@@ -76,7 +85,8 @@ async def restore(
 
     ``like`` describes what to build: ``None`` gives the saved tree with numpy
     arrays; a tree of `jax.ShapeDtypeStruct` (or arrays) with shardings gives
-    jax arrays laid out that way, each process reading only its slices.
+    jax arrays laid out that way, each process reading only its slices. Typed PRNG
+    keys come back as typed keys of their saved implementation either way.
 
     Where ``target`` has no such committed step but holds an Orbax checkpoint (a
     `StandardCheckpointer` directory, or a `CheckpointManager` root with a finalized
@@ -175,15 +185,83 @@ async def restore_stored(
     budget = budget or ByteBudget(MAX_INFLIGHT_BYTES)
     if like is None:
         names = list(stored.leaves)
+        # Typed PRNG keys come back as typed keys of the implementation they were saved from.
+        stored_keys = {
+            n: _KeysWanted.of_stored(info)
+            for n, info in stored.leaves.items()
+            if info.prng_impl is not None
+        }
         values = await _load(stored, [(stored.leaves[n], None) for n in names], cast, budget)
         loaded = dict(zip(names, values, strict=True))
+        for name, key in stored_keys.items():
+            loaded[name] = key.wrap(loaded[name])
         return rebuild(stored.structure, loaded.__getitem__)
 
     paths, treedef = jax.tree_util.tree_flatten_with_path(like)
     wanted = [(path_name(path), leaf) for path, leaf in paths]
-    _check(wanted, stored.leaves, partial=partial, cast=cast)
-    values = await _load(stored, [(stored.leaves[n], w) for n, w in wanted], cast, budget)
+    # Typed PRNG keys asked for: their key data is read, then wrapped.
+    keys = {k: _KeysWanted.of(w) for k, (_, w) in enumerate(wanted) if is_key_like(w)}
+    data = [(n, keys[k].data if k in keys else w) for k, (n, w) in enumerate(wanted)]
+    impls = {wanted[k][0]: key.impl for k, key in keys.items()}
+    _check(data, stored.leaves, partial=partial, cast=cast, impls=impls)
+    values = await _load(stored, [(stored.leaves[n], w) for n, w in data], cast, budget)
+    for k, key in keys.items():
+        values[k] = key.wrap(values[k])
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+@dataclass(frozen=True)
+class _KeysWanted:
+    """Typed PRNG keys to restore: the key data to read (``data``) and how to make keys
+    of it (`wrap`)."""
+
+    impl: str
+    data: _Data
+    #: Where to put the keys once wrapped: a sharding that does not apply to the key data
+    #: as it is (the data is then read to host memory first). None: the data's own place.
+    place: jax.sharding.Sharding | None = None
+
+    @classmethod
+    def of(cls, want: Any) -> _KeysWanted:
+        """For ``want``, a typed key array or `jax.ShapeDtypeStruct` of ``like``."""
+        impl = key_impl_name(want.dtype)
+        trailing, dtype = key_data_aval(impl)
+        shape = (*want.shape, *trailing)
+        sharding = getattr(want, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            return cls(impl, _Data(shape, dtype))
+        # These leave trailing dimensions unsharded: the keys' sharding is the data's.
+        if isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+            return cls(impl, _Data(shape, dtype, sharding))
+        return cls(impl, _Data(shape, dtype), place=sharding)
+
+    @classmethod
+    def of_stored(cls, info: LeafInfo) -> _KeysWanted:
+        """For a stored key leaf restored without ``like``."""
+        assert info.prng_impl is not None
+        trailing, dtype = key_data_aval(info.prng_impl)
+        n = len(trailing)
+        if info.shape[len(info.shape) - n :] != trailing or info.dtype != dtype.name:
+            raise CorruptCheckpointError(
+                f"{info.dtype} data of shape {list(info.shape)} are not "
+                f"keys of {info.prng_impl!r} (their data is {dtype.name}, shape [..., "
+                f"{', '.join(map(str, trailing))}])",
+                leaf=info.name,
+            )
+        return cls(info.prng_impl, _Data(info.shape, dtype))
+
+    def wrap(self, data: Any) -> jax.Array:
+        keys: jax.Array = jax.random.wrap_key_data(data, impl=self.impl)
+        return keys if self.place is None else jax.device_put(keys, self.place)
+
+
+@dataclass(frozen=True)
+class _Data:
+    """Key data to read, as a ``like`` leaf asks for it (shape, dtype, sharding)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    sharding: jax.sharding.Sharding | None = None
 
 
 async def _load(
@@ -276,14 +354,28 @@ def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any
 
 
 def _check(
-    wanted: list[tuple[str, Any]], stored: dict[str, LeafInfo], *, partial: bool, cast: bool
+    wanted: list[tuple[str, Any]],
+    stored: dict[str, LeafInfo],
+    *,
+    partial: bool,
+    cast: bool,
+    impls: dict[str, str],
 ) -> None:
+    """Every disagreement between what is asked for and what is stored, in one
+    `TreeMismatchError`. ``impls``: the leaves asked for as typed PRNG keys (their key
+    data in ``wanted``), with the implementation asked for; stored key data of another
+    implementation is refused, data saved as plain arrays (`jax.random.key_data` by
+    hand) is taken when its shape and dtype are the keys' data's."""
     problems = []
     names = {n for n, _ in wanted}
     for name, want in wanted:
         info = stored.get(name)
         if info is None:
             problems.append(f"{name}: not in the checkpoint")
+            continue
+        impl = impls.get(name)
+        if info.prng_impl is not None and impl is not None and info.prng_impl != impl:
+            problems.append(f"{name}: {impl} keys requested, {info.prng_impl} keys stored")
             continue
         shape = _shape_of(want)
         if shape is not None and tuple(shape) != info.shape:
@@ -332,6 +424,8 @@ async def _materialize(
     sharding = getattr(want, "sharding", None)
     if isinstance(sharding, jax.sharding.Sharding):
         return await _read_sharded(read, info, sharding, dtype if cast else None, budget)
+    if budget is not None:  # else already in memory
+        check_fits(info.nbytes, "reading the leaf whole", leaf=info.name)
     async with _holding(budget, info.nbytes):
         whole = await read(())
     if cast and dtype is not None:
@@ -380,6 +474,7 @@ async def _read_sharded(
 
     async def place(index: Index, devices: list[Any]) -> list[jax.Array]:
         nbytes = math.prod(_key_shape(_key(index, info.shape))) * itemsize
+        check_fits(nbytes, "reading one device's slice", leaf=info.name)
         async with _holding(budget, nbytes):
             data = await read(index)
             if dtype is not None:

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import PROFILE_ENV, load_profile, open_backend, resolve_profile
+from ckptstore.backends.registry import (
+    PROFILE_ENV,
+    load_profile,
+    open_backend,
+    redact,
+    resolve_profile,
+)
 from ckptstore.errors import ConfigError
 
 #: A URL or path, a ``.toml`` profile file, or an open `Backend`.
@@ -36,7 +42,19 @@ class Tiered:
     keep_fast: int | None = None
     free_margin: int = FREE_MARGIN
 
+    def __repr__(self) -> str:  # the targets as `redact` shows URLs: never a credential
+        return (
+            f"Tiered(fast={_shown(self.fast)}, durable={_shown(self.durable)}, "
+            f"keep_fast={self.keep_fast!r}, free_margin={self.free_margin!r})"
+        )
+
     def __post_init__(self) -> None:
+        for name in ("keep_fast", "free_margin"):
+            value = getattr(self, name)
+            if (value is not None or name == "free_margin") and (
+                isinstance(value, bool) or not isinstance(value, int)
+            ):
+                raise ConfigError(f"Tiered {name} must be an int, got {type(value).__name__}")
         if self.keep_fast is not None and self.keep_fast < 1:
             raise ConfigError(f"keep_fast must be >= 1 (or None), got {self.keep_fast}")
         if self.free_margin < 0:
@@ -69,9 +87,13 @@ class Tiered:
         margin = table.get("free_margin", FREE_MARGIN)
         if isinstance(margin, bool) or not isinstance(margin, int):
             raise ConfigError(f"profile {path} [tiers] free_margin must be bytes (an int)")
-        return cls(
-            resolve(table["fast"]), resolve(table["durable"]), table.get("keep_fast"), margin
-        )
+        keep = table.get("keep_fast")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)):
+            raise ConfigError(
+                f"profile {path} [tiers] keep_fast must be a number of steps (an int >= 1), "
+                f"not a {type(keep).__name__}"
+            )
+        return cls(resolve(table["fast"]), resolve(table["durable"]), keep, margin)
 
     @asynccontextmanager
     async def opened(self) -> AsyncIterator[tuple[Backend, Backend]]:
@@ -92,6 +114,12 @@ def check_distinct(fast: Backend, durable: Backend) -> None:
             f"the fast tier {fast.url} and the durable tier {durable.url} are the same "
             "storage (or one lies inside the other): give the tiers separate locations"
         )
+
+
+def _shown(target: Target) -> str:
+    if isinstance(target, Backend):
+        return repr(target)
+    return repr(redact(os.fspath(target)))
 
 
 #: Anything the public entry points accept: a `Target`, or a `Tiered` pair of them.

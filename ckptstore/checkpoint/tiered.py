@@ -147,10 +147,32 @@ async def read_manifest(target: AnyTarget, step: int | None = None) -> Manifest:
 
 
 async def restore(
-    target: AnyTarget, step: int | None = None, like: Any = None, **kwargs: Any
+    target: AnyTarget,
+    step: int | None = None,
+    like: Any = None,
+    *,
+    item: str = layout.DEFAULT_ITEM,
+    partial: bool = False,
+    cast: bool = False,
+    max_inflight_bytes: int = plain.MAX_INFLIGHT_BYTES,
 ) -> Any:
-    """`ckptstore.checkpoint.restore.restore` (same keywords: ``item``, ``partial``,
-    ``cast``, ``max_inflight_bytes``), from the nearest tier with a good copy."""
+    """Restore a committed step (the latest by default), from the nearest tier with a
+    good copy on tiers (see `ckptstore.checkpoint.restore.restore`).
+
+    ``like`` describes what to build: ``None`` gives the saved tree with numpy arrays
+    (typed PRNG keys as typed keys); a tree of `jax.ShapeDtypeStruct` (or arrays) with
+    shardings gives jax arrays laid out that way, each process reading only its slices.
+    ``item``: which item of the step. ``partial``: leaves stored but not in ``like`` are
+    allowed. ``cast``: leaves may be cast to ``like``'s dtypes. At most
+    ``max_inflight_bytes`` of read data wait for their devices at a time. An Orbax
+    checkpoint at ``target`` is read with the same semantics.
+    """
+    kwargs: dict[str, Any] = {
+        "item": item,
+        "partial": partial,
+        "cast": cast,
+        "max_inflight_bytes": max_inflight_bytes,
+    }
     tiers = as_tiered(target)
     if tiers is None:
         return await plain.restore(single(target), step, like, **kwargs)

@@ -14,7 +14,7 @@ import collections
 import functools
 import keyword
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -69,9 +69,73 @@ def path_name(path: tuple[Any, ...]) -> str:
     return "/".join(segment(k) for k in path) if path else "%root"
 
 
+def check_tree(tree: Any) -> None:
+    """Check the whole tree, iteratively (a tree nested deeper than Python's stack, or one
+    that contains itself, is a `TreeError` too): nesting at most `MAX_DEPTH` levels, what a
+    stored structure may hold, and dict keys of one kind, str or int (JAX's flatten sorts
+    keys and fails on a mix with an untyped ValueError; ``{1: a, "1": b}`` would also name
+    two leaves alike). `flatten` runs it where JAX's flatten fails or the tree is too deep.
+    """
+    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            raise _too_deep(path)
+        if node is None or is_leaf_value(node):
+            continue
+        if isinstance(node, dict):
+            kinds = {_key_kind(k, path) for k in node}
+            if len(kinds) > 1:
+                raise TreeError(
+                    f"the dict at {_where(path)} mixes int and str keys "
+                    f"({sorted(map(repr, node))[:4]}): use one kind per dict"
+                )
+            stack.extend((v, (*path, str(k))) for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
+        else:
+            children, _ = jax.tree_util.tree_flatten_with_path(
+                node, is_leaf=lambda x, n=node: x is not n
+            )
+            if len(children) == 1 and children[0][1] is node:
+                continue  # not a pytree node: `flatten` names it if it is no leaf value
+            stack.extend((v, (*path, str(p[0]))) for p, v in children)
+
+
+def _too_deep(path: Sequence[Any]) -> TreeError:
+    shown = "/".join(map(str, path[:3]))
+    return TreeError(
+        f"the tree is nested deeper than {MAX_DEPTH} levels (below {shown!r}/...); a "
+        "checkpoint holds at most that many"
+    )
+
+
+def _where(path: tuple[str, ...]) -> str:
+    return repr("/".join(path)[:120]) if path else "the root"
+
+
+def _key_kind(key: Any, path: tuple[str, ...]) -> type:
+    if not isinstance(key, (str, int)) or isinstance(key, bool):
+        raise TreeError(
+            f"dict keys must be str or int to be saved, got {type(key).__name__} "
+            f"{repr(key)[:40]} (in the dict at {_where(path)})"
+        )
+    return str if isinstance(key, str) else int
+
+
 def flatten(tree: Any) -> list[tuple[str, Any]]:
-    """``(name, leaf)`` for every leaf in tree order; ``None`` leaves are skipped."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    """``(name, leaf)`` for every leaf in tree order; ``None`` leaves are skipped.
+
+    The whole tree is checked before anything is written: leaf kinds, name clashes, depth
+    and dict keys (`check_tree`, where JAX's flatten fails or a leaf lies too deep;
+    `describe` refuses containers nested too deeply that hold no leaf)."""
+    try:
+        leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    except Exception:  # mixed keys (ValueError), too deep or cyclic (SystemError), ...
+        check_tree(tree)  # names the problem as a TreeError
+        raise
+    if max((len(path) for path, _ in leaves), default=0) > MAX_DEPTH:
+        check_tree(tree)
     named = [(path_name(path), leaf) for path, leaf in leaves]
     seen: dict[str, int] = collections.Counter(name for name, _ in named)
     clashes = sorted(name for name, n in seen.items() if n > 1)
@@ -85,8 +149,11 @@ def flatten(tree: Any) -> list[tuple[str, Any]]:
     return named
 
 
-def describe(tree: Any, name: str = "") -> dict[str, Any]:
-    """A JSON description of the tree's containers, enough to rebuild it."""
+def describe(tree: Any, name: str = "", depth: int = 0) -> dict[str, Any]:
+    """A JSON description of the tree's containers, enough to rebuild it; `TreeError`
+    for nesting deeper than `MAX_DEPTH` (what `check_structure` accepts)."""
+    if depth > MAX_DEPTH:
+        raise _too_deep(name.split("/"))
 
     def child(key: Any) -> str:
         part = segment(key)
@@ -101,7 +168,7 @@ def describe(tree: Any, name: str = "") -> dict[str, Any]:
         return {
             "t": "dict",
             "keys": [[type(k).__name__, k] for k in keys],
-            "items": [describe(tree[k], child(jax.tree_util.DictKey(k))) for k in keys],
+            "items": [describe(tree[k], child(jax.tree_util.DictKey(k)), depth + 1) for k in keys],
         }
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         return {
@@ -109,14 +176,17 @@ def describe(tree: Any, name: str = "") -> dict[str, Any]:
             "type": type(tree).__name__,
             "fields": list(tree._fields),
             "items": [
-                describe(v, child(jax.tree_util.GetAttrKey(f)))
+                describe(v, child(jax.tree_util.GetAttrKey(f)), depth + 1)
                 for f, v in zip(tree._fields, tree, strict=True)
             ],
         }
     if isinstance(tree, (list, tuple)):
         return {
             "t": type(tree).__name__,
-            "items": [describe(v, child(jax.tree_util.SequenceKey(i))) for i, v in enumerate(tree)],
+            "items": [
+                describe(v, child(jax.tree_util.SequenceKey(i)), depth + 1)
+                for i, v in enumerate(tree)
+            ],
         }
     children, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
     if len(children) == 1 and children[0][1] is tree:
@@ -125,7 +195,7 @@ def describe(tree: Any, name: str = "") -> dict[str, Any]:
         "t": "custom",
         "type": f"{type(tree).__module__}.{type(tree).__qualname__}",
         "keys": [segment(path[0]) for path, _ in children],
-        "items": [describe(v, child(path[0])) for path, v in children],
+        "items": [describe(v, child(path[0]), depth + 1) for path, v in children],
     }
 
 

@@ -44,7 +44,7 @@ from ckptstore.arrays import ByteBudget, ocdbt_spec
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.blocking import run
+from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.manifest import ItemManifest
 from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
@@ -445,6 +445,4 @@ async def _read_back(
     await settle(one(e) for e in found if e.leaf is not None)
 
 
-def export_orbax_sync(*args: Any, **kwargs: Any) -> ExportResult:
-    """`ckptstore.export_orbax`, blocking (see `ckptstore.checkpoint.blocking`)."""
-    return run(export_orbax(*args, **kwargs))
+export_orbax_sync = blocking(export_orbax)

@@ -20,7 +20,7 @@ from urllib.parse import unquote
 from ckptstore.arrays import read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout, orbax
-from ckptstore.checkpoint.blocking import run
+from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
@@ -146,6 +146,4 @@ async def import_orbax(
     )
 
 
-def import_orbax_sync(*args: Any, **kwargs: Any) -> OrbaxImportResult:
-    """`ckptstore.import_orbax`, blocking (see `ckptstore.checkpoint.blocking`)."""
-    return run(import_orbax(*args, **kwargs))
+import_orbax_sync = blocking(import_orbax)

@@ -20,6 +20,7 @@ from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.leaves import LeafInfo
+from ckptstore.membudget import check_fits
 
 #: How the one tree of a StandardCheckpointer directory is shown (Orbax names it not).
 TREE_ITEM = "(tree)"
@@ -137,6 +138,7 @@ async def read_all(arr: ts.TensorStore, info: LeafInfo) -> int:
         return info.nbytes
     rows = max(1, READ_BYTES // max(1, info.nbytes // info.shape[0]))
     rows = math.ceil(rows / info.chunk_shape[0]) * info.chunk_shape[0]
+    check_fits(min(rows, info.shape[0]) * (info.nbytes // info.shape[0]), "a slab", leaf=info.name)
     for start in range(0, info.shape[0], rows):
         await read_slice(arr, (slice(start, start + rows),), info.name)
     return info.nbytes

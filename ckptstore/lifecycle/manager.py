@@ -29,7 +29,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, gc
-from ckptstore.checkpoint.commit import committed_steps, load_committed
+from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import known_shared
 from ckptstore.checkpoint.restore import restore
@@ -165,7 +165,8 @@ class CheckpointManager:
 
         Returns None when it does not, else once every piece is staged in host memory:
         the caller may then donate, delete or change the arrays. ``metrics`` are kept with
-        the step (for `KeepBest`). Raises an earlier background failure nobody waited for.
+        the step (for `KeepBest`). Raises an earlier background failure nobody waited for,
+        and `AlreadyExistsError` (before staging anything) when ``step`` is committed.
         """
         step = layout.check_step(step)
         self._raise_unobserved()
@@ -176,6 +177,9 @@ class CheckpointManager:
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
         waited = time.perf_counter() - before
+        # A committed step is refused here, before anything is staged, as `save_sync` does;
+        # the write would only fail later, at `wait()` or the next save.
+        self._call(self._ensure_uncommitted(step))
         # Host-local fast tiers (or not known yet): each host also keeps what else its
         # devices hold, to serve a restart alone (`hostlocal`); that is staged too.
         host_view = (
@@ -191,6 +195,13 @@ class CheckpointManager:
         )
         self._inflight = SaveHandle(step, future)
         return self._inflight
+
+    async def _ensure_uncommitted(self, step: int) -> None:
+        """`AlreadyExistsError` if ``step`` is committed on the target (tiered: on either
+        tier; a step promoted and then dropped from the fast tier is committed too)."""
+        await asyncio.gather(
+            *(ensure_uncommitted(b, step) for b in (self.backend, self.durable) if b is not None)
+        )
 
     def _decide(self, step: int, force: bool) -> bool:
         busy = self._inflight is not None and not self._inflight.done()

@@ -97,11 +97,11 @@ class ManagerOptions:
             if not isinstance(steps, list):
                 raise ConfigError(f"{source}.save_at_steps must be a list of steps")
             saves.append(P.AtSteps(_int(s, f"{source}.save_at_steps") for s in steps))
-        if take("save_initial"):
+        if _bool(take("save_initial"), f"{source}.save_initial"):
             saves.append(P.InitialStep())
         if (t := take("save_continuous")) is not None:
             saves.append(P.Continuous(seconds(t, what=f"{source}.save_continuous")))
-        if take("save_on_preemption"):
+        if _bool(take("save_on_preemption"), f"{source}.save_on_preemption"):
             saves.append(P.OnPreemption())
         if (n := take("keep_latest")) is not None:
             keeps.append(P.KeepLatest(_int(n, f"{source}.keep_latest")))
@@ -113,7 +113,7 @@ class ManagerOptions:
             keeps.append(
                 P.KeepBest(
                     _int(best.get("n", 1), f"{source}.keep_best.n"),
-                    str(best.get("metric", "")),
+                    _str(best.get("metric", ""), f"{source}.keep_best.metric"),
                     best.get("mode", "max"),
                 )
             )
@@ -124,12 +124,10 @@ class ManagerOptions:
                 out[key] = seconds(t, what=f"{source}.{key}")
         for key in ("if_busy", "item", "staging"):
             if (v := take(key)) is not None:
-                out[key] = str(v)
+                out[key] = _str(v, f"{source}.{key}")
         for key in ("gc_on_start", "handle_sigterm"):
             if (v := take(key)) is not None:
-                if not isinstance(v, bool):
-                    raise ConfigError(f"{source}.{key} must be true or false")
-                out[key] = v
+                out[key] = _bool(v, f"{source}.{key}")
         if (v := take("max_staging_bytes")) is not None:
             out["max_staging_bytes"] = _int(v, f"{source}.max_staging_bytes")
         if table:
@@ -143,5 +141,20 @@ class ManagerOptions:
 
 def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{what} must be an integer, got {value!r}")
+        raise ConfigError(f"{what} must be an integer, got {value!r} (a {type(value).__name__})")
+    return value
+
+
+def _bool(value: Any, what: str) -> bool:
+    """``value`` if a bool (None, absent: False); a string such as "no" is no bool."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be true or false, got {value!r} (a {type(value).__name__})")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a string, got {value!r} (a {type(value).__name__})")
     return value

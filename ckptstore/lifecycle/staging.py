@@ -20,6 +20,9 @@ returns, so every piece a save will write is copied first. Two ways:
   "auto" picks this where every array is
   on CPU devices, else "host".
 
+A typed PRNG key array is staged as its key data (`jax.random.key_data`, the same
+buffers), its implementation recorded in `HostShards.prng_impl`.
+
 Numpy arrays are always copied into reused host buffers; numbers are immutable. There is
 never more than one staged copy of the state (the manager allows one save in flight).
 """
@@ -38,7 +41,7 @@ import numpy as np
 from ckptstore.arrays import host_view
 from ckptstore.checkpoint.tree import flatten
 from ckptstore.errors import CkptStoreError
-from ckptstore.leaves import HostShards, Index
+from ckptstore.leaves import HostShards, Index, is_key_array, key_impl_name
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -96,8 +99,8 @@ class Stager:
         are reused): the manager allows one save in flight.
         """
         start = time.perf_counter()
+        names = [name for name, _ in flatten(tree)]  # checks the tree whole first
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        names = [name for name, _ in flatten(tree)]  # checks leaf types and name clashes
         for name, leaf in zip(names, leaves, strict=True):
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise CkptStoreError(f"leaf {name!r} was deleted (donated?) before staging")
@@ -144,6 +147,10 @@ class Stager:
     ) -> tuple[Any, list[Copy], list[np.ndarray[Any, Any]]]:
         """The staged stand-in for ``leaf``, the copies that fill it and the views it holds."""
         if isinstance(leaf, jax.Array):
+            impl = None
+            if is_key_array(leaf):  # a typed PRNG key array: its key data is what is saved
+                impl = key_impl_name(leaf.dtype)
+                leaf = jax.random.key_data(leaf)
             now: list[Copy] = []
             held: list[np.ndarray[Any, Any]] = []
 
@@ -169,6 +176,7 @@ class Stager:
                 leaf.sharding,
                 stage(own),
                 stage(_other_replicas(leaf, own)) if extra else None,
+                prng_impl=impl,
             )
             return value, now, held
         if isinstance(leaf, np.ndarray):

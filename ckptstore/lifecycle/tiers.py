@@ -24,7 +24,7 @@ from ckptstore.arrays import ByteBudget
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.blocking import run
+from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.cleanup import delete_step, deleted_by_user, trim_step
 from ckptstore.checkpoint.commit import (
     COMMIT,
@@ -49,6 +49,7 @@ from ckptstore.checkpoint.target import AnyTarget, as_tiered
 from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old home
 from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
 from ckptstore.checkpoint.tiered import restore as nearest_restore
+from ckptstore.checkpoint.verify import verify_step
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -56,6 +57,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     FencedError,
     NotFoundError,
+    StorageError,
 )
 
 log = logging.getLogger("ckptstore")
@@ -194,9 +196,7 @@ async def promote(
         return await _promote(tiers, fast, durable, step, max_bytes_in_flight, progress)
 
 
-def promote_sync(*args: Any, **kwargs: Any) -> list[Promotion]:
-    """`ckptstore.promote`, blocking (see `ckptstore.checkpoint.blocking`)."""
-    return run(promote(*args, **kwargs))
+promote_sync = blocking(promote)
 
 
 async def _promote(
@@ -326,11 +326,12 @@ async def promote_step(
             f"step {step} is not committed on the fast tier", backend=fast.url, key=key
         ) from exc
     marker = Marker.from_bytes(marker_bytes, step=step, where=f"{fast.url}/{key}")
-    await load_manifest(fast, marker)  # only a verified checkpoint is promoted
+    await load_manifest(fast, marker)
     result = Promotion(step=step, attempt=marker.attempt)
     if await _same_marker(durable, key, marker_bytes):
         result.already = True
         return result
+    await _check_fast_copy(fast, step)  # only a verified checkpoint is promoted
     fate = None
     if marker.attempt is not None:
         owner = "promote-" + digest(marker_bytes).removeprefix("sha256:")[:32]
@@ -356,6 +357,21 @@ async def promote_step(
         )
     result.seconds = time.perf_counter() - start
     return result
+
+
+async def _check_fast_copy(fast: Backend, step: int) -> None:
+    """Every chunk's crc32c and every pack's record, as `verify` checks them: a damaged fast
+    copy is never made durable (nor, without a durable copy, trimmed by ``keep_fast``)."""
+    report = await verify_step(fast, step)
+    if report.problems:
+        what, why = next(iter(report.problems.items()))
+        raise CorruptCheckpointError(
+            f"step {step} is damaged on the fast tier {fast.url} ({len(report.problems)} "
+            f"problems; {what}: {why}); not promoted"
+        )
+    if report.unreadable:
+        what, why = next(iter(report.unreadable.items()))
+        raise StorageError(f"step {step} could not be read to verify it ({what}: {why})")
 
 
 async def _take_back(durable: Backend, step: int, marker_bytes: bytes) -> None:
