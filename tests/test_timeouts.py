@@ -46,17 +46,15 @@ def closed_port() -> int:
     return port
 
 
-def make(kind: str, bucket: str, endpoint: str, **kw: Any) -> Backend:
+def make(kind: str, bucket: str, endpoint: str, retry: RetryPolicy = POLICY, **kw: Any) -> Backend:
     if kind == "s3":
-        return S3Backend(
-            bucket, "run", endpoint_url=endpoint, credentials="env", retry=POLICY, **kw
-        )
+        return S3Backend(bucket, "run", endpoint_url=endpoint, credentials="env", retry=retry, **kw)
     return GcsBackend(
         bucket,
         "run",
         endpoint_url=endpoint,
         credentials="anonymous",
-        retry=POLICY,
+        retry=retry,
         emulator=True,
         **kw,
     )
@@ -172,6 +170,35 @@ async def test_black_hole_for_the_byte_api(
             assert await ends_typed(lambda: ckptstore.restore(b, step=1)) < BOUND
             assert await ends_unreadable(b) < BOUND
         assert proxy.injected["blackhole"] > 0  # (a connect timeout under load may come first)
+
+
+async def test_a_black_hole_fails_at_the_deadline_not_after_every_read_timeout(
+    store: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default 60 s read timeout and six attempts would wait six minutes; the retry
+    policy's deadline (2 s here, 120 s by default) ends each operation in time, typed."""
+    kind, bucket, endpoint = store
+    policy = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadline=2.0)
+    with FaultProxy(endpoint, [Fault("blackhole", rate=1.0)]) as proxy:
+        monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", proxy.endpoint)
+        async with make(kind, bucket, proxy.endpoint, retry=policy) as b:
+            start = time.monotonic()
+            with pytest.raises(ckptstore.RetriesExhaustedError, match="deadline"):
+                await ckptstore.save(b, TREE, step=2)
+            assert time.monotonic() - start < 2.0 + BOUND
+            start = time.monotonic()
+            with pytest.raises(ckptstore.RetriesExhaustedError, match="deadline"):
+                await ckptstore.restore(b, step=1)
+            assert time.monotonic() - start < 2.0 + BOUND
+
+
+def test_the_deadline_allows_for_the_bytes_moved() -> None:
+    policy = RetryPolicy(deadline=100.0, min_rate=1 << 20)
+    assert policy.limit() == 100.0 and policy.limit(50 << 20) == 150.0
+    assert RetryPolicy(deadline=None).limit(1 << 40) is None
+    for bad in ({"deadline": 0}, {"deadline": float("inf")}, {"min_rate": -1}, {"deadline": "1"}):
+        with pytest.raises(ConfigError):
+            RetryPolicy(**bad)  # type: ignore[arg-type]
 
 
 def run_worker(mode: str, stores: list[dict[str, str]]) -> list[dict[str, Any]]:

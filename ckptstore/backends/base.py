@@ -26,6 +26,7 @@ from ckptstore.errors import (
     ConfigError,
     CorruptCheckpointError,
     NotFoundError,
+    RetriesExhaustedError,
 )
 
 T = TypeVar("T")
@@ -110,7 +111,8 @@ class Backend(ABC):
         validate_key(key)
         if (start is not None and start < 0) or (end is not None and end < 0):
             raise ValueError(f"byte range must be non-negative, got [{start}, {end})")
-        return await self._run(lambda _: self._read(key, start, end))
+        nbytes = end - start if start is not None and end is not None else 0
+        return await self._run(lambda _: self._read(key, start, end), key, nbytes)
 
     async def read_into(
         self, key: str, offset: int, out: memoryview | Sequence[memoryview]
@@ -123,20 +125,22 @@ class Backend(ABC):
             raise ValueError(f"offset must be non-negative, got {offset}")
         outs = [out] if isinstance(out, memoryview) else list(out)
         want = sum(o.nbytes for o in outs)
-        got = await self._run(lambda _: self._read_into(key, offset, outs))
+        got = await self._run(lambda _: self._read_into(key, offset, outs), key, want)
         if got != want:
             raise CorruptCheckpointError(f"{key}: {got} bytes at offset {offset}, {want} expected")
 
     async def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole object; readers see either the old or the new bytes, never a mix."""
         validate_key(key)
-        await self._run(lambda _: self._write(key, data))
+        await self._run(lambda _: self._write(key, data), key, memoryview(data).nbytes)
 
     async def write_gather(self, key: str, parts: Sequence[Buffer]) -> None:
         """Write ``parts``, one after another, as one object (like `write`): many small
         buffers become one object without a joined copy where the backend can avoid it."""
         validate_key(key)
-        await self._run(lambda _: self._write_gather(key, parts))
+        await self._run(
+            lambda _: self._write_gather(key, parts), key, sum(memoryview(p).nbytes for p in parts)
+        )
 
     async def create(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write ``key`` only if it does not exist yet: the commit primitive.
@@ -158,12 +162,12 @@ class Backend(ABC):
                         return
                 raise
 
-        await self._run(attempt)
+        await self._run(attempt, key, memoryview(data).nbytes)
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         """Every object below ``prefix`` (a directory-like prefix), sorted by key."""
         norm = validate_prefix(prefix)
-        for info in await self._run(lambda _: self._list(norm)):
+        for info in await self._run(lambda _: self._list(norm), norm, None):
             yield info
 
     async def list_dir(self, prefix: str = "") -> Names:
@@ -174,17 +178,17 @@ class Backend(ABC):
     async def stat(self, key: str) -> ObjectInfo:
         """Size (and mtime where known) of one object; `NotFoundError` if absent."""
         validate_key(key)
-        return await self._run(lambda _: self._stat(key))
+        return await self._run(lambda _: self._stat(key), key)
 
     async def exists(self, key: str) -> bool:
         """Whether the object exists."""
         validate_key(key)
-        return await self._run(lambda _: self._exists(key))
+        return await self._run(lambda _: self._exists(key), key)
 
     async def delete(self, key: str) -> None:
         """Delete one object; deleting a missing key is not an error."""
         validate_key(key)
-        await self._run(lambda _: self._delete(key))
+        await self._run(lambda _: self._delete(key), key)
 
     async def delete_prefix(self, prefix: str) -> int:
         """Delete every object below ``prefix``; returns how many were deleted.
@@ -195,7 +199,7 @@ class Backend(ABC):
         norm = validate_prefix(prefix)
         if norm == "":
             raise ValueError("delete_prefix('') would delete the whole root; refused")
-        return await self._run(lambda _: self._delete_prefix(norm))
+        return await self._run(lambda _: self._delete_prefix(norm), norm, None)
 
     async def check_root(self) -> None:
         """Raise `NotFoundError` if the root itself (a directory, a bucket) does not exist.
@@ -333,12 +337,40 @@ class Backend(ABC):
             self._semaphore_loop = loop
         return self._semaphore
 
-    async def _run(self, op: Callable[[int], Awaitable[T]]) -> T:
-        """Run ``op(attempt)`` under the concurrency bound, retrying transient failures."""
+    async def _run(
+        self,
+        op: Callable[[int], Awaitable[T]],
+        key: str | None = None,
+        nbytes: int | None = 0,
+    ) -> T:
+        """Run ``op(attempt)`` under the concurrency bound, retrying transient failures,
+        within the retry policy's deadline for ``nbytes`` (counted from the first slot;
+        ``nbytes=None``: an operation whose work grows with the objects it meets, a
+        recursive listing or deletion, has none)."""
+        limit = None if nbytes is None else self.retry.limit(nbytes)
+        loop = asyncio.get_running_loop()
+        started: float | None = None
 
         async def bounded(attempt: int) -> T:
+            nonlocal started
             async with self._sem():
-                return await op(attempt)
+                if limit is None:
+                    return await op(attempt)
+                if started is None:
+                    started = loop.time()
+                left = limit - (loop.time() - started)
+                timer = asyncio.timeout(max(left, 0.0))
+                try:
+                    async with timer:
+                        return await op(attempt)
+                except TimeoutError as exc:
+                    if not timer.expired():
+                        raise  # the operation's own timeout, not the deadline
+                    raise RetriesExhaustedError(
+                        f"no result within the {limit:.0f} s deadline (retry policy)",
+                        backend=self.url,
+                        key=key,
+                    ) from exc
 
         return await retry_async(bounded, self.retry)
 

@@ -281,7 +281,7 @@ def _retry(value: Any, source: str) -> RetryPolicy:
     if isinstance(value, int) and not isinstance(value, bool):
         return RetryPolicy(max_attempts=value)
     if isinstance(value, Mapping):
-        unknown = set(value) - {"max_attempts", "base_delay", "max_delay"}
+        unknown = set(value) - {"max_attempts", "base_delay", "max_delay", "deadline", "min_rate"}
         if unknown:
             raise ConfigError(f"{source}: unknown retry setting(s) {sorted(unknown)}")
         try:
