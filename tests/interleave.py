@@ -572,7 +572,8 @@ async def explore_pairs(
     scenario: Scenario, bound: int, tally: Tally, limit: int | None = None
 ) -> None:
     """Every schedule of ``scenario`` with at most ``bound`` preemptions (depth first,
-    each prefix extended without preemption), or the first ``limit`` of them."""
+    each prefix extended without preemption; ``bound < 0``: every schedule), or the first
+    ``limit`` of them."""
     stack: list[list[str]] = [[]]
     seen: set[tuple[str, ...]] = set()
     while stack and (limit is None or tally.per_scenario.get(scenario.name, [0])[0] < limit):
@@ -588,7 +589,7 @@ async def explore_pairs(
                 if other == run.schedule[i]:
                     continue
                 alt = [*run.schedule[:i], other]
-                if preemptions(alt, run.enabled[: i + 1]) <= bound:
+                if bound < 0 or preemptions(alt, run.enabled[: i + 1]) <= bound:
                     stack.append(alt)
 
 
@@ -609,7 +610,9 @@ async def random_walks(scenario: Scenario, walks: int, seed: int, tally: Tally) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bound", type=int, default=2, help="preemptions per pair schedule")
+    parser.add_argument(
+        "--bound", type=int, default=2, help="preemptions per pair schedule (-1: no bound)"
+    )
     parser.add_argument("--walks", type=int, default=20000, help="random walks per triple")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default="", help="run scenarios whose name contains this")
