@@ -204,14 +204,6 @@ async def _delete_from_tiers(tiers: Tiered, step: int) -> Removal:
     The durable tier is looked at only then, so between the two one of them sees the other."""
     async with tiers.opened() as (fast, durable):
         removal = Removal()
-        marker = (
-            await read_marker(fast, step) if await fast.exists(layout.commit_key(step)) else None
-        )
-        if marker is not None and marker.attempt is not None:
-            try:
-                await fast.create(marker.where.deleted, b"{}")
-            except AlreadyExistsError:
-                pass
         found = False
         for backend in (fast, durable):
             if await backend.exists(layout.commit_key(step)):
