@@ -25,14 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import UnsupportedLeafError as UnsupportedLeafError  # old home re-exports
 
 #: Chunks are split until they are at most this big, so resharded reads stay cheap.
 TARGET_CHUNK_BYTES = 64 << 20
-
-
-class UnsupportedLeafError(CkptStoreError, TypeError):
-    """A leaf's type or dtype cannot be stored."""
 
 
 @dataclass(frozen=True)

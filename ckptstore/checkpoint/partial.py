@@ -54,13 +54,7 @@ from ckptstore.checkpoint.manifest import ItemManifest, Manifest, parse_leaf
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
-from ckptstore.checkpoint.tree import (
-    TreeError,
-    check_leaf_paths,
-    check_structure,
-    describe,
-    flatten,
-)
+from ckptstore.checkpoint.tree import check_leaf_paths, check_structure, describe, flatten
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -68,20 +62,13 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     FencedError,
     NotFoundError,
+    TreeError,
     UnsupportedOperationError,
 )
+from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
 from ckptstore.leaves import LeafInfo, describe_leaf, storable
 
 _PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
-
-
-class DuplicateLeafError(CkptStoreError, ValueError):
-    """A part adds leaves an earlier part already holds, without ``replace=True``."""
-
-    def __init__(self, names: list[str]):
-        self.names = names
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        super().__init__(f"leaves already saved by an earlier part: {shown} (pass replace=True)")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import numpy as np
 from ckptstore.arrays import host_view
 from ckptstore.checkpoint.tree import flatten
 from ckptstore.errors import CkptStoreError
+from ckptstore.errors import StagingBudgetError as StagingBudgetError  # old home re-exports
 from ckptstore.leaves import HostShards, Index, is_key_array, key_impl_name
 
 Bounds = tuple[tuple[int, int], ...]
@@ -63,10 +64,6 @@ class Staged:
     nbytes: int  # bytes the staged tree holds: staging buffers and views
     copied: int  # of which copied into staging buffers
     seconds: float  # how long `Stager.stage` took: the pause it caused
-
-
-class StagingBudgetError(CkptStoreError, MemoryError):
-    """The state needs more staging memory than the manager may use."""
 
 
 class Stager:
