@@ -1,6 +1,6 @@
 """The ``ckptstore`` command's Orbax side: ``export-orbax``, ``import-orbax``, and what
 ``ls``, ``info`` and ``verify`` say about an Orbax checkpoint or `CheckpointManager` root
-(`ckptstore.cli` calls `ls`, `info` and `verify` when a target holds no committed step).
+(`ckptstore.cli.main` calls `ls`, `info` and `verify` when a target holds no committed step).
 """
 
 from __future__ import annotations
