@@ -38,8 +38,8 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import LeafInfo
+from ckptstore.runtime.gcpause import gc_paused
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ INDEX = "packs.json"
 
 async def write_index(backend: Backend, store: str, refs: Mapping[str, PackRef]) -> None:
     """Record ``refs`` (a writer's packed leaves) in ``store`` (its directory)."""
-    with gc_paused():  # an object per leaf: see `ckptstore.gcpause`
+    with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
         doc = {leaf: ref.to_json() for leaf, ref in refs.items()}
         data = json.dumps(doc, separators=(",", ":")).encode()
     await backend.write(_join(store, INDEX), data)
@@ -100,7 +100,7 @@ async def read_index(backend: Backend, store: str) -> dict[str, PackRef]:
     key = _join(store, INDEX)
     try:
         data = await backend.read(key)
-        with gc_paused():  # an object per leaf: see `ckptstore.gcpause`
+        with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
             doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from ckptstore.chunks import ALIGNMENT, aligned_empty
-from ckptstore.futures import off_loop
+from ckptstore.runtime.futures import off_loop
 
 
 def adoptable(data: np.ndarray[Any, Any]) -> bool:

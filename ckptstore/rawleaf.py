@@ -22,8 +22,8 @@ import numpy as np
 from ckptstore import chunks
 from ckptstore.arrays import Chunks, get_values
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.futures import off_loop
 from ckptstore.leaves import Index, LeafInfo, dtype_of
+from ckptstore.runtime.futures import off_loop
 
 
 class RawLeaf:

@@ -14,7 +14,7 @@ import pytest
 import ckptstore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.errors import CheckpointNotFoundError
-from ckptstore.gcpause import gc_paused
+from ckptstore.runtime.gcpause import gc_paused
 
 
 @pytest.fixture(autouse=True)

@@ -20,9 +20,9 @@ from ckptstore.backends.keys import validate_key
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import LeafInfo, dtype_of
 from ckptstore.packs import PackRef
+from ckptstore.runtime.gcpause import gc_paused
 
 KINDS = ("jax", "numpy", "scalar")
 PYTHON_TYPES = (None, "int", "float", "bool", "complex")

@@ -26,8 +26,8 @@ from ckptstore.arrays import ocdbt_spec
 from ckptstore.backends.base import Backend, finish_first
 from ckptstore.backends.tserrors import write_error
 from ckptstore.errors import CkptStoreError, IncompleteCheckpointError
-from ckptstore.futures import wait_all
 from ckptstore.leaves import Index, LeafInfo
+from ckptstore.runtime.futures import wait_all
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ckptstore import distributed
 from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
@@ -47,7 +46,6 @@ from ckptstore.checkpoint.commit import (
     new_owner,
     read_fate,
 )
-from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import fast_is_shared
 from ckptstore.checkpoint.layout import AttemptDir
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest, parse_leaf
@@ -67,6 +65,8 @@ from ckptstore.errors import (
 )
 from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
 from ckptstore.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.runtime import distributed
+from ckptstore.runtime.handoff import Handoff
 
 _PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
 

@@ -37,7 +37,6 @@ from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError, TreeMismatchError
-from ckptstore.gcpause import gc_paused
 from ckptstore.leaves import (
     Index,
     LeafInfo,
@@ -46,9 +45,10 @@ from ckptstore.leaves import (
     key_data_aval,
     key_impl_name,
 )
-from ckptstore.membudget import check_fits
 from ckptstore.packs import read_packed, read_split
 from ckptstore.rawleaf import RawLeaf
+from ckptstore.runtime.gcpause import gc_paused
+from ckptstore.runtime.membudget import check_fits
 
 #: Bytes of stored data a restore reads ahead of handing it to the devices (or the
 #: caller): a restore needs about this plus its largest shard over the restored state.
@@ -96,7 +96,7 @@ async def restore(
     (one slice larger than that is read alone).
     """
     # Thousands of long-lived objects for a tree of thousands of leaves, none of them
-    # garbage: the cyclic collector waits (`ckptstore.gcpause`).
+    # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
     with gc_paused():
         async with opened(target) as backend:
             stored = await open_stored(backend, step, item)

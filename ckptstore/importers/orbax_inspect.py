@@ -20,7 +20,7 @@ from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.leaves import LeafInfo
-from ckptstore.membudget import check_fits
+from ckptstore.runtime.membudget import check_fits
 
 #: How the one tree of a StandardCheckpointer directory is shown (Orbax names it not).
 TREE_ITEM = "(tree)"

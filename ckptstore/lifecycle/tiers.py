@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore import distributed
 from ckptstore.arrays import ByteBudget
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
@@ -34,7 +33,6 @@ from ckptstore.checkpoint.commit import (
     digest,
     load_manifest,
 )
-from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import (
     drop_staged,
     fast_is_shared,
@@ -59,6 +57,8 @@ from ckptstore.errors import (
     NotFoundError,
     StorageError,
 )
+from ckptstore.runtime import distributed
+from ckptstore.runtime.handoff import Handoff
 
 log = logging.getLogger("ckptstore")
 
