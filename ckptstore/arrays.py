@@ -25,12 +25,11 @@ import tensorstore as ts
 
 from ckptstore import chunks
 from ckptstore.backends._errors import gather_first_error
-from ckptstore.backends.base import finish_first
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
 from ckptstore.packs import PackRef, PackTarget, write_pack
-from ckptstore.runtime.futures import THREAD_BYTES, off_loop, wait_all, wait_here
+from ckptstore.runtime.futures import THREAD_BYTES, finish_first, off_loop, wait_all, wait_here
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
