@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ckptstore.chunks import ALIGNMENT, aligned_empty
+from ckptstore.format.chunks import ALIGNMENT, aligned_empty
 from ckptstore.runtime.futures import off_loop
 
 

@@ -11,10 +11,10 @@ import pytest
 import tensorstore as ts
 
 import ckptstore
-from ckptstore import chunks
 from ckptstore.arrays import ByteBudget, open_leaf, read_slice
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.leaves import LeafInfo, describe_leaf, zarr_spec
+from ckptstore.format import chunks
+from ckptstore.format.leaves import LeafInfo, describe_leaf, zarr_spec
 
 DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "bool", "complex64", "int8", "uint64"]
 SHAPES = [(), (3,), (2, 5), (1, 1, 7)]

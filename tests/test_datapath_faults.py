@@ -38,7 +38,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.leaves import describe_leaf
+from ckptstore.format.leaves import describe_leaf
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from tests.bits import same
 

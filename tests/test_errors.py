@@ -28,7 +28,7 @@ async def test_retries_exhausted_names_backend_and_key_once() -> None:
     ("module", "name"),
     [
         ("ckptstore.checkpoint.tree", "TreeError"),
-        ("ckptstore.leaves", "UnsupportedLeafError"),
+        ("ckptstore.format.leaves", "UnsupportedLeafError"),
         ("ckptstore.checkpoint.partial", "DuplicateLeafError"),
         ("ckptstore.lifecycle.staging", "StagingBudgetError"),
         ("ckptstore.importers.orbax_format", "OrbaxExportError"),

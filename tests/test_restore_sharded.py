@@ -133,8 +133,8 @@ def test_replicated_leaves_placed_by_jax_own_transfer_equal_device_put(dtype: st
     """`placement.put_replicated` (JAX's transfer without `jax.device_put`'s Python layers)
     is taken with the JAX this project pins, and builds what `jax.device_put` builds."""
     from ckptstore import placement
-    from ckptstore.chunks import aligned_empty
-    from ckptstore.leaves import dtype_of
+    from ckptstore.format.chunks import aligned_empty
+    from ckptstore.format.leaves import dtype_of
 
     assert placement._device_put is not None, "JAX's transfer entry point moved"
     m = mesh((4, 2))
@@ -177,7 +177,7 @@ def test_a_replicated_leaf_is_one_piece_written_from_its_first_buffer() -> None:
 def _count_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """Every chunk key the restore's readers fetch, counted (the real readers still read)."""
     from ckptstore.arrays import KvChunks
-    from ckptstore.ocdbt_index import DirectChunks
+    from ckptstore.format.ocdbt_index import DirectChunks
 
     fetched: collections.Counter[str] = collections.Counter()
     for cls in (KvChunks, DirectChunks):
@@ -269,7 +269,7 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
 
     from ckptstore.arrays import KvChunks
     from ckptstore.checkpoint.restore import item_store
-    from ckptstore.ocdbt_index import DirectChunks
+    from ckptstore.format.ocdbt_index import DirectChunks
 
     tree = sharded_tree()
     await ckptstore.save(any_backend, tree, step=1)

@@ -40,7 +40,7 @@ from ckptstore.errors import (
     TreeError,
     UnsupportedLeafError,
 )
-from ckptstore.leaves import LeafInfo, dtype_of
+from ckptstore.format.leaves import LeafInfo, dtype_of
 
 TREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"

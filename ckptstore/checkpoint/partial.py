@@ -64,7 +64,7 @@ from ckptstore.errors import (
     UnsupportedOperationError,
 )
 from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
-from ckptstore.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore import chunks, ocdbt_index, placement
+from ckptstore import placement
 from ckptstore.arrays import (
     ByteBudget,
     Chunks,
@@ -37,7 +37,8 @@ from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError, TreeMismatchError
-from ckptstore.leaves import (
+from ckptstore.format import chunks, ocdbt_index
+from ckptstore.format.leaves import (
     Index,
     LeafInfo,
     dtype_of,
@@ -45,7 +46,7 @@ from ckptstore.leaves import (
     key_data_aval,
     key_impl_name,
 )
-from ckptstore.packs import read_packed, read_split
+from ckptstore.format.packs import read_packed, read_split
 from ckptstore.rawleaf import RawLeaf
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.membudget import check_fits

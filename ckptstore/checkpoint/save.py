@@ -53,8 +53,8 @@ from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.errors import AlreadyExistsError, CkptStoreError, FencedError
-from ckptstore.leaves import LeafInfo, describe_leaf, storable
-from ckptstore.packs import PackRef, PackTarget, check_packs, read_index, write_index
+from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index
 from ckptstore.runtime import distributed
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff

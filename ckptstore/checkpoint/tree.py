@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from ckptstore.errors import TreeError as TreeError  # its old home re-exports it
-from ckptstore.leaves import HostShards
+from ckptstore.format.leaves import HostShards
 
 SAFE = "-_.~"  # besides ASCII letters and digits, kept as is in storage names
 

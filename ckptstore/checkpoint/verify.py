@@ -38,8 +38,8 @@ from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import item_dir, item_store
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
-from ckptstore.leaves import Index, LeafInfo
-from ckptstore.packs import read_packed
+from ckptstore.format.leaves import Index, LeafInfo
+from ckptstore.format.packs import read_packed
 from ckptstore.rawleaf import RawLeaf
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.

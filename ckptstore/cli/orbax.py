@@ -10,10 +10,10 @@ import json
 from typing import Any
 
 from ckptstore.checkpoint.target import Target, opened
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.importers.orbax_export import export_orbax
 from ckptstore.importers.orbax_import import DEFAULT_BATCH_BYTES, import_orbax
 from ckptstore.importers.orbax_inspect import OrbaxStep, describe_step, find, verify_orbax
-from ckptstore.leaves import LeafInfo
 
 COMMANDS = ("export-orbax", "import-orbax")
 

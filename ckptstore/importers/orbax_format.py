@@ -18,7 +18,7 @@ from urllib.parse import unquote
 from ckptstore.checkpoint.orbax import DICT, SEQUENCE
 from ckptstore.errors import OrbaxExportError as OrbaxExportError  # its old home re-exports it
 from ckptstore.errors import UnsupportedLeafError
-from ckptstore.leaves import LeafInfo
+from ckptstore.format.leaves import LeafInfo
 
 #: What ckptstore leaf kinds are, in Orbax's value types.
 VALUE_TYPES = {"jax": "jax.Array", "numpy": "np.ndarray", "scalar": "scalar"}

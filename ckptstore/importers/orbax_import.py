@@ -26,8 +26,8 @@ from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
 from ckptstore.checkpoint.target import AnyTarget, Target, opened
 from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.importers.progress import Progress
-from ckptstore.leaves import LeafInfo
 
 DEFAULT_BATCH_BYTES = 256 << 20
 _PYTHON = {"int": int, "float": float, "bool": bool, "complex": complex}

@@ -19,7 +19,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
-from ckptstore.leaves import LeafInfo
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.runtime.membudget import check_fits
 
 #: How the one tree of a StandardCheckpointer directory is shown (Orbax names it not).

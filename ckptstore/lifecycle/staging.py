@@ -42,7 +42,7 @@ from ckptstore.arrays import host_view
 from ckptstore.checkpoint.tree import flatten
 from ckptstore.errors import CkptStoreError
 from ckptstore.errors import StagingBudgetError as StagingBudgetError  # old home re-exports
-from ckptstore.leaves import HostShards, Index, is_key_array, key_impl_name
+from ckptstore.format.leaves import HostShards, Index, is_key_array, key_impl_name
 
 Bounds = tuple[tuple[int, int], ...]
 

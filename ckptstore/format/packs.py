@@ -5,7 +5,7 @@ copies of every byte (ours into one Python ``bytes`` per chunk, TensorStore's in
 its own buffer, the kernel's into the page cache) and two keys each; on this
 project's test machine that path wrote a 5,000-leaf tree at ~0.45x the speed of
 ``dd oflag=direct`` (`docs/benchmarks.md`). A pack holds the stored chunks of many
-small single-chunk leaves (`ckptstore.chunks.small`), one after another: each
+small single-chunk leaves (`ckptstore.format.chunks.small`), one after another: each
 leaf's ``zarr.json`` (the document TensorStore would store for it) and then its
 chunk in the very bytes a zarr3 chunk has (data, then its crc32c). It is written
 with one gathered write (`Backend.write_gather`: straight from the leaves' own
@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore import chunks
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, Buffer
 from ckptstore.backends.keys import validate_key
@@ -38,7 +37,8 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.leaves import LeafInfo
+from ckptstore.format import chunks
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.runtime.gcpause import gc_paused
 
 
