@@ -4,7 +4,7 @@ Tree ``c`` of ``benchmarks/trees.py`` (5,000 replicated leaves of 16 KiB to 1 Mi
 1.15 GiB) written durably into a fresh directory three ways, interleaved (the first
 contender rotates every repetition), medians with their spread:
 
-- ``ocdbt_keys``: what a save does with them today, `ckptstore.arrays.write_leaves`
+- ``ocdbt_keys``: what a save does with them today, `ckptstore.datapath.arrays.write_leaves`
   into one OCDBT store (two keys a leaf through TensorStore's ``KvStore.write``,
   its data files fsync'd, written pages dropped as in a save);
 - ``packs``: `ckptstore.format.packs.write_pack`, one pack per group of up to 64 MiB
@@ -42,8 +42,8 @@ import numpy as np
 from benchmarks import common
 from benchmarks.common import MiB, Timer
 from benchmarks.trees import tree_c
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.local import LocalBackend
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.format import chunks
 from ckptstore.format.leaves import describe_leaf
 from ckptstore.format.packs import write_pack

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
@@ -53,6 +52,7 @@ from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import check_leaf_paths, check_structure, describe, flatten
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,

@@ -19,8 +19,15 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore import placement
-from ckptstore.arrays import (
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout, orbax
+from ckptstore.checkpoint.commit import committed_steps, latest_manifest
+from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.stored import Read, StoredItem, settle
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.tree import path_name, rebuild
+from ckptstore.datapath import placement
+from ckptstore.datapath.arrays import (
     ByteBudget,
     Chunks,
     KvChunks,
@@ -29,13 +36,7 @@ from ckptstore.arrays import (
     read_slice,
     read_small_leaves,
 )
-from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout, orbax
-from ckptstore.checkpoint.commit import committed_steps, latest_manifest
-from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.stored import Read, StoredItem, settle
-from ckptstore.checkpoint.target import Target, opened
-from ckptstore.checkpoint.tree import path_name, rebuild
+from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError, TreeMismatchError
 from ckptstore.format import chunks, ocdbt_index
 from ckptstore.format.leaves import (
@@ -47,7 +48,6 @@ from ckptstore.format.leaves import (
     key_impl_name,
 )
 from ckptstore.format.packs import read_packed, read_split
-from ckptstore.rawleaf import RawLeaf
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.membudget import check_fits
 

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
@@ -52,6 +51,7 @@ from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import AlreadyExistsError, CkptStoreError, FencedError
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index

@@ -38,7 +38,7 @@ from ckptstore.format.leaves import LeafInfo, dtype_of, zarr_spec
 MAX_SMALL_BYTES = 4 << 20
 _CRC_BYTES = 4
 #: Decoded chunks start on this boundary: JAX's CPU client adopts such buffers as device
-#: memory without copying them (`ckptstore.placement`).
+#: memory without copying them (`ckptstore.datapath.placement`).
 ALIGNMENT = 64
 T = TypeVar("T")
 

@@ -39,7 +39,6 @@ from typing import Any
 
 import tensorstore as ts
 
-from ckptstore.arrays import ByteBudget, ocdbt_spec
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import layout
@@ -50,6 +49,7 @@ from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import AnyTarget, Target, as_tiered, open_target, opened, single
 from ckptstore.checkpoint.tiered import nearest
+from ckptstore.datapath.arrays import ByteBudget, ocdbt_spec
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,

@@ -38,8 +38,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ckptstore.arrays import host_view
 from ckptstore.checkpoint.tree import flatten
+from ckptstore.datapath.arrays import host_view
 from ckptstore.errors import CkptStoreError
 from ckptstore.errors import StagingBudgetError as StagingBudgetError  # old home re-exports
 from ckptstore.format.leaves import HostShards, Index, is_key_array, key_impl_name
@@ -193,7 +193,7 @@ class Stager:
 
 def _other_replicas(leaf: jax.Array, own: list[Any]) -> list[Any]:
     """One addressable shard per region this process holds but does not write (its
-    replica 0 is on another process): `ckptstore.arrays.host_view_slices`, staged."""
+    replica 0 is on another process): `ckptstore.datapath.arrays.host_view_slices`, staged."""
     have = {_key(tuple(s.index), leaf.shape) for s in own}
     out = []
     for shard in leaf.addressable_shards:

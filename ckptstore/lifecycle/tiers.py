@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.arrays import ByteBudget
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
@@ -48,6 +47,7 @@ from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old
 from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
 from ckptstore.checkpoint.tiered import restore as nearest_restore
 from ckptstore.checkpoint.verify import verify_step
+from ckptstore.datapath.arrays import ByteBudget
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
