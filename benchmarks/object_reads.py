@@ -167,7 +167,7 @@ def make_tree(total: int) -> dict[str, np.ndarray]:
 
 async def bench_tensorstore(server: Server, tree_bytes: int, reps: int) -> list[dict[str, Any]]:
     import ckptstore
-    from ckptstore import arrays
+    from ckptstore.datapath import arrays
 
     tree = make_tree(tree_bytes)
     nbytes = sum(a.nbytes for a in tree.values())

@@ -6,7 +6,7 @@ merge, the commit), and of a restore onto the saved shardings. Then the costs
 that decided the data path's design, each measured side by side:
 
 - opening one leaf's TensorStore array (``ts.open`` of a zarr3 spec in an OCDBT
-  store) vs writing its two keys directly (`ckptstore.chunks`), per leaf;
+  store) vs writing its two keys directly (`ckptstore.format.chunks`), per leaf;
 - TensorStore's crc32c codec on a 64 MiB chunk (write and read, with vs without
   the codec) vs ``google_crc32c`` over the same bytes.
 
@@ -42,9 +42,9 @@ import ckptstore
 from benchmarks import common
 from benchmarks.common import MiB
 from benchmarks.trees import TREES
-from ckptstore import chunks
-from ckptstore.arrays import ocdbt_spec
-from ckptstore.leaves import LeafInfo, zarr_spec
+from ckptstore.datapath.arrays import ocdbt_spec
+from ckptstore.format import chunks
+from ckptstore.format.leaves import LeafInfo, zarr_spec
 
 
 def _median(xs: list[float]) -> str:

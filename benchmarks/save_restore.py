@@ -68,12 +68,12 @@ import ckptstore
 from benchmarks import common, trees
 from benchmarks.common import MiB, Timer
 from benchmarks.trees import TREES
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.restore import MAX_INFLIGHT_BYTES
-from ckptstore.chunks import aligned_empty
-from ckptstore.leaves import describe_leaf
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
+from ckptstore.format.chunks import aligned_empty
+from ckptstore.format.leaves import describe_leaf
 
 PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpoint", "psutil"]
 # Each phase interleaves its contenders side by side. The disk comparison runs apart from

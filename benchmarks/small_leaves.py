@@ -4,11 +4,11 @@ Tree ``c`` of ``benchmarks/trees.py`` (5,000 replicated leaves of 16 KiB to 1 Mi
 1.15 GiB) written durably into a fresh directory three ways, interleaved (the first
 contender rotates every repetition), medians with their spread:
 
-- ``ocdbt_keys``: what a save does with them today, `ckptstore.arrays.write_leaves`
+- ``ocdbt_keys``: what a save does with them today, `ckptstore.datapath.arrays.write_leaves`
   into one OCDBT store (two keys a leaf through TensorStore's ``KvStore.write``,
   its data files fsync'd, written pages dropped as in a save);
-- ``packs``: `ckptstore.packs.write_pack`, one pack per group of up to 64 MiB
-  (`ckptstore.chunks.groups`), all groups at once (O_DIRECT gathered writes);
+- ``packs``: `ckptstore.format.packs.write_pack`, one pack per group of up to 64 MiB
+  (`ckptstore.format.chunks.groups`), all groups at once (O_DIRECT gathered writes);
 - ``dd_direct``: ``dd bs=16M oflag=direct conv=fsync`` of as many bytes.
 
 Only the data: no merge, commit or manifest (a save adds those).
@@ -42,11 +42,11 @@ import numpy as np
 from benchmarks import common
 from benchmarks.common import MiB, Timer
 from benchmarks.trees import tree_c
-from ckptstore import chunks
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.local import LocalBackend
-from ckptstore.leaves import describe_leaf
-from ckptstore.packs import write_pack
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
+from ckptstore.format import chunks
+from ckptstore.format.leaves import describe_leaf
+from ckptstore.format.packs import write_pack
 
 CONTENDERS = ["ocdbt_keys", "packs", "dd_direct"]
 PACK_BYTES = 64 * MiB

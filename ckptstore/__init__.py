@@ -36,6 +36,7 @@ from ckptstore.errors import (
     ConfigError,
     CoordinationError,
     CorruptCheckpointError,
+    DuplicateLeafError,
     FencedError,
     IncompleteCheckpointError,
     InsufficientMemoryError,
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
         verify_sync,
     )
     from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
-    from ckptstore.checkpoint.partial import DuplicateLeafError, Part, PartialSave, partial_save
+    from ckptstore.checkpoint.partial import Part, PartialSave, partial_save
     from ckptstore.checkpoint.save import SaveResult, save
     from ckptstore.checkpoint.target import Tiered
     from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
@@ -101,7 +102,6 @@ _LAZY = {
     "Removal": "ckptstore.checkpoint.cleanup",
     "delete_step": "ckptstore.checkpoint.cleanup",
     "gc": "ckptstore.checkpoint.cleanup",
-    "DuplicateLeafError": "ckptstore.checkpoint.partial",
     "Part": "ckptstore.checkpoint.partial",
     "PartialSave": "ckptstore.checkpoint.partial",
     "partial_save": "ckptstore.checkpoint.partial",

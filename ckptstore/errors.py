@@ -158,6 +158,35 @@ class CoordinationError(CkptStoreError):
     """Processes failed to agree in time (a barrier or key-value wait timed out)."""
 
 
+class TreeError(CkptStoreError, ValueError):
+    """A tree cannot be saved or rebuilt as asked."""
+
+
+class UnsupportedLeafError(CkptStoreError, TypeError):
+    """A leaf's type or dtype cannot be stored."""
+
+
+class DuplicateLeafError(CkptStoreError, ValueError):
+    """A part adds leaves an earlier part already holds, without ``replace=True``."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        super().__init__(f"leaves already saved by an earlier part: {shown} (pass replace=True)")
+
+
+class StagingBudgetError(CkptStoreError, MemoryError):
+    """The state needs more staging memory than the manager may use."""
+
+
+class OrbaxExportError(CkptStoreError, ValueError):
+    """A checkpoint cannot be described to Orbax as asked."""
+
+
+class SafetensorsError(CkptStoreError, ValueError):
+    """A safetensors file, index or mapping rule is malformed."""
+
+
 def storage_failed(exc: BaseException) -> bool:
     """Whether ``exc`` says the storage itself failed (unreachable, timed out, refused,
     misbehaving), as opposed to an answer about the data: a key that is missing or already

@@ -25,7 +25,7 @@ async def attempts(backend: Backend, step: int) -> list[str]:
 
 def largest_data_file(below: Path) -> Path:
     """The largest file of the per-process stores below ``below`` on local disk: a data
-    file of an OCDBT store, or a pack of small leaves (`ckptstore.packs`)."""
+    file of an OCDBT store, or a pack of small leaves (`ckptstore.format.packs`)."""
     files = [p for p in below.rglob("ocdbt.process_*/**/*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
 

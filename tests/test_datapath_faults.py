@@ -23,13 +23,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from ckptstore.arrays import open_leaf
 from ckptstore.backends._errors import redact_text
 from ckptstore.backends.base import Backend
 from ckptstore.backends.gcs import GcsBackend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.cli import main
+from ckptstore.datapath.arrays import open_leaf
 from ckptstore.errors import (
     AlreadyExistsError,
     CorruptCheckpointError,
@@ -38,7 +38,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-from ckptstore.leaves import describe_leaf
+from ckptstore.format.leaves import describe_leaf
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from tests.bits import same
 

@@ -14,7 +14,7 @@ import pytest
 import ckptstore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.errors import CheckpointNotFoundError
-from ckptstore.gcpause import gc_paused
+from ckptstore.runtime.gcpause import gc_paused
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +126,8 @@ async def test_a_save_pauses_the_collector_while_it_encodes_its_manifest_and_pac
     """The manifest and the pack records hold an object per leaf: encoding and parsing them
     are synchronous steps with the collector off (a 5,000-leaf commit spent ~90 ms in
     collections there); the writes around them run with it on."""
-    from ckptstore import packs
-    from ckptstore.leaves import LeafInfo
+    from ckptstore.format import packs
+    from ckptstore.format.leaves import LeafInfo
 
     seen: dict[str, list[bool]] = {"leaf": [], "ref": [], "ref parsed": []}
     leaf_to_json, ref_to_json = LeafInfo.to_json, packs.PackRef.to_json

@@ -19,7 +19,8 @@ import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.cli import main
-from ckptstore.importers.safetensors import SafetensorsError, find_tensors, import_safetensors
+from ckptstore.errors import SafetensorsError
+from ckptstore.importers.safetensors import find_tensors, import_safetensors
 from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
 
 

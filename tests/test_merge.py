@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.merge import merge
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import IncompleteCheckpointError
-from ckptstore.leaves import LeafInfo, describe_leaf
+from ckptstore.format.leaves import LeafInfo, describe_leaf
 
 MiB = 1 << 20
 

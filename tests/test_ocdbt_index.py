@@ -10,8 +10,8 @@ import pytest
 import tensorstore as ts
 
 import ckptstore
-from ckptstore import ocdbt_index
 from ckptstore.backends.local import LocalBackend
+from ckptstore.format import ocdbt_index
 
 
 def _store(root: Path, **config: int) -> ts.KvStore:

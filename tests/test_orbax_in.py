@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from ckptstore.leaves import UnsupportedLeafError
+from ckptstore.errors import UnsupportedLeafError
 from tests.conftest import make_backend
 
 

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from ckptstore.importers.orbax_format import OrbaxExportError
+from ckptstore.errors import OrbaxExportError
 from tests.conftest import make_backend
 from tests.test_orbax_in import assert_bit_exact, mesh, orbax_save, saved_form, sharded
 

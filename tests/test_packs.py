@@ -1,4 +1,4 @@
-"""Packs (`ckptstore.packs`): many small leaves in one object, on every backend."""
+"""Packs (`ckptstore.format.packs`): many small leaves in one object, on every backend."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore import chunks
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.errors import CorruptCheckpointError, IncompleteCheckpointError
-from ckptstore.leaves import LeafInfo, describe_leaf
-from ckptstore.packs import (
+from ckptstore.format import chunks
+from ckptstore.format.leaves import LeafInfo, describe_leaf
+from ckptstore.format.packs import (
     PackRef,
     check_packs,
     entry_size,
@@ -239,7 +239,7 @@ async def test_a_saves_packs_are_encoded_one_at_a_time_in_order(
     import threading
     import time
 
-    from ckptstore import packs
+    from ckptstore.format import packs
 
     running, most, order = [0], [0], []
     lock = threading.Lock()

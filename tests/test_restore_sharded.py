@@ -132,9 +132,9 @@ async def test_restored_host_buffers_are_shared_and_safe_to_donate(tmp_path) -> 
 def test_replicated_leaves_placed_by_jax_own_transfer_equal_device_put(dtype: str) -> None:
     """`placement.put_replicated` (JAX's transfer without `jax.device_put`'s Python layers)
     is taken with the JAX this project pins, and builds what `jax.device_put` builds."""
-    from ckptstore import placement
-    from ckptstore.chunks import aligned_empty
-    from ckptstore.leaves import dtype_of
+    from ckptstore.datapath import placement
+    from ckptstore.format.chunks import aligned_empty
+    from ckptstore.format.leaves import dtype_of
 
     assert placement._device_put is not None, "JAX's transfer entry point moved"
     m = mesh((4, 2))
@@ -160,7 +160,7 @@ def test_a_replicated_leaf_is_one_piece_written_from_its_first_buffer() -> None:
     """Replicated over CPU devices, a leaf is written from the array itself (no jax array
     per device is made: ~150 us a leaf), and TensorStore reads its first device's buffer
     in place; a sharded leaf still gives one piece per shard."""
-    from ckptstore.arrays import host_view, owned_slices
+    from ckptstore.datapath.arrays import host_view, owned_slices
 
     m = mesh((4, 2))
     value = jax.device_put(np.arange(1 << 20, dtype=np.float32), NamedSharding(m, P()))
@@ -176,8 +176,8 @@ def test_a_replicated_leaf_is_one_piece_written_from_its_first_buffer() -> None:
 
 def _count_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """Every chunk key the restore's readers fetch, counted (the real readers still read)."""
-    from ckptstore.arrays import KvChunks
-    from ckptstore.ocdbt_index import DirectChunks
+    from ckptstore.datapath.arrays import KvChunks
+    from ckptstore.format.ocdbt_index import DirectChunks
 
     fetched: collections.Counter[str] = collections.Counter()
     for cls in (KvChunks, DirectChunks):
@@ -236,7 +236,7 @@ async def test_slices_laid_out_from_several_chunks_go_to_devices_without_a_copy(
 ) -> None:
     """A slice assembled from parts of several chunks is built in a buffer CPU devices
     adopt as it is; an unaligned one would be copied once more on its way to them."""
-    from ckptstore import placement
+    from ckptstore.datapath import placement
 
     data = np.random.default_rng(5).standard_normal((64, 32)).astype(np.float32)
     saved = NamedSharding(mesh((4, 2)), P("x", "y"))
@@ -267,9 +267,9 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
 
     import tensorstore as ts
 
-    from ckptstore.arrays import KvChunks
     from ckptstore.checkpoint.restore import item_store
-    from ckptstore.ocdbt_index import DirectChunks
+    from ckptstore.datapath.arrays import KvChunks
+    from ckptstore.format.ocdbt_index import DirectChunks
 
     tree = sharded_tree()
     await ckptstore.save(any_backend, tree, step=1)
@@ -316,7 +316,7 @@ async def test_slices_sharing_a_chunk_pass_the_budget_together_whatever_the_devi
     go through the read-ahead budget one after another: a shared chunk is not
     kept while unrelated slices are read (with a budget of one slice, at most the two
     chunks of the slices in flight are held, not every chunk of the leaf)."""
-    from ckptstore.rawleaf import RawLeaf
+    from ckptstore.datapath.rawleaf import RawLeaf
 
     data = np.random.default_rng(6).standard_normal((64, 32)).astype(np.float32)
     saved = NamedSharding(mesh((4, 2)), P("x", "y"))  # 8 chunks of 16 x 16

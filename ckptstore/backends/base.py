@@ -28,6 +28,7 @@ from ckptstore.errors import (
     NotFoundError,
     RetriesExhaustedError,
 )
+from ckptstore.runtime.futures import finish_first as finish_first  # its old home re-exports it
 
 T = TypeVar("T")
 #: What a write takes: any contiguous buffer of bytes.
@@ -373,23 +374,6 @@ class Backend(ABC):
                     ) from exc
 
         return await retry_async(bounded, self.retry)
-
-
-async def finish_first(work: Awaitable[T]) -> T:
-    """Await ``work``; if the awaiting task is cancelled meanwhile, wait for ``work`` to
-    finish (its result or error dropped) before the cancellation goes on.
-
-    For writes that a cancelled await does not stop (a worker thread's, TensorStore's):
-    a cancelled save (Ctrl-C in a blocking call) has stopped writing once it unwinds.
-    """
-    inner = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(inner)
-    except asyncio.CancelledError:
-        await asyncio.wait([inner])
-        if not inner.cancelled():
-            inner.exception()  # retrieved: no "exception was never retrieved" warning
-        raise
 
 
 def slice_range(data: bytes, start: int | None, end: int | None) -> bytes:

@@ -29,7 +29,7 @@ import aiofiles
 import aiofiles.os
 import tensorstore as ts
 
-from ckptstore.backends.base import Backend, Buffer, Capabilities, ObjectInfo, finish_first
+from ckptstore.backends.base import Backend, Buffer, Capabilities, ObjectInfo
 from ckptstore.backends.keys import TEMP_MARKER, join, validate_prefix
 from ckptstore.backends.pagecache import PageCacheEvictor
 from ckptstore.errors import (
@@ -41,6 +41,7 @@ from ckptstore.errors import (
     PermissionDeniedError,
     StorageError,
 )
+from ckptstore.runtime.futures import finish_first
 
 _ALIGN = 4096
 _DIRECT_MIN = 4 << 20  # below this, buffered write + fsync is as fast

@@ -29,7 +29,7 @@ from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.partial import Part, PartialSave, partial_save
 from ckptstore.checkpoint.save import SaveResult, save
 from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
-from ckptstore.leaves import LeafInfo
+from ckptstore.format.leaves import LeafInfo
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -31,15 +31,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.arrays import addressable_indices, host_view_slices, ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import COMMIT, Marker, claim, digest
-from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import merge
+from ckptstore.datapath.arrays import (
+    addressable_indices,
+    host_view_slices,
+    ocdbt_spec,
+    write_leaves,
+)
 from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError, NotFoundError
-from ckptstore.leaves import LeafInfo
+from ckptstore.format.leaves import LeafInfo
+from ckptstore.runtime.handoff import Handoff
 
 STAGED = "STAGED"
 _PROBE = ".ckptstore-probe-"

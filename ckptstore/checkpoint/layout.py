@@ -15,7 +15,7 @@ Format version 3 (attempt-scoped; version 2 is the same without packs):
     SESSION.json                          partial-save sessions only: lets a resumer find it
     <item>/                               e.g. "state"
       ocdbt.process_<i>/                  process i's own OCDBT store (a save)
-        pack-<k>                          its small leaves, packed (`ckptstore.packs`); the
+        pack-<k>                          its small leaves, packed (`ckptstore.format.packs`); the
                                           manifest says where each one starts
       local.process_<i>/                  host-local fast tiers only: what else process i
                                           needs to restore alone (never promoted)
@@ -48,7 +48,7 @@ TOMBSTONES = (FATE, DELETED)
 PARTS = "parts"
 DEFAULT_ITEM = "state"
 FORMAT = "ckptstore"
-FORMAT_VERSION = 3  # 3: an item's small leaves may be packed (`ckptstore.packs`)
+FORMAT_VERSION = 3  # 3: an item's small leaves may be packed (`ckptstore.format.packs`)
 
 _ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 

@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore import chunks
 from ckptstore.backends.keys import validate_key
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.gcpause import gc_paused
-from ckptstore.leaves import LeafInfo, dtype_of
-from ckptstore.packs import PackRef
+from ckptstore.format import chunks
+from ckptstore.format.leaves import LeafInfo, dtype_of
+from ckptstore.format.packs import PackRef
+from ckptstore.runtime.gcpause import gc_paused
 
 KINDS = ("jax", "numpy", "scalar")
 PYTHON_TYPES = (None, "int", "float", "bool", "complex")
@@ -38,7 +38,7 @@ class ItemManifest:
     structure: dict[str, Any]
     leaves: dict[str, LeafInfo]
     parts: list[str] = field(default_factory=list)  # store directories merged, in order
-    #: Leaves stored in packs (`ckptstore.packs`) rather than in the merged store.
+    #: Leaves stored in packs (`ckptstore.format.packs`) rather than in the merged store.
     packed: dict[str, PackRef] = field(default_factory=dict)
 
     @property

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
-from ckptstore import chunks
-from ckptstore.arrays import ocdbt_spec
-from ckptstore.backends.base import Backend, finish_first
+from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import write_error
+from ckptstore.datapath.arrays import ocdbt_spec
 from ckptstore.errors import CkptStoreError, IncompleteCheckpointError
-from ckptstore.futures import wait_all
-from ckptstore.leaves import Index, LeafInfo
+from ckptstore.format import chunks
+from ckptstore.format.leaves import Index, LeafInfo
+from ckptstore.runtime.futures import finish_first, wait_all
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,15 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.stored import StoredItem, settle
-from ckptstore.checkpoint.tree import MAX_DEPTH, TreeError, check_structure, path_name
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
-from ckptstore.leaves import LeafInfo, UnsupportedLeafError, dtype_of
+from ckptstore.checkpoint.tree import MAX_DEPTH, check_structure, path_name
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    CorruptCheckpointError,
+    TreeError,
+    UnsupportedLeafError,
+)
+from ckptstore.format.leaves import LeafInfo, dtype_of
 
 TREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"

@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ckptstore import distributed
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
@@ -47,20 +45,14 @@ from ckptstore.checkpoint.commit import (
     new_owner,
     read_fate,
 )
-from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import fast_is_shared
 from ckptstore.checkpoint.layout import AttemptDir
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest, parse_leaf
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
-from ckptstore.checkpoint.tree import (
-    TreeError,
-    check_leaf_paths,
-    check_structure,
-    describe,
-    flatten,
-)
+from ckptstore.checkpoint.tree import check_leaf_paths, check_structure, describe, flatten
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -68,20 +60,15 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     FencedError,
     NotFoundError,
+    TreeError,
     UnsupportedOperationError,
 )
-from ckptstore.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
+from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.runtime import distributed
+from ckptstore.runtime.handoff import Handoff
 
 _PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
-
-
-class DuplicateLeafError(CkptStoreError, ValueError):
-    """A part adds leaves an earlier part already holds, without ``replace=True``."""
-
-    def __init__(self, names: list[str]):
-        self.names = names
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        super().__init__(f"leaves already saved by an earlier part: {shown} (pass replace=True)")
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,15 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore import chunks, ocdbt_index, placement
-from ckptstore.arrays import (
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout, orbax
+from ckptstore.checkpoint.commit import committed_steps, latest_manifest
+from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.stored import Read, StoredItem, settle
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.tree import path_name, rebuild
+from ckptstore.datapath import placement
+from ckptstore.datapath.arrays import (
     ByteBudget,
     Chunks,
     KvChunks,
@@ -29,16 +36,10 @@ from ckptstore.arrays import (
     read_slice,
     read_small_leaves,
 )
-from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout, orbax
-from ckptstore.checkpoint.commit import committed_steps, latest_manifest
-from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.stored import Read, StoredItem, settle
-from ckptstore.checkpoint.target import Target, opened
-from ckptstore.checkpoint.tree import path_name, rebuild
+from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError, TreeMismatchError
-from ckptstore.gcpause import gc_paused
-from ckptstore.leaves import (
+from ckptstore.format import chunks, ocdbt_index
+from ckptstore.format.leaves import (
     Index,
     LeafInfo,
     dtype_of,
@@ -46,9 +47,9 @@ from ckptstore.leaves import (
     key_data_aval,
     key_impl_name,
 )
-from ckptstore.membudget import check_fits
-from ckptstore.packs import read_packed, read_split
-from ckptstore.rawleaf import RawLeaf
+from ckptstore.format.packs import read_packed, read_split
+from ckptstore.runtime.gcpause import gc_paused
+from ckptstore.runtime.membudget import check_fits
 
 #: Bytes of stored data a restore reads ahead of handing it to the devices (or the
 #: caller): a restore needs about this plus its largest shard over the restored state.
@@ -96,7 +97,7 @@ async def restore(
     (one slice larger than that is read alone).
     """
     # Thousands of long-lived objects for a tree of thousands of leaves, none of them
-    # garbage: the cyclic collector waits (`ckptstore.gcpause`).
+    # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
     with gc_paused():
         async with opened(target) as backend:
             stored = await open_stored(backend, step, item)

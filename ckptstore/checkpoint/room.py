@@ -32,7 +32,7 @@ from ckptstore.checkpoint.hostlocal import (
     staged_steps,
 )
 from ckptstore.errors import CheckpointNotFoundError, InsufficientSpaceError, NotFoundError
-from ckptstore.leaves import HostShards, LeafInfo
+from ckptstore.format.leaves import HostShards, LeafInfo
 
 log = logging.getLogger("ckptstore")
 

@@ -27,8 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore import distributed
-from ckptstore.arrays import ocdbt_spec, write_leaves
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
@@ -40,7 +38,6 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
-from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import (
     can_write_host_view,
     fast_is_shared,
@@ -54,10 +51,13 @@ from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
 from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
+from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import AlreadyExistsError, CkptStoreError, FencedError
-from ckptstore.gcpause import gc_paused
-from ckptstore.leaves import LeafInfo, describe_leaf, storable
-from ckptstore.packs import PackRef, PackTarget, check_packs, read_index, write_index
+from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index
+from ckptstore.runtime import distributed
+from ckptstore.runtime.gcpause import gc_paused
+from ckptstore.runtime.handoff import Handoff
 
 log = logging.getLogger("ckptstore")
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.leaves import Index, LeafInfo
+from ckptstore.format.leaves import Index, LeafInfo
 
 T = TypeVar("T")
 
@@ -27,7 +27,7 @@ class StoredItem:
     format) that names them, and ``open(info)``: the leaf's array, ready to read.
 
     Where the format has them: ``read_small(infos)`` reads many small single-chunk
-    leaves (`ckptstore.chunks.small`) whole, in one batch; ``open_raw(infos)`` gives
+    leaves (`ckptstore.format.chunks.small`) whole, in one batch; ``open_raw(infos)`` gives
     each leaf a faster reader of its regions than its TensorStore array, or None.
     """
 

@@ -24,7 +24,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ckptstore.arrays import MAX_INFLIGHT_BYTES
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint import restore as plain
@@ -34,6 +33,7 @@ from ckptstore.checkpoint.hostlocal import read_staged
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, single
 from ckptstore.checkpoint.verify import VerifyReport
+from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,

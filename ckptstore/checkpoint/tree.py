@@ -21,14 +21,10 @@ from urllib.parse import quote, unquote
 import jax
 import numpy as np
 
-from ckptstore.errors import CkptStoreError
-from ckptstore.leaves import HostShards
+from ckptstore.errors import TreeError as TreeError  # its old home re-exports it
+from ckptstore.format.leaves import HostShards
 
 SAFE = "-_.~"  # besides ASCII letters and digits, kept as is in storage names
-
-
-class TreeError(CkptStoreError, ValueError):
-    """A tree cannot be saved or rebuilt as asked."""
 
 
 def is_leaf_value(x: Any) -> bool:

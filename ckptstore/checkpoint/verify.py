@@ -22,13 +22,6 @@ from typing import Any
 
 import tensorstore as ts
 
-from ckptstore.arrays import (
-    MAX_INFLIGHT_BYTES,
-    ByteBudget,
-    KvChunks,
-    open_leaf,
-    read_slice,
-)
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint import layout
@@ -37,10 +30,17 @@ from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import item_dir, item_store
 from ckptstore.checkpoint.target import Target, opened
+from ckptstore.datapath.arrays import (
+    MAX_INFLIGHT_BYTES,
+    ByteBudget,
+    KvChunks,
+    open_leaf,
+    read_slice,
+)
+from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
-from ckptstore.leaves import Index, LeafInfo
-from ckptstore.packs import read_packed
-from ckptstore.rawleaf import RawLeaf
+from ckptstore.format.leaves import Index, LeafInfo
+from ckptstore.format.packs import read_packed
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
 READ_BYTES = 64 << 20

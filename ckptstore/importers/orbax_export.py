@@ -39,8 +39,6 @@ from typing import Any
 
 import tensorstore as ts
 
-from ckptstore import chunks
-from ckptstore.arrays import ByteBudget, ocdbt_spec
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import layout
@@ -51,12 +49,16 @@ from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import AnyTarget, Target, as_tiered, open_target, opened, single
 from ckptstore.checkpoint.tiered import nearest
+from ckptstore.datapath.arrays import ByteBudget, ocdbt_spec
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from ckptstore.format import chunks
+from ckptstore.format.leaves import LeafInfo
+from ckptstore.format.packs import read_packed
 from ckptstore.importers.orbax_format import (
     DEFAULT_ITEM,
     OrbaxEntry,
@@ -66,8 +68,6 @@ from ckptstore.importers.orbax_format import (
 )
 from ckptstore.importers.orbax_inspect import read_all
 from ckptstore.importers.progress import Progress
-from ckptstore.leaves import LeafInfo
-from ckptstore.packs import read_packed
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).
 COPY_BUDGET = 256 << 20
@@ -216,7 +216,7 @@ async def _write_packed(
     found: list[OrbaxEntry],
     saved: ItemManifest,
 ) -> int:
-    """Packed leaves (`ckptstore.packs`) are small: each is read from its pack (checksum
+    """Packed leaves (`ckptstore.format.packs`) are small: each is read from its pack (checksum
     checked) and written into the view as the zarr3 array Orbax reads, a batch at a time.
     Returns their bytes."""
     view = await ts.KvStore.open(ocdbt_spec(dst.kvstore_spec(item_dir)), context=dst.ts_context)

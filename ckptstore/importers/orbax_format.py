@@ -16,8 +16,9 @@ from typing import Any
 from urllib.parse import unquote
 
 from ckptstore.checkpoint.orbax import DICT, SEQUENCE
-from ckptstore.errors import CkptStoreError
-from ckptstore.leaves import LeafInfo, UnsupportedLeafError
+from ckptstore.errors import OrbaxExportError as OrbaxExportError  # its old home re-exports it
+from ckptstore.errors import UnsupportedLeafError
+from ckptstore.format.leaves import LeafInfo
 
 #: What ckptstore leaf kinds are, in Orbax's value types.
 VALUE_TYPES = {"jax": "jax.Array", "numpy": "np.ndarray", "scalar": "scalar"}
@@ -26,10 +27,6 @@ EMPTY_TYPES = {"dict": "Dict", "list": "List", "tuple": "Tuple", "namedtuple": "
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 #: Orbax's item name in a `CheckpointManager` step holding one tree.
 DEFAULT_ITEM = "default"
-
-
-class OrbaxExportError(CkptStoreError, ValueError):
-    """A checkpoint cannot be described to Orbax as asked."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from ckptstore.arrays import read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.blocking import blocking
@@ -25,9 +24,10 @@ from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
 from ckptstore.checkpoint.target import AnyTarget, Target, opened
+from ckptstore.datapath.arrays import read_slice
 from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.importers.progress import Progress
-from ckptstore.leaves import LeafInfo
 
 DEFAULT_BATCH_BYTES = 256 << 20
 _PYTHON = {"int": int, "float": float, "bool": bool, "complex": complex}

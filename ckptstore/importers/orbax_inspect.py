@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import tensorstore as ts
 
-from ckptstore.arrays import read_slice
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.stored import StoredItem
+from ckptstore.datapath.arrays import read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
-from ckptstore.leaves import LeafInfo
-from ckptstore.membudget import check_fits
+from ckptstore.format.leaves import LeafInfo
+from ckptstore.runtime.membudget import check_fits
 
 #: How the one tree of a StandardCheckpointer directory is shown (Orbax names it not).
 TREE_ITEM = "(tree)"

@@ -32,7 +32,7 @@ from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target
 from ckptstore.checkpoint.tree import segment
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import SafetensorsError as SafetensorsError  # its old home re-exports it
 from ckptstore.importers.progress import Progress
 
 MiB = 1 << 20
@@ -63,10 +63,6 @@ DTYPES: dict[str, Any] = {
     "F8_E5M2": ml_dtypes.float8_e5m2,
     "F8_E8M0": ml_dtypes.float8_e8m0fnu,
 }
-
-
-class SafetensorsError(CkptStoreError, ValueError):
-    """A safetensors file, index or mapping rule is malformed."""
 
 
 @dataclass(frozen=True)

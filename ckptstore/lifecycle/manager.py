@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
-from ckptstore import distributed
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
-from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import known_shared
 from ckptstore.checkpoint.restore import restore
 from ckptstore.checkpoint.save import save_items
@@ -41,6 +39,8 @@ from ckptstore.lifecycle import tiers
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
 from ckptstore.lifecycle.tiers import Tiered, promote
+from ckptstore.runtime import distributed
+from ckptstore.runtime.handoff import Handoff
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")

@@ -38,10 +38,11 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ckptstore.arrays import host_view
 from ckptstore.checkpoint.tree import flatten
+from ckptstore.datapath.arrays import host_view
 from ckptstore.errors import CkptStoreError
-from ckptstore.leaves import HostShards, Index, is_key_array, key_impl_name
+from ckptstore.errors import StagingBudgetError as StagingBudgetError  # old home re-exports
+from ckptstore.format.leaves import HostShards, Index, is_key_array, key_impl_name
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -63,10 +64,6 @@ class Staged:
     nbytes: int  # bytes the staged tree holds: staging buffers and views
     copied: int  # of which copied into staging buffers
     seconds: float  # how long `Stager.stage` took: the pause it caused
-
-
-class StagingBudgetError(CkptStoreError, MemoryError):
-    """The state needs more staging memory than the manager may use."""
 
 
 class Stager:
@@ -196,7 +193,7 @@ class Stager:
 
 def _other_replicas(leaf: jax.Array, own: list[Any]) -> list[Any]:
     """One addressable shard per region this process holds but does not write (its
-    replica 0 is on another process): `ckptstore.arrays.host_view_slices`, staged."""
+    replica 0 is on another process): `ckptstore.datapath.arrays.host_view_slices`, staged."""
     have = {_key(tuple(s.index), leaf.shape) for s in own}
     out = []
     for shard in leaf.addressable_shards:

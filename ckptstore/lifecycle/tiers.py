@@ -19,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore import distributed
-from ckptstore.arrays import ByteBudget
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
@@ -34,7 +32,6 @@ from ckptstore.checkpoint.commit import (
     digest,
     load_manifest,
 )
-from ckptstore.checkpoint.handoff import Handoff
 from ckptstore.checkpoint.hostlocal import (
     drop_staged,
     fast_is_shared,
@@ -50,6 +47,7 @@ from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old
 from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
 from ckptstore.checkpoint.tiered import restore as nearest_restore
 from ckptstore.checkpoint.verify import verify_step
+from ckptstore.datapath.arrays import ByteBudget
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -59,6 +57,8 @@ from ckptstore.errors import (
     NotFoundError,
     StorageError,
 )
+from ckptstore.runtime import distributed
+from ckptstore.runtime.handoff import Handoff
 
 log = logging.getLogger("ckptstore")
 

@@ -1,4 +1,5 @@
-"""The ``ckptstore`` command: what is in a checkpoint, and is it intact (``ckptstore --help``)."""
+"""The ``ckptstore`` command: what is in a checkpoint, and is it intact (``ckptstore --help``):
+the parser, ``main``, and ``ls``, ``info``, ``verify``, ``rm``, ``gc``, ``import-safetensors``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from ckptstore import cli_orbax
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
@@ -24,8 +24,9 @@ from ckptstore.checkpoint.commit import committed_steps, load_committed, read_ma
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import Tiered, open_target
 from ckptstore.checkpoint.tiered import read_manifest, tier_steps, verify
-from ckptstore.cli_text import count, duration_text, human, when
-from ckptstore.cli_tiers import cmd_ls_tiers, cmd_promote
+from ckptstore.cli import orbax as cli_orbax
+from ckptstore.cli.text import count, duration_text, human, when
+from ckptstore.cli.tiers import cmd_ls_tiers, cmd_promote
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -703,7 +704,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return SIGPIPE_EXIT
-
-
-if __name__ == "__main__":
-    sys.exit(main())

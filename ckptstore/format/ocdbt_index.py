@@ -27,8 +27,8 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.chunks import aligned_empty
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.format.chunks import aligned_empty
 
 #: Neighbouring values of one data file closer than this are fetched in one read.
 MAX_GAP = 1 << 20

@@ -31,14 +31,14 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.leaves import LeafInfo, dtype_of, zarr_spec
+from ckptstore.format.leaves import LeafInfo, dtype_of, zarr_spec
 
 #: Leaves up to this size whose array is a single chunk are written as raw keys. Above
 #: it an open's fixed cost is small next to the write, and TensorStore avoids a copy.
 MAX_SMALL_BYTES = 4 << 20
 _CRC_BYTES = 4
 #: Decoded chunks start on this boundary: JAX's CPU client adopts such buffers as device
-#: memory without copying them (`ckptstore.placement`).
+#: memory without copying them (`ckptstore.datapath.placement`).
 ALIGNMENT = 64
 T = TypeVar("T")
 
@@ -91,7 +91,7 @@ _SHAPE, _CHUNKS = '"shape":[1]', '"chunk_shape":[1]'
 
 
 def encode_metadata(info: LeafInfo) -> bytes:
-    """The ``zarr.json`` TensorStore writes for ``info`` (see `ckptstore.leaves.zarr_spec`).
+    """The ``zarr.json`` TensorStore writes for ``info`` (see `ckptstore.format.leaves.zarr_spec`).
 
     TensorStore itself writes one document per dtype (into a private memory store,
     once per process) for a shape of ``[1]``; leaves differ only in their shape and

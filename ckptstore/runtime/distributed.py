@@ -1,7 +1,7 @@
 """Cross-process agreement through jax.distributed's coordination service.
 
 A key-value store whose reads wait with a timeout and fail with a clear error.
-Single-process code never calls it (see `ckptstore.checkpoint.handoff`).
+Single-process code never calls it (see `ckptstore.runtime.handoff`).
 """
 
 from __future__ import annotations

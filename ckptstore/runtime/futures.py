@@ -6,7 +6,7 @@ GIL hand-off from TensorStore's thread; for thousands of small reads or writes
 (small leaves, the merge's metadata checks) that overhead outweighs the I/O.
 
 A cancelled `wait_all` returns only once each future has ended (see
-`ckptstore.backends.base.finish_first`), so nothing it started still writes after its
+`finish_first`), so nothing it started still writes after its
 caller unwinds.
 """
 
@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import tensorstore as ts
-
-from ckptstore.backends.base import finish_first
 
 T = TypeVar("T")
 
@@ -32,6 +30,23 @@ THREAD_BYTES = 1 << 20
 #: Threads of their own (one per core): in the event loop's default executor this work
 #: would take the threads that file reads and waits on TensorStore's futures need.
 _CPU = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, "ckptstore-cpu")
+
+
+async def finish_first(work: Awaitable[T]) -> T:
+    """Await ``work``; if the awaiting task is cancelled meanwhile, wait for ``work`` to
+    finish (its result or error dropped) before the cancellation goes on.
+
+    For writes that a cancelled await does not stop (a worker thread's, TensorStore's):
+    a cancelled save (Ctrl-C in a blocking call) has stopped writing once it unwinds.
+    """
+    inner = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        await asyncio.wait([inner])
+        if not inner.cancelled():
+            inner.exception()  # retrieved: no "exception was never retrieved" warning
+        raise
 
 
 async def off_loop(work: Callable[[], T], nbytes: int) -> T:

@@ -1,6 +1,6 @@
 """The ``ckptstore`` command's Orbax side: ``export-orbax``, ``import-orbax``, and what
 ``ls``, ``info`` and ``verify`` say about an Orbax checkpoint or `CheckpointManager` root
-(`ckptstore.cli` calls `ls`, `info` and `verify` when a target holds no committed step).
+(`ckptstore.cli.main` calls `ls`, `info` and `verify` when a target holds no committed step).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import json
 from typing import Any
 
 from ckptstore.checkpoint.target import Target, opened
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.importers.orbax_export import export_orbax
 from ckptstore.importers.orbax_import import DEFAULT_BATCH_BYTES, import_orbax
 from ckptstore.importers.orbax_inspect import OrbaxStep, describe_step, find, verify_orbax
-from ckptstore.leaves import LeafInfo
 
 COMMANDS = ("export-orbax", "import-orbax")
 

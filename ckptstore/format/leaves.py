@@ -3,7 +3,7 @@
 A leaf is a jax array, a numpy array or scalar, or a Python number. `describe_leaf`
 turns one into a `LeafInfo` (shape, dtype, chunk shape, kind, sharding) before any
 byte is written, so unsupported leaves are refused up front. The TensorStore I/O
-that uses this schema is in `ckptstore.arrays`.
+that uses this schema is in `ckptstore.datapath.arrays`.
 
 A typed PRNG key array (``jax.random.key(0)``, any implementation) is stored as its
 key data (`jax.random.key_data`: uint32, the key shape plus the implementation's
@@ -25,14 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import UnsupportedLeafError as UnsupportedLeafError  # old home re-exports
 
 #: Chunks are split until they are at most this big, so resharded reads stay cheap.
 TARGET_CHUNK_BYTES = 64 << 20
-
-
-class UnsupportedLeafError(CkptStoreError, TypeError):
-    """A leaf's type or dtype cannot be stored."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +175,7 @@ class HostShards:
     the array itself may be donated, deleted or overwritten as soon as staging returns.
     ``extra``: the other addressable slices (replicas whose replica 0 is on another
     process), staged for a host-local fast tier's copy
-    (`ckptstore.arrays.host_view_slices`); None when not staged."""
+    (`ckptstore.datapath.arrays.host_view_slices`); None when not staged."""
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]

@@ -1,7 +1,7 @@
 """Reading a stored leaf's regions chunk by chunk, outside TensorStore.
 
 A leaf whose ``zarr.json`` is byte for byte what a save writes has chunks this
-module decodes itself (`ckptstore.chunks`: checksums at hardware speed). A region
+module decodes itself (`ckptstore.format.chunks`: checksums at hardware speed). A region
 is assembled from the chunks it overlaps; a region that is exactly one chunk is
 that chunk's buffer, not a copy. Regions announced together (`RawLeaf.expect`:
 the slices of a leaf restored onto another mesh) read a chunk they share once.
@@ -19,16 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore import chunks
-from ckptstore.arrays import Chunks, get_values
+from ckptstore.datapath.arrays import Chunks, get_values
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.futures import off_loop
-from ckptstore.leaves import Index, LeafInfo, dtype_of
+from ckptstore.format import chunks
+from ckptstore.format.leaves import Index, LeafInfo, dtype_of
+from ckptstore.runtime.futures import off_loop
 
 
 class RawLeaf:
     """A stored leaf read chunk by chunk from ``source``, checksums checked by
-    `ckptstore.chunks` (several times faster than TensorStore's own check)."""
+    `ckptstore.format.chunks` (several times faster than TensorStore's own check)."""
 
     def __init__(self, source: Chunks, info: LeafInfo):
         self.source, self.info = source, info

@@ -4,7 +4,7 @@ Each leaf is a zarr3 array whose chunks carry a ``crc32c`` checksum that
 TensorStore verifies on every read. A process writes only the shards it owns
 (addressable, replica 0) into its own OCDBT store; reads fetch only the slices
 each device needs, whatever mesh the arrays were saved from. What each leaf
-looks like (`LeafInfo`, chunking) is the schema in `ckptstore.leaves`.
+looks like (`LeafInfo`, chunking) is the schema in `ckptstore.format.leaves`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore import chunks
 from ckptstore.backends._errors import gather_first_error
-from ckptstore.backends.base import finish_first
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
-from ckptstore.futures import THREAD_BYTES, off_loop, wait_all, wait_here
-from ckptstore.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
-from ckptstore.packs import PackRef, PackTarget, write_pack
+from ckptstore.format import chunks
+from ckptstore.format.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
+from ckptstore.format.packs import PackRef, PackTarget, write_pack
+from ckptstore.runtime.futures import THREAD_BYTES, finish_first, off_loop, wait_all, wait_here
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
@@ -150,7 +149,7 @@ async def write_leaves(
     are handed to TensorStore at a time, which bounds the memory a save adds.
     ``select(value, process)`` picks the pieces (`owned_slices`; `host_view_slices`).
     With ``packs``, small single-chunk leaves go into packs there instead
-    (`ckptstore.packs`; ``WriteStats.packed`` says where).
+    (`ckptstore.format.packs`; ``WriteStats.packed`` says where).
     """
     stats = WriteStats(process=process)
     start = time.perf_counter()

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from ckptstore.checkpoint.commit import committed_steps
 from ckptstore.checkpoint.target import Tiered
-from ckptstore.cli_text import count, duration_text, human
+from ckptstore.cli.text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.lifecycle.tiers import Promotion, promote, status, unpromoted
 

@@ -5,7 +5,7 @@ copies of every byte (ours into one Python ``bytes`` per chunk, TensorStore's in
 its own buffer, the kernel's into the page cache) and two keys each; on this
 project's test machine that path wrote a 5,000-leaf tree at ~0.45x the speed of
 ``dd oflag=direct`` (`docs/benchmarks.md`). A pack holds the stored chunks of many
-small single-chunk leaves (`ckptstore.chunks.small`), one after another: each
+small single-chunk leaves (`ckptstore.format.chunks.small`), one after another: each
 leaf's ``zarr.json`` (the document TensorStore would store for it) and then its
 chunk in the very bytes a zarr3 chunk has (data, then its crc32c). It is written
 with one gathered write (`Backend.write_gather`: straight from the leaves' own
@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore import chunks
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, Buffer
 from ckptstore.backends.keys import validate_key
@@ -38,8 +37,9 @@ from ckptstore.errors import (
     IncompleteCheckpointError,
     NotFoundError,
 )
-from ckptstore.gcpause import gc_paused
-from ckptstore.leaves import LeafInfo
+from ckptstore.format import chunks
+from ckptstore.format.leaves import LeafInfo
+from ckptstore.runtime.gcpause import gc_paused
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ INDEX = "packs.json"
 
 async def write_index(backend: Backend, store: str, refs: Mapping[str, PackRef]) -> None:
     """Record ``refs`` (a writer's packed leaves) in ``store`` (its directory)."""
-    with gc_paused():  # an object per leaf: see `ckptstore.gcpause`
+    with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
         doc = {leaf: ref.to_json() for leaf, ref in refs.items()}
         data = json.dumps(doc, separators=(",", ":")).encode()
     await backend.write(_join(store, INDEX), data)
@@ -100,7 +100,7 @@ async def read_index(backend: Backend, store: str) -> dict[str, PackRef]:
     key = _join(store, INDEX)
     try:
         data = await backend.read(key)
-        with gc_paused():  # an object per leaf: see `ckptstore.gcpause`
+        with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
             doc = json.loads(data)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")

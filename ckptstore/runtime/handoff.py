@@ -18,8 +18,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ckptstore import distributed, errors
+from ckptstore import errors
 from ckptstore.errors import CkptStoreError
+from ckptstore.runtime import distributed
 
 T = TypeVar("T")
 
