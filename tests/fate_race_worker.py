@@ -106,7 +106,7 @@ async def act(shape: str, role: int, target: str, workdir: str, step: int, info:
 def run(
     role: int,
     shapes: list[str],
-    target: str,
+    targets: dict[str, str],
     workdir: str,
     rounds: int,
     barrier: Barrier,
@@ -121,13 +121,13 @@ def run(
             note = Path(workdir, f"{shape}-{r}.json")
             barrier.wait(timeout=300)
             if role == 0:
-                info = asyncio.run(setup(shape, target, workdir, step))
+                info = asyncio.run(setup(shape, targets[shape], workdir, step))
                 note.write_text(json.dumps(info))
             barrier.wait(timeout=300)
             info = json.loads(note.read_text())
             time.sleep(rng.uniform(0, JITTER))
             try:
-                asyncio.run(act(shape, role, target, workdir, step, info))
+                asyncio.run(act(shape, role, targets[shape], workdir, step, info))
                 outcome = "ok"
             except ckptstore.CkptStoreError as exc:
                 outcome = f"typed {type(exc).__name__}"

@@ -83,13 +83,14 @@ def judge(target: str, workdir: Path, shape: str, step: int, outcome: dict[int, 
 
 
 def race(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, list[str]]:
-    target = shared_target(kind, request, tmp_path, "races")
+    # A root per shape: each gc scans only its own shape's steps.
+    targets = {shape: shared_target(kind, request, tmp_path, f"races-{shape}") for shape in SHAPES}
     workdir = tmp_path / "work"
     workdir.mkdir()
     n = rounds(kind)
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    args = (list(SHAPES), target, str(workdir), n, barrier, results)
+    args = (list(SHAPES), targets, str(workdir), n, barrier, results)
     procs = [ctx.Process(target=run, args=(role, *args)) for role in (0, 1)]
     for p in procs:
         p.start()
@@ -107,7 +108,7 @@ def race(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str,
     # Judged once every round is over: later rounds' gc must not have harmed earlier steps.
     found: dict[str, list[str]] = defaultdict(list)
     for (shape, step), outcome in sorted(outcomes.items()):
-        for problem in judge(target, workdir, shape, step, outcome):
+        for problem in judge(targets[shape], workdir, shape, step, outcome):
             found[shape].append(f"step {step} {outcome}: {problem}")
     return found
 
