@@ -21,7 +21,6 @@ that long too, as a tombstone.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -34,7 +33,6 @@ from ckptstore.checkpoint import commit as protocol
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
     COLLECT,
-    Fate,
     Marker,
     claim,
     clear_attempt,
@@ -359,12 +357,8 @@ async def _collect_attempt(
     if older_than > 0 and (idle is None or idle < older_than):
         removal.kept_young.append(entry.key)
         return
-    if any(o.key == where.deleted for o in entry.objects):  # a delete_step killed midway
-        if fate is None:
-            fate = Fate(COLLECT, "", 0.0)  # or a deleted step's tombstone: dead either way
-        else:
-            fate = dataclasses.replace(fate, kind=COLLECT)
-    if fate is None and data:
+    deleted = any(o.key == where.deleted for o in entry.objects)  # a delete_step killed midway
+    if fate is None and not deleted and data:
         if not dry_run:
             try:
                 await claim(backend, where, COLLECT, owner)
@@ -374,12 +368,13 @@ async def _collect_attempt(
             await clear_attempt(backend, where, keep_fate=True)
         removal.add(entry.key, data)
         return
-    expired = fate is None or now - fate.time >= protocol.CLAIM_TTL
-    if fate is not None and fate.dead and data:  # a dead attempt's late writes
+    dead = deleted or (fate is not None and fate.dead)
+    decided = fate.time if fate is not None else 0.0  # no fate record: nothing to wait for
+    if dead and data:  # a dead attempt's late writes
         if not dry_run:
             await clear_attempt(backend, where, keep_fate=True)
         removal.add(entry.key, data)
-    elif expired:  # a tombstone, or a commit claim whose owner never committed
+    elif now - decided >= protocol.CLAIM_TTL:  # a tombstone, or a claim never committed
         if not dry_run:
             await clear_attempt(backend, where, keep_fate=False)
         removal.add(entry.key, entry.objects)
