@@ -72,15 +72,15 @@ if TYPE_CHECKING:
     from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
     from ckptstore.checkpoint.partial import Part, PartialSave, partial_save
     from ckptstore.checkpoint.save import SaveResult, save
-    from ckptstore.checkpoint.target import Tiered
-    from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
     from ckptstore.checkpoint.verify import VerifyReport
-    from ckptstore.importers.orbax_export import export_orbax, export_orbax_sync
-    from ckptstore.importers.orbax_import import import_orbax, import_orbax_sync
     from ckptstore.lifecycle import policies
     from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
     from ckptstore.lifecycle.options import ManagerOptions
-    from ckptstore.lifecycle.tiers import Promotion, promote, promote_sync
+    from ckptstore.orbax.exporter import export_orbax, export_orbax_sync
+    from ckptstore.orbax.importer import import_orbax, import_orbax_sync
+    from ckptstore.tiers.promote import Promotion, promote, promote_sync
+    from ckptstore.tiers.read import list_steps, read_manifest, restore, verify
+    from ckptstore.tiers.target import Tiered
 
 #: Each lazily loaded public name and the module that defines it.
 _LAZY = {
@@ -105,26 +105,26 @@ _LAZY = {
     "Part": "ckptstore.checkpoint.partial",
     "PartialSave": "ckptstore.checkpoint.partial",
     "partial_save": "ckptstore.checkpoint.partial",
-    "Tiered": "ckptstore.checkpoint.target",
-    "list_steps": "ckptstore.checkpoint.tiered",
-    "read_manifest": "ckptstore.checkpoint.tiered",
-    "restore": "ckptstore.checkpoint.tiered",
+    "Tiered": "ckptstore.tiers.target",
+    "list_steps": "ckptstore.tiers.read",
+    "read_manifest": "ckptstore.tiers.read",
+    "restore": "ckptstore.tiers.read",
     "SaveResult": "ckptstore.checkpoint.save",
     "save": "ckptstore.checkpoint.save",
     "VerifyReport": "ckptstore.checkpoint.verify",
-    "verify": "ckptstore.checkpoint.tiered",
-    "export_orbax": "ckptstore.importers.orbax_export",
-    "export_orbax_sync": "ckptstore.importers.orbax_export",
-    "import_orbax": "ckptstore.importers.orbax_import",
-    "import_orbax_sync": "ckptstore.importers.orbax_import",
+    "verify": "ckptstore.tiers.read",
+    "export_orbax": "ckptstore.orbax.exporter",
+    "export_orbax_sync": "ckptstore.orbax.exporter",
+    "import_orbax": "ckptstore.orbax.importer",
+    "import_orbax_sync": "ckptstore.orbax.importer",
     "policies": "ckptstore.lifecycle.policies",  # a module
     "CheckpointManager": "ckptstore.lifecycle.manager",
     "SaveHandle": "ckptstore.lifecycle.manager",
     "SaveStats": "ckptstore.lifecycle.manager",
     "ManagerOptions": "ckptstore.lifecycle.options",
-    "Promotion": "ckptstore.lifecycle.tiers",
-    "promote": "ckptstore.lifecycle.tiers",
-    "promote_sync": "ckptstore.lifecycle.tiers",
+    "Promotion": "ckptstore.tiers.promote",
+    "promote": "ckptstore.tiers.promote",
+    "promote_sync": "ckptstore.tiers.promote",
 }
 
 

@@ -17,7 +17,8 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import commit as commit_protocol
-from ckptstore.checkpoint import hostlocal, layout
+from ckptstore.checkpoint import layout
+from ckptstore.tiers import hostlocal
 from ckptstore.cli import main
 from tests.paths import attempts, committed_root
 from tests.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of

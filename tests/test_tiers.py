@@ -24,7 +24,7 @@ import pytest
 import ckptstore
 from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.cli import main
-from ckptstore.lifecycle import tiers
+from ckptstore.tiers import promote as tiers
 from tests.paths import committed_root, largest_data_file
 from tests.test_partial import shared_target
 
@@ -333,7 +333,7 @@ SLOW_PROMOTER = textwrap.dedent(
     """
     import sys
     from ckptstore.cli import main
-    from ckptstore.lifecycle import tiers
+    from ckptstore.tiers import promote as tiers
     from ckptstore.testing.faults import FaultyBackend
 
     real_copy = tiers.copy_objects

@@ -17,107 +17,15 @@ parameters and types: `inspect.signature`, ``help()``, IDEs and mypy see them
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import sys
-import threading
-from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any
 
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.partial import Part, PartialSave, partial_save
 from ckptstore.checkpoint.save import SaveResult, save
-from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
 from ckptstore.format.leaves import LeafInfo
-
-T = TypeVar("T")
-R = TypeVar("R")
-Params = ParamSpec("Params")
-
-_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _background_loop() -> asyncio.AbstractEventLoop:
-    global _loop
-    with _lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="ckptstore-loop", daemon=True).start()
-        return _loop
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion on the background loop and return its result.
-
-    Interrupted while waiting (Ctrl-C), it cancels ``coro`` and waits for it to
-    finish unwinding before re-raising, so no write outlives the call.
-    """
-    loop = _background_loop()
-    done = threading.Event()
-    started: list[asyncio.Task[T]] = []
-
-    def start() -> None:
-        task = loop.create_task(coro)
-        task.add_done_callback(lambda _: done.set())
-        started.append(task)
-
-    loop.call_soon_threadsafe(start)
-    try:
-        _wait(done)
-    except BaseException:
-        loop.call_soon_threadsafe(lambda: started[0].cancel())  # runs after `start`
-        _wait(done)  # a second interrupt ends this wait and propagates
-        raise
-    return started[0].result()
-
-
-def _wait(done: threading.Event) -> None:
-    """Wait for ``done`` in short slices: the kernel may deliver SIGINT to any thread
-    (TensorStore's, a worker's), and Python runs its handler only once the main thread
-    runs again, which a wait without a timeout would put off until the work is done."""
-    while not done.wait(0.05):
-        pass
-
-
-@overload
-def blocking(fn: Callable[Params, Coroutine[Any, Any, T]]) -> Callable[Params, T]: ...
-
-
-@overload
-def blocking(
-    fn: Callable[Params, Coroutine[Any, Any, T]], then: Callable[[T], R]
-) -> Callable[Params, R]: ...
-
-
-def blocking(
-    fn: Callable[Params, Coroutine[Any, Any, T]], then: Callable[[T], Any] | None = None
-) -> Callable[Params, Any]:
-    """The blocking twin of the async function ``fn``, named ``<fn>_sync`` in the calling
-    module: ``fn``'s parameters and types, its result (or ``then(result)``) returned once
-    `run` has run it to completion."""
-
-    def twin(*args: Params.args, **kwargs: Params.kwargs) -> Any:
-        result = run(fn(*args, **kwargs))
-        return result if then is None else then(result)
-
-    twin.__name__ = twin.__qualname__ = f"{fn.__name__}_sync"
-    twin.__module__ = sys._getframe(1).f_globals.get("__name__", __name__)
-    doc = inspect.cleandoc(fn.__doc__ or "")
-    twin.__doc__ = f"`ckptstore.{fn.__name__}`, blocking (see `ckptstore.checkpoint.blocking`)."
-    if doc:
-        twin.__doc__ += f"\n\n{doc}"
-    twin.__wrapped__ = fn  # type: ignore[attr-defined]  # typing.get_type_hints finds fn's names
-    signature = inspect.signature(fn)
-    annotations = dict(fn.__annotations__)
-    if then is not None:
-        signature = signature.replace(return_annotation=then)
-        annotations["return"] = then
-    twin.__signature__ = signature  # type: ignore[attr-defined]
-    twin.__annotations__ = annotations
-    return twin
-
+from ckptstore.runtime.blocking import blocking, run
+from ckptstore.tiers.read import list_steps, read_manifest, restore, verify
 
 save_sync = blocking(save)
 restore_sync = blocking(restore)

@@ -42,9 +42,8 @@ from ckptstore.checkpoint.commit import (
     read_fate,
     read_marker,
 )
-from ckptstore.checkpoint.hostlocal import STAGED, read_staged
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, opened, single
+from ckptstore.checkpoint.target import opened
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -53,6 +52,8 @@ from ckptstore.errors import (
     FencedError,
     NotFoundError,
 )
+from ckptstore.tiers.hostlocal import STAGED, read_staged
+from ckptstore.tiers.target import AnyTarget, Tiered, as_tiered, single
 
 log = logging.getLogger("ckptstore")
 

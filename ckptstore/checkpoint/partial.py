@@ -45,12 +45,11 @@ from ckptstore.checkpoint.commit import (
     new_owner,
     read_fate,
 )
-from ckptstore.checkpoint.hostlocal import fast_is_shared
 from ckptstore.checkpoint.layout import AttemptDir
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest, parse_leaf
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
-from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
+from ckptstore.checkpoint.target import opened
 from ckptstore.checkpoint.tree import check_leaf_paths, check_structure, describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import (
@@ -67,6 +66,8 @@ from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old hom
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.hostlocal import fast_is_shared
+from ckptstore.tiers.target import AnyTarget, as_tiered, single
 
 _PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
 

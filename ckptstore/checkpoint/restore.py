@@ -20,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout, orbax
+from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
@@ -48,6 +48,7 @@ from ckptstore.format.leaves import (
     key_impl_name,
 )
 from ckptstore.format.packs import read_packed, read_split
+from ckptstore.orbax import read as orbax
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.membudget import check_fits
 

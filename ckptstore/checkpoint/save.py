@@ -38,18 +38,9 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
-from ckptstore.checkpoint.hostlocal import (
-    can_write_host_view,
-    fast_is_shared,
-    host_view_bytes,
-    stage,
-    staged_key,
-    write_host_view,
-)
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
-from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
+from ckptstore.checkpoint.target import opened
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import AlreadyExistsError, CkptStoreError, FencedError
@@ -58,6 +49,16 @@ from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index,
 from ckptstore.runtime import distributed
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.hostlocal import (
+    can_write_host_view,
+    fast_is_shared,
+    host_view_bytes,
+    stage,
+    staged_key,
+    write_host_view,
+)
+from ckptstore.tiers.room import Room, bytes_to_write, ensure_room
+from ckptstore.tiers.target import AnyTarget, as_tiered, single
 
 log = logging.getLogger("ckptstore")
 

@@ -22,8 +22,7 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan, scan_step
 from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import Tiered, open_target
-from ckptstore.checkpoint.tiered import read_manifest, tier_steps, verify
+from ckptstore.checkpoint.target import open_target
 from ckptstore.cli import orbax as cli_orbax
 from ckptstore.cli.text import count, duration_text, human, when
 from ckptstore.cli.tiers import cmd_ls_tiers, cmd_promote
@@ -37,6 +36,8 @@ from ckptstore.errors import (
 )
 from ckptstore.importers.safetensors import DEFAULT_BATCH_BYTES, import_safetensors
 from ckptstore.lifecycle.options import seconds
+from ckptstore.tiers.read import read_manifest, tier_steps, verify
+from ckptstore.tiers.target import Tiered
 
 DESCRIPTION = "What is in a checkpoint, and is it intact; cleanup, promotion and import."
 

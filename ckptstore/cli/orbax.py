@@ -11,9 +11,9 @@ from typing import Any
 
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.importers.orbax_export import export_orbax
-from ckptstore.importers.orbax_import import DEFAULT_BATCH_BYTES, import_orbax
-from ckptstore.importers.orbax_inspect import OrbaxStep, describe_step, find, verify_orbax
+from ckptstore.orbax.exporter import export_orbax
+from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES, import_orbax
+from ckptstore.orbax.inspect import OrbaxStep, describe_step, find, verify_orbax
 
 COMMANDS = ("export-orbax", "import-orbax")
 

@@ -29,18 +29,19 @@ from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
-from ckptstore.checkpoint.hostlocal import known_shared
 from ckptstore.checkpoint.restore import restore
 from ckptstore.checkpoint.save import save_items
-from ckptstore.checkpoint.target import Target, as_tiered, check_distinct, open_target
+from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.lifecycle import policies as P
-from ckptstore.lifecycle import tiers
+from ckptstore.tiers import promote as tiers
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
-from ckptstore.lifecycle.tiers import Tiered, promote
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.hostlocal import known_shared
+from ckptstore.tiers.promote import Tiered, promote
+from ckptstore.tiers.target import as_tiered, check_distinct
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")

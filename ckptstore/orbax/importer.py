@@ -1,6 +1,6 @@
 """``import-orbax``: an Orbax 0.12 checkpoint converted into a committed ckptstore step.
 
-The Orbax checkpoint is read by the in-place reader (`ckptstore.checkpoint.orbax`,
+The Orbax checkpoint is read by the in-place reader (`ckptstore.orbax.read`,
 strict ``_METADATA`` parsing, every chunk required) and written through a partial
 save: leaves are read a bounded batch at a time, each batch becomes one part, and the
 part is freed before the next batch is read, so peak memory is about the batch size
@@ -18,16 +18,18 @@ from typing import Any
 from urllib.parse import unquote
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout, orbax
-from ckptstore.checkpoint.blocking import blocking
+from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
-from ckptstore.checkpoint.target import AnyTarget, Target, opened
+from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import read_slice
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.importers.progress import Progress
+from ckptstore.orbax import read as orbax
+from ckptstore.runtime.blocking import blocking
+from ckptstore.runtime.progress import Progress
+from ckptstore.tiers.target import AnyTarget
 
 DEFAULT_BATCH_BYTES = 256 << 20
 _PYTHON = {"int": int, "float": float, "bool": bool, "complex": complex}

@@ -7,7 +7,7 @@
 - the steps are those committed on either tier (the union);
 - a step is read from the fast tier when it is committed there, else from the durable tier
   (the job moved to new machines: the fast directory is empty); on host-local fast tiers
-  (`ckptstore.checkpoint.hostlocal`) a restore first tries this host's own copy;
+  (`ckptstore.tiers.hostlocal`) a restore first tries this host's own copy;
 - a fast copy that fails (`CorruptCheckpointError`: marker, digest, metadata, crc32c; or
   any other typed error of a damaged or partial copy, a missing file say) is skipped with a
   warning when the durable tier has the step: never an error the durable copy could avoid,
@@ -29,9 +29,7 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.commit import committed_steps, load_committed
-from ckptstore.checkpoint.hostlocal import read_staged
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, single
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
 from ckptstore.errors import (
@@ -40,6 +38,8 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     TreeMismatchError,
 )
+from ckptstore.tiers.hostlocal import read_staged
+from ckptstore.tiers.target import AnyTarget, Tiered, as_tiered, single
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")

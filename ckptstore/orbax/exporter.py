@@ -42,13 +42,10 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.manifest import ItemManifest
-from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
 from ckptstore.checkpoint.stored import settle
-from ckptstore.checkpoint.target import AnyTarget, Target, as_tiered, open_target, opened, single
-from ckptstore.checkpoint.tiered import nearest
+from ckptstore.checkpoint.target import Target, open_target, opened
 from ckptstore.datapath.arrays import ByteBudget, ocdbt_spec
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -59,15 +56,19 @@ from ckptstore.errors import (
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.packs import read_packed
-from ckptstore.importers.orbax_format import (
+from ckptstore.orbax.inspect import read_all
+from ckptstore.orbax.metadata import (
     DEFAULT_ITEM,
     OrbaxEntry,
     checkpoint_metadata,
     entries,
     tree_metadata,
 )
-from ckptstore.importers.orbax_inspect import read_all
-from ckptstore.importers.progress import Progress
+from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.runtime.blocking import blocking
+from ckptstore.runtime.progress import Progress
+from ckptstore.tiers.read import nearest
+from ckptstore.tiers.target import AnyTarget, as_tiered, single
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).
 COPY_BUDGET = 256 << 20
@@ -106,7 +107,7 @@ async def export_orbax(
     back through the new view (each chunk's crc32c checked) before the export is
     finished; ``verify=False`` checks only that the view holds every key. An existing destination
     (or step) is `AlreadyExistsError`; nothing is ever written to ``source``. On tiers the
-    step is read from the nearest tier with a good copy (see `ckptstore.checkpoint.tiered`).
+    step is read from the nearest tier with a good copy (see `ckptstore.tiers.read`).
     """
 
     async def export_from(src: Backend, at: int | None) -> ExportResult:

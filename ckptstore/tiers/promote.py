@@ -22,7 +22,6 @@ from typing import Any
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.cleanup import delete_step, deleted_by_user, trim_step
 from ckptstore.checkpoint.commit import (
     COMMIT,
@@ -32,20 +31,6 @@ from ckptstore.checkpoint.commit import (
     digest,
     load_manifest,
 )
-from ckptstore.checkpoint.hostlocal import (
-    drop_staged,
-    fast_is_shared,
-    is_promoted,
-    merge_on_durable,
-    promoted_part,
-    read_staged,
-    staged_key,
-    staged_steps,
-)
-from ckptstore.checkpoint.target import AnyTarget, as_tiered
-from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old home
-from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
-from ckptstore.checkpoint.tiered import restore as nearest_restore
 from ckptstore.checkpoint.verify import verify_step
 from ckptstore.datapath.arrays import ByteBudget
 from ckptstore.errors import (
@@ -58,7 +43,22 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.runtime import distributed
+from ckptstore.runtime.blocking import blocking
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.hostlocal import (
+    drop_staged,
+    fast_is_shared,
+    is_promoted,
+    merge_on_durable,
+    promoted_part,
+    read_staged,
+    staged_key,
+    staged_steps,
+)
+from ckptstore.tiers.read import list_steps as nearest_list_steps
+from ckptstore.tiers.read import restore as nearest_restore
+from ckptstore.tiers.target import AnyTarget, as_tiered
+from ckptstore.tiers.target import Tiered as Tiered  # re-exported
 
 log = logging.getLogger("ckptstore")
 
@@ -83,7 +83,7 @@ class Promotion:
 class TierStatus:
     """Where each step is: "fast" (committed on the fast tier only), "durable", "both", or
     "staged": this host's part of a step staged on host-local fast tiers
-    (`ckptstore.checkpoint.hostlocal`) that the durable tier has not committed yet (one
+    (`ckptstore.tiers.hostlocal`) that the durable tier has not committed yet (one
     it committed from the same attempt is "both": this host's copy serves a restore here).
 
     ``uploaded``: for each "fast" or "staged" step, the fraction of its bytes (of a staged
@@ -174,7 +174,7 @@ async def promote(
     ``keep_fast``, promoted steps beyond the latest ``keep_fast`` leave the fast tier.
     In a multi-process job every process calls it: with one shared fast tier process 0
     promotes (the others get ``[]``); with host-local fast tiers (see
-    `ckptstore.checkpoint.hostlocal`) every process uploads its part of each staged step
+    `ckptstore.tiers.hostlocal`) every process uploads its part of each staged step
     and process 0 merges and commits on the durable tier. ``tiered`` is a `Tiered`, a
     profile with a ``[tiers]`` table, or None for ``$CKPTSTORE_PROFILE``.
     """
