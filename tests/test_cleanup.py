@@ -18,8 +18,8 @@ import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import commit as commit_protocol
 from ckptstore.checkpoint import layout
-from ckptstore.tiers import hostlocal
 from ckptstore.cli import main
+from ckptstore.tiers import hostlocal
 from tests.paths import attempts, committed_root
 from tests.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
 

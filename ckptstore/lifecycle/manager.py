@@ -34,11 +34,11 @@ from ckptstore.checkpoint.save import save_items
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.lifecycle import policies as P
-from ckptstore.tiers import promote as tiers
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers import promote as tiers
 from ckptstore.tiers.hostlocal import known_shared
 from ckptstore.tiers.promote import Tiered, promote
 from ckptstore.tiers.target import as_tiered, check_distinct
