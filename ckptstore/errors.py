@@ -194,3 +194,35 @@ def storage_failed(exc: BaseException) -> bool:
     return isinstance(exc, StorageError) and not isinstance(
         exc, NotFoundError | AlreadyExistsError | InsufficientSpaceError
     )
+
+
+#: Every error a public operation raises (re-exported as ``ckptstore.<name>``).
+__all__ = [
+    "AlreadyExistsError",
+    "CheckpointNotFoundError",
+    "CkptStoreError",
+    "ConfigError",
+    "CoordinationError",
+    "CorruptCheckpointError",
+    "DuplicateLeafError",
+    "FencedError",
+    "IncompleteCheckpointError",
+    "InsufficientMemoryError",
+    "InsufficientSpaceError",
+    "InvalidKeyError",
+    "InvalidStepError",
+    "InvalidURLError",
+    "NotFoundError",
+    "ObjectChangedError",
+    "OrbaxExportError",
+    "PermissionDeniedError",
+    "RetriesExhaustedError",
+    "SafetensorsError",
+    "StagingBudgetError",
+    "StorageError",
+    "TransientStorageError",
+    "TreeError",
+    "TreeMismatchError",
+    "UnsupportedLeafError",
+    "UnsupportedOperationError",
+]

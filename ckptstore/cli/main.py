@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from ckptstore.api import delete_step, gc, read_manifest, verify
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, delete_step, gc, scan, scan_step
+from ckptstore.checkpoint.cleanup import DEFAULT_GRACE, Removal, scan, scan_step
 from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.target import open_target
@@ -36,7 +37,7 @@ from ckptstore.errors import (
 )
 from ckptstore.importers.safetensors import DEFAULT_BATCH_BYTES, import_safetensors
 from ckptstore.lifecycle.options import seconds
-from ckptstore.tiers.read import read_manifest, tier_steps, verify
+from ckptstore.tiers.read import tier_steps
 from ckptstore.tiers.target import Tiered
 
 DESCRIPTION = "What is in a checkpoint, and is it intact; cleanup, promotion and import."

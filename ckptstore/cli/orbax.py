@@ -9,10 +9,10 @@ import argparse
 import json
 from typing import Any
 
+from ckptstore.api import export_orbax, import_orbax
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.orbax.exporter import export_orbax
-from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES, import_orbax
+from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES
 from ckptstore.orbax.inspect import OrbaxStep, describe_step, find, verify_orbax
 
 COMMANDS = ("export-orbax", "import-orbax")

@@ -65,10 +65,7 @@ from ckptstore.orbax.metadata import (
     tree_metadata,
 )
 from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
-from ckptstore.runtime.blocking import blocking
 from ckptstore.runtime.progress import Progress
-from ckptstore.tiers.read import nearest
-from ckptstore.tiers.target import AnyTarget, as_tiered, single
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).
 COPY_BUDGET = 256 << 20
@@ -87,7 +84,7 @@ class ExportResult:
 
 
 async def export_orbax(
-    source: AnyTarget,
+    source: Target,
     destination: Target,
     *,
     step: int | None = None,
@@ -106,18 +103,11 @@ async def export_orbax(
     ``link=False`` copies even where hard links would do. ``verify`` reads every leaf
     back through the new view (each chunk's crc32c checked) before the export is
     finished; ``verify=False`` checks only that the view holds every key. An existing destination
-    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``. On tiers the
-    step is read from the nearest tier with a good copy (see `ckptstore.tiers.read`).
+    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``.
+    (``ckptstore.export_orbax`` also takes `Tiered` sources: `ckptstore.api`.)
     """
-
-    async def export_from(src: Backend, at: int | None) -> ExportResult:
-        return await _export(src, destination, at, item, manager, link, verify, progress)
-
-    tiers = as_tiered(source)
-    if tiers is not None:
-        return await nearest(tiers, step, export_from)
-    async with opened(single(source)) as src:
-        return await export_from(src, step)
+    async with opened(source) as src:
+        return await _export(src, destination, step, item, manager, link, verify, progress)
 
 
 async def _export(
@@ -444,6 +434,3 @@ async def _read_back(
             await read_all(arr, leaves[e.leaf])
 
     await settle(one(e) for e in found if e.leaf is not None)
-
-
-export_orbax_sync = blocking(export_orbax)

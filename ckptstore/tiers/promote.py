@@ -31,6 +31,7 @@ from ckptstore.checkpoint.commit import (
     digest,
     load_manifest,
 )
+from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.checkpoint.verify import verify_step
 from ckptstore.datapath.arrays import ByteBudget
 from ckptstore.errors import (
@@ -43,7 +44,6 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.runtime import distributed
-from ckptstore.runtime.blocking import blocking
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.hostlocal import (
     drop_staged,
@@ -51,12 +51,7 @@ from ckptstore.tiers.hostlocal import (
     is_promoted,
     merge_on_durable,
     promoted_part,
-    read_staged,
-    staged_key,
-    staged_steps,
 )
-from ckptstore.tiers.read import list_steps as nearest_list_steps
-from ckptstore.tiers.read import restore as nearest_restore
 from ckptstore.tiers.target import AnyTarget, as_tiered
 from ckptstore.tiers.target import Tiered as Tiered  # re-exported
 
@@ -155,11 +150,6 @@ async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, 
     return (landed / total if total else 0.0), saved
 
 
-async def list_steps(tiered: Tiered) -> list[int]:
-    """Steps committed on either tier, ascending (`ckptstore.list_steps` on tiers)."""
-    return await nearest_list_steps(tiered)
-
-
 async def promote(
     tiered: AnyTarget | None,
     step: int | None = None,
@@ -194,9 +184,6 @@ async def promote(
 
             return await handoff.primary(here) or []
         return await _promote(tiers, fast, durable, step, max_bytes_in_flight, progress)
-
-
-promote_sync = blocking(promote)
 
 
 async def _promote(
@@ -463,8 +450,3 @@ async def trim_fast(fast: Backend, durable: Backend, keep: int) -> None:
 async def _marker_matches(fast: Backend, durable: Backend, step: int) -> bool:
     key = layout.commit_key(step)
     return bool(await fast.read(key) == await durable.read(key))
-
-
-async def restore(tiered: Tiered, step: int | None = None, like: Any = None, **kwargs: Any) -> Any:
-    """Restore from the nearest tier with a good copy (`ckptstore.restore` on tiers)."""
-    return await nearest_restore(tiered, step, like, **kwargs)
