@@ -77,14 +77,18 @@ async def save_items(
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name."""
+    step, prepared = plain_save.prepare(step, items)  # bad trees fail before any opening
     tiers = as_tiered(target)
-    if tiers is not None:
-        return await tier_save.save_items(
-            tiers, items, step=step, metadata=metadata, timeout=timeout, timings=timings
+    if tiers is not None:  # committed (or staged, on host-local fast tiers) on the fast tier
+        async with tiers.opened() as (fast, durable):
+            hooks = tier_save.hooks(tiers, durable)
+            return await plain_save.save_prepared(
+                fast, prepared, step, metadata, timeout, timings or {}, hooks
+            )
+    async with opened(single(target)) as backend:
+        return await plain_save.save_prepared(
+            backend, prepared, step, metadata, timeout, timings or {}
         )
-    return await plain_save.save_items(
-        single(target), items, step=step, metadata=metadata, timeout=timeout, timings=timings
-    )
 
 
 async def partial_save(
@@ -360,22 +364,14 @@ async def export_orbax(
     On tiers the step is read from the nearest tier with a good copy.
     """
 
-    async def export(src: Target, at: int | None) -> ExportResult:
-        return await exporter.export_orbax(
-            src,
-            destination,
-            step=at,
-            item=item,
-            manager=manager,
-            link=link,
-            verify=verify,
-            progress=progress,
-        )
+    async def export(src: Backend, at: int | None) -> ExportResult:
+        return await exporter.export(src, destination, at, item, manager, link, verify, progress)
 
     tiers = as_tiered(source)
     if tiers is not None:
         return await tier_read.nearest(tiers, step, export)
-    return await export(single(source), step)
+    async with opened(single(source)) as src:
+        return await export(src, step)
 
 
 export_orbax_sync = blocking(export_orbax)

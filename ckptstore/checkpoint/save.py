@@ -43,13 +43,11 @@ from ckptstore.checkpoint.commit import (
 )
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import CkptStoreError, FencedError
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index
-from ckptstore.runtime import distributed
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
 
@@ -89,39 +87,6 @@ class PreparedItem:
             if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
                 named = [(n, storable(v)) for n, v in named]
             return cls(named, infos, describe(tree))
-
-
-async def save(
-    target: Target,
-    tree: Any,
-    *,
-    step: int,
-    item: str = layout.DEFAULT_ITEM,
-    metadata: dict[str, Any] | None = None,
-    timeout: float = distributed.DEFAULT_TIMEOUT,
-) -> SaveResult:
-    """Save ``tree`` as checkpoint ``step``; returns once it is committed.
-
-    Raises `AlreadyExistsError` if ``step`` is already committed. (``ckptstore.save``
-    also takes `Tiered` targets: `ckptstore.api`.)
-    """
-    return await save_items(target, {item: tree}, step=step, metadata=metadata, timeout=timeout)
-
-
-async def save_items(
-    target: Target,
-    items: Mapping[str, Any],
-    *,
-    step: int,
-    metadata: dict[str, Any] | None = None,
-    timeout: float = distributed.DEFAULT_TIMEOUT,
-    timings: dict[str, float] | None = None,
-) -> SaveResult:
-    """Save several trees (items, e.g. the train state and a data-iterator state) as one
-    step, committed together; restore reads any of them by name."""
-    step, prepared = prepare(step, items)
-    async with opened(target) as backend:
-        return await save_prepared(backend, prepared, step, metadata, timeout, timings or {})
 
 
 def prepare(step: int, items: Mapping[str, Any]) -> tuple[int, dict[str, PreparedItem]]:

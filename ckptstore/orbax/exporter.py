@@ -40,12 +40,12 @@ from typing import Any
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.local import LocalBackend, fsync_dir
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.manifest import ItemManifest
 from ckptstore.checkpoint.stored import settle
-from ckptstore.checkpoint.target import Target, open_target, opened
+from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.datapath.arrays import ByteBudget, ocdbt_spec
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -83,34 +83,7 @@ class ExportResult:
     copied_bytes: int  # theirs, and the packed leaves' written into the view
 
 
-async def export_orbax(
-    source: Target,
-    destination: Target,
-    *,
-    step: int | None = None,
-    item: str = layout.DEFAULT_ITEM,
-    manager: bool = False,
-    link: bool = True,
-    verify: bool = True,
-    progress: bool | Progress = False,
-) -> ExportResult:
-    """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
-
-    ``manager=False``: ``destination`` becomes a `StandardCheckpointer` directory,
-    ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:
-    ``destination`` is (or becomes) a `CheckpointManager` root and the step is added
-    as ``destination/<step>/``, ``ocp.CheckpointManager(destination).restore(step)``.
-    ``link=False`` copies even where hard links would do. ``verify`` reads every leaf
-    back through the new view (each chunk's crc32c checked) before the export is
-    finished; ``verify=False`` checks only that the view holds every key. An existing destination
-    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``.
-    (``ckptstore.export_orbax`` also takes `Tiered` sources: `ckptstore.api`.)
-    """
-    async with opened(source) as src:
-        return await _export(src, destination, step, item, manager, link, verify, progress)
-
-
-async def _export(
+async def export(
     src: Backend,
     destination: Target,
     step: int | None,
@@ -298,7 +271,7 @@ class _Destination:
             if self.rename_to.is_dir():  # empty (checked at open): the rename replaces it
                 self.rename_to.rmdir()
             os.rename(self.tmp, self.rename_to)
-            _fsync_dir(self.rename_to.parent)
+            fsync_dir(self.rename_to.parent)
 
     async def discard(self) -> None:
         """Remove a local temporary directory; elsewhere leave the unfinished export (it
@@ -309,18 +282,10 @@ class _Destination:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every directory below ``root`` (hard links are directory entries)."""
     for path, _, _ in os.walk(root):
-        _fsync_dir(Path(path))
+        fsync_dir(Path(path))
 
 
 async def _mirror(

@@ -21,7 +21,6 @@ durable tier is separate (`ckptstore.tiers.promote`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ckptstore.backends.base import Backend
@@ -32,9 +31,6 @@ from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import (
     PreparedItem,
     SaveHooks,
-    SaveResult,
-    prepare,
-    save_prepared,
 )
 from ckptstore.checkpoint.staged import staged_key
 from ckptstore.errors import AlreadyExistsError, UnsupportedOperationError
@@ -131,23 +127,9 @@ class TierHooks(SaveHooks):
         await handoff.primary(handoff.reports)
 
 
-async def save_items(
-    tiers: Tiered,
-    items: Mapping[str, Any],
-    *,
-    step: int,
-    metadata: dict[str, Any] | None = None,
-    timeout: float = distributed.DEFAULT_TIMEOUT,
-    timings: dict[str, float] | None = None,
-) -> SaveResult:
-    """`ckptstore.checkpoint.save.save_items` on tiers: saved and committed (or, on a
-    host-local fast tier, staged) on the fast tier, after checking it has room.
-    `AlreadyExistsError` if ``step`` is committed on the fast tier (on a host-local one,
-    on either tier)."""
-    step, prepared = prepare(step, items)
-    async with tiers.opened() as (fast, durable):
-        hooks = TierHooks(Room(durable, tiers.free_margin))
-        return await save_prepared(fast, prepared, step, metadata, timeout, timings or {}, hooks)
+def hooks(tiers: Tiered, durable: Backend) -> TierHooks:
+    """The hooks of one save on ``tiers`` (``durable``: its durable tier, opened)."""
+    return TierHooks(Room(durable, tiers.free_margin))
 
 
 async def partial_save(
