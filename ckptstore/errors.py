@@ -83,6 +83,11 @@ class ObjectChangedError(StorageError):
     """
 
 
+class ShortReadError(StorageError):
+    """An object holds fewer bytes than a read asked for (`Backend.read_into`). The storage
+    layer cannot tell why; a reader of committed data calls it corruption."""
+
+
 class RetriesExhaustedError(TransientStorageError):
     """A transient failure persisted through every allowed retry."""
 
@@ -218,6 +223,7 @@ __all__ = [
     "PermissionDeniedError",
     "RetriesExhaustedError",
     "SafetensorsError",
+    "ShortReadError",
     "StagingBudgetError",
     "StorageError",
     "TransientStorageError",
