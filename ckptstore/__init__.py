@@ -136,7 +136,9 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
     loaded = importlib.import_module(module)
-    value: Any = getattr(loaded, name)
+    value: Any = getattr(loaded, name, None)
+    if value is None:  # a submodule (`policies`) not imported yet
+        value = importlib.import_module(f"{module}.{name}")
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

@@ -85,3 +85,19 @@ def test_the_old_homes_are_gone() -> None:
         except ModuleNotFoundError:
             continue
         raise AssertionError(f"{module} still exists")
+
+
+def test_every_public_name_loads_in_a_fresh_process() -> None:
+    """Each name by itself, as a user's first import would (no other module loaded it)."""
+    import subprocess
+    import sys
+
+    names = [n for names in ckptstore._PUBLIC.values() for n in names]
+    code = "; ".join(f"from ckptstore import {n}" for n in names) + "; print('ok')"
+    for name in ("policies", "CheckpointManager"):  # alone, too
+        one = subprocess.run(
+            [sys.executable, "-c", f"from ckptstore import {name}"], capture_output=True, text=True
+        )
+        assert one.returncode == 0, one.stderr
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "ok", done.stderr
