@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-wheel demo lint typecheck bench torture races clean
+.PHONY: test test-wheel demo lint typecheck bench scale torture races clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/partial.py
 	$(PY) benchmarks/training_loop.py
 	$(PY) benchmarks/tiered.py
+	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/report.py
+
+# `make scale`: real JAX processes (one CPU device each) save with 8 and with 16 processes
+# and another count restores, bit-exact (`make test` runs the 8-process case only).
+scale: $(STAMP)
+	CKPTSTORE_SCALE_PROCESSES=8,16 $(PY) -m pytest -q tests/test_multiprocess_scale.py
 
 # `make torture`: 300 SIGKILLs at random moments of saves, partial saves, merges, commits,
 # delete_step and gc, on local disk and moto S3, by one process and by two; after each, every

@@ -505,6 +505,14 @@ def tiered(results: Path) -> Figure:
     return single(rows, title, peer="local-only save / s3fs", unit="seconds")
 
 
+def scale(results: Path) -> Figure:
+    """The scale benchmark's own figure (`benchmarks/scale.py`), from its results."""
+    import scale as scale_benchmark  # benchmarks/ is on the path of a script run from it
+
+    figure: Figure = scale_benchmark.figure_of(load(results, "scale.json")["runs"])
+    return figure
+
+
 PLOTS: dict[str, Callable[[Path], Figure]] = {
     "storage.png": storage,
     "object_reads.png": object_reads,
@@ -515,6 +523,7 @@ PLOTS: dict[str, Callable[[Path], Figure]] = {
     "small_leaves.png": small_leaves,
     "training_loop.png": training_loop,
     "tiered.png": tiered,
+    "scale.png": scale,
 }
 
 

@@ -166,6 +166,32 @@ async def test_sync_dirs_without_fsync_does_nothing_and_a_missing_prefix_is_not_
     assert sorted(calls) == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
 
 
+async def test_sync_dirs_syncs_each_of_many_directories_once_and_raises_a_failed_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.backends import local
+
+    calls: list[Path] = []
+    real = local._fsync_dir
+
+    def fsync(directory: Path) -> None:  # from several threads at once
+        calls.append(directory)
+        if directory.name == "broken":
+            raise OSError(errno.EIO, "I/O error")
+        real(directory)
+
+    monkeypatch.setattr(local, "_fsync_dir", fsync)
+    many = [tmp_path / "a" / f"p{i}" / "d" for i in range(100)]
+    for d in many:
+        d.mkdir(parents=True)
+    await LocalBackend(tmp_path).sync_dirs("a")
+    expected = {tmp_path, tmp_path / "a", *many, *(d.parent for d in many)}
+    assert sorted(calls) == sorted(expected)
+    (tmp_path / "a" / "p7" / "broken").mkdir()
+    with pytest.raises(OSError, match="I/O error"):
+        await LocalBackend(tmp_path).sync_dirs("a")
+
+
 async def test_read_into_more_buffers_than_one_system_call_takes(tmp_path: Path) -> None:
     data = os.urandom(5000)
     backend = LocalBackend(tmp_path)

@@ -80,3 +80,15 @@ def test_report_names_a_missing_results_file(tmp_path: Path) -> None:
     proc = run_report("--results", str(results), "--out", str(tmp_path / "img"))
     assert proc.returncode == 1
     assert "tiered.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_scale_benchmark_quick_run() -> None:
+    # P = 4 and 8 simulated processes on local disk: the real save, merge and commit.
+    out = quick_run("scale.py", timeout=180)
+    for count in (4, 8):
+        assert re.search(rf"^\| local +\| {count} +\|", out, re.M), out
+    assert re.search(r"every step restores bit-exact +\| True +\| PASS", out), out
+    assert "KV messages (set, get) of a non-zero process" in out, out
+    assert "floors: all PASS" in out, out  # bounded requests and messages per process
+    scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
+    assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up

@@ -51,6 +51,11 @@ _staging = threading.local()
 #: than its default, max(4, cores), keep more of a save's fsyncs in flight.
 _TS_FILE_IO_THREADS = 16
 
+#: Directory fsyncs `LocalBackend.sync_dirs` keeps in flight. ext4 folds concurrent ones
+#: into one journal commit: 4,000 directories (a 1,024-process save's attempt has ~2,100)
+#: took 0.5-0.7 s with 8-32 at once here, 3.9-6.1 s one after another.
+_DIR_SYNCS = 16
+
 #: Reads into caller buffers (`read_into`, the restore's data path) run on a few threads of
 #: their own. More at once made the disk slower here, not faster: a 1 GiB restore read as
 #: 64 MiB chunks took a median 0.96 s with up to 6 reads at once (the default executor),
@@ -271,8 +276,9 @@ class LocalBackend(Backend):
         def sync() -> None:
             if not top.is_dir():
                 raise NotFoundError(f"{top} is not a directory", backend=self.url, key=prefix)
-            for dirpath, _dirs, _files in os.walk(top):
-                fsync_dir(Path(dirpath))
+            dirs = [Path(dirpath) for dirpath, _dirs, _files in os.walk(top)]
+            with concurrent.futures.ThreadPoolExecutor(_DIR_SYNCS) as pool:
+                list(pool.map(fsync_dir, dirs))  # the first error, if any, is raised here
             for parent in top.parents:
                 if not parent.is_relative_to(self.root):
                     break
