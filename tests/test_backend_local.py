@@ -172,7 +172,7 @@ async def test_sync_dirs_syncs_each_of_many_directories_once_and_raises_a_failed
     from ckptstore.backends import local
 
     calls: list[Path] = []
-    real = local._fsync_dir
+    real = local.fsync_dir
 
     def fsync(directory: Path) -> None:  # from several threads at once
         calls.append(directory)
@@ -180,7 +180,7 @@ async def test_sync_dirs_syncs_each_of_many_directories_once_and_raises_a_failed
             raise OSError(errno.EIO, "I/O error")
         real(directory)
 
-    monkeypatch.setattr(local, "_fsync_dir", fsync)
+    monkeypatch.setattr(local, "fsync_dir", fsync)
     many = [tmp_path / "a" / f"p{i}" / "d" for i in range(100)]
     for d in many:
         d.mkdir(parents=True)
