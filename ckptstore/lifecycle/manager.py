@@ -26,14 +26,14 @@ from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import load_profile
-from ckptstore.checkpoint import layout
+from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.hostlocal import known_shared
 from ckptstore.checkpoint.restore import restore
 from ckptstore.checkpoint.save import save_items
 from ckptstore.checkpoint.target import Target, as_tiered, check_distinct, open_target
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError, UnsupportedOperationError
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle import tiers
 from ckptstore.lifecycle.options import ManagerOptions
@@ -136,8 +136,14 @@ class CheckpointManager:
         self._preempted = threading.Event()
         self._previous_handler: Any = None
         self.stats: list[SaveStats] = []  # every save this manager committed, in order
+        #: The finalized steps of an Orbax `CheckpointManager` root at the target (none
+        #: when a ckptstore step is committed there): read like ckptstore's, never written.
+        self._orbax_steps: list[int] = []
         try:
-            steps = self._call(self._all_steps())
+            committed = self._call(self._committed_steps())
+            if not committed:
+                self._orbax_steps = self._call(self._find_orbax_steps())
+            steps = committed or self._orbax_steps
             self._last_step: int | None = steps[-1] if steps else None
             if options.gc_on_start and self._me == 0:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
@@ -177,6 +183,7 @@ class CheckpointManager:
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
         waited = time.perf_counter() - before
+        self._refuse_orbax_root()
         # A committed step is refused here, before anything is staged, as `save_sync` does;
         # the write would only fail later, at `wait()` or the next save.
         self._call(self._ensure_uncommitted(step))
@@ -195,6 +202,20 @@ class CheckpointManager:
         )
         self._inflight = SaveHandle(step, future)
         return self._inflight
+
+    def _refuse_orbax_root(self) -> None:
+        """`UnsupportedOperationError` on an Orbax root, before anything is written: its
+        steps and ours would then share step numbers, directories and listings (Orbax's
+        `all_steps` would show our step directories as its own, and ours its)."""
+        if not self._orbax_steps:
+            return
+        url, latest = self.backend.url, self._orbax_steps[-1]
+        raise UnsupportedOperationError(
+            f"{url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the manager "
+            "restores its steps but does not save beside them. To resume in ckptstore format, "
+            f"import the step into a new root (`ckptstore import-orbax {url} NEW_ROOT --step "
+            f"{latest}`) and point the manager there"
+        )
 
     async def _ensure_uncommitted(self, step: int) -> None:
         """`AlreadyExistsError` if ``step`` is committed on the target (tiered: on either
@@ -392,19 +413,32 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Committed steps (on either tier), ascending."""
+        """Committed steps (on either tier), ascending; as `ckptstore.list_steps`, where
+        none is committed, the finalized steps of an Orbax `CheckpointManager` root."""
         return self._call(self._all_steps())
 
     async def _all_steps(self) -> list[int]:
+        return await self._committed_steps() or await self._find_orbax_steps()
+
+    async def _committed_steps(self) -> list[int]:
         steps = set(await committed_steps(self.backend))
         if self.durable is not None:
             steps |= set(await committed_steps(self.durable))
         return sorted(steps)
 
+    async def _find_orbax_steps(self) -> list[int]:
+        """Finalized Orbax steps on the target (either tier), ascending."""
+        found = await asyncio.gather(
+            *(orbax.finalized_steps(b) for b in (self.backend, self.durable) if b is not None)
+        )
+        return sorted(set().union(*found))
+
     def _restore(self, step: int | None, like: Any, **kwargs: Any) -> Any:
         """From the target, or from the nearest tier with a good copy."""
         if self.durable is None:
             return self._call(restore(self.backend, step, like, **kwargs))
+        if step is None and self._orbax_steps:  # tiers name a step to read Orbax's
+            step = self.latest_step()
         return self._call(tiers.restore(Tiered(self.backend, self.durable), step, like, **kwargs))
 
     def restore(
