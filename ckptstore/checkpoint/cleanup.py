@@ -266,6 +266,7 @@ async def _delete_step(
             else:
                 await _remove(backend, entry.key, entry.objects)
             removal.add(entry.key, entry.objects)
+    await backend.prune_dirs(layout.step_dir(step))  # gone unless a tombstone stays
     return removal
 
 
@@ -348,9 +349,17 @@ async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
                 await _remove(backend, key, objects)
             removal.add(key, objects)
     removed = tuple(f"{key}/" for key in removal.entries)
-    for info in await backend.remove_temporaries(older_than, dry_run=dry_run):
+    temporaries = await backend.remove_temporaries(older_than, dry_run=dry_run)
+    for info in temporaries:
         if not info.key.startswith(removed):  # else part of an entry named already
             removal.add(info.key, [info])
+    if not dry_run:
+        # Step directories left empty: by what was removed above, or before (a step
+        # deleted by an older version). rmdir only: a writer's new entry keeps its directory.
+        empty = {layout.step_dir(s.step) for s in scans if not s.committed}
+        empty |= {info.key.rpartition("/")[0] for info in temporaries if "/" in info.key}
+        for prefix in sorted(empty):
+            await backend.prune_dirs(prefix)
     return removal
 
 
