@@ -20,8 +20,9 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout, orbax
+from ckptstore.checkpoint import jsonitems, layout, orbax
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
+from ckptstore.checkpoint.jsonitems import JsonItem
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
@@ -101,6 +102,8 @@ async def restore(
     with gc_paused():
         async with opened(target) as backend:
             stored = await open_stored(backend, step, item)
+            if isinstance(stored, JsonItem):  # configuration: JSON in the manifest
+                return jsonitems.restore(stored, like)
             budget = ByteBudget(max_inflight_bytes)
             return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
@@ -118,13 +121,16 @@ async def restore_manifest(
     """`restore` of the attempt ``manifest`` describes (verified by the caller), from the
     stores on ``backend`` (a host-local fast tier's own copy: `hostlocal`)."""
     with gc_paused():  # as in `restore`
+        if item in manifest.json_items:
+            return jsonitems.restore(manifest.json_items[item], like)
         stored = await manifest_item(backend, manifest, item)
         budget = ByteBudget(max_inflight_bytes)
         return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
 
-async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:
-    """The item to restore: from a committed ckptstore step, else from an Orbax checkpoint."""
+async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem | JsonItem:
+    """The item to restore: from a committed ckptstore step (arrays, or a JSON item), else
+    from an Orbax checkpoint."""
     try:
         manifest = await latest_manifest(backend, step)
     except CheckpointNotFoundError:
@@ -132,6 +138,8 @@ async def open_stored(backend: Backend, step: int | None, item: str) -> StoredIt
         if where is None:
             raise
         return await orbax.open_item(backend, where, item, default_item=layout.DEFAULT_ITEM)
+    if item in manifest.json_items:
+        return manifest.json_items[item]
     return await manifest_item(backend, manifest, item)
 
 
@@ -139,7 +147,7 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
     """Item ``item`` of the attempt ``manifest`` describes, read from ``backend``."""
     if item not in manifest.items:
         raise CheckpointNotFoundError(
-            f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
+            f"step {manifest.step} has no item {item!r} (it has {manifest.item_names})",
             backend=backend.url,
         )
     store = item_store(backend, manifest, item)

@@ -46,6 +46,7 @@ from ckptstore.checkpoint.hostlocal import (
     staged_key,
     write_host_view,
 )
+from ckptstore.checkpoint.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
@@ -127,18 +128,27 @@ async def save_items(
     timings: dict[str, float] | None = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
-    step, committed together; restore reads any of them by name."""
+    step, committed together; restore reads any of them by name. An item that is not
+    arrays and numbers but JSON (a dataclass config, a dict with strings) is kept as JSON in
+    the manifest (`ckptstore.checkpoint.jsonitems`)."""
     step = layout.check_step(step)
     if not items:
         raise CkptStoreError("nothing to save: no items")
-    prepared = {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}
+    prepared: dict[str, PreparedItem] = {}
+    configs: dict[str, JsonItem] = {}
+    for name, tree in items.items():
+        layout.check_item(name)
+        if is_array_tree(tree):
+            prepared[name] = PreparedItem.of(tree)
+        else:
+            configs[name] = as_json_item(name, tree)
     tiers = as_tiered(target)
     if tiers is None:
         async with opened(single(target)) as backend:
-            return await _save(backend, prepared, step, metadata, timeout, timings or {})
+            return await _save(backend, prepared, step, metadata, timeout, timings or {}, configs)
     async with tiers.opened() as (fast, durable):
         room = Room(durable, tiers.free_margin)
-        return await _save(fast, prepared, step, metadata, timeout, timings or {}, room)
+        return await _save(fast, prepared, step, metadata, timeout, timings or {}, configs, room)
 
 
 async def _save(
@@ -148,6 +158,7 @@ async def _save(
     metadata: dict[str, Any] | None,
     timeout: float,
     timings: dict[str, float],
+    configs: dict[str, JsonItem],
     room: Room | None = None,
 ) -> SaveResult:
     start = time.perf_counter()
@@ -249,6 +260,7 @@ async def _save(
             items=manifest_items,
             processes=processes,
             metadata=metadata or {},
+            json_items=configs,
             timings={
                 **timings,
                 "write": max(p["seconds"] for p in processes),

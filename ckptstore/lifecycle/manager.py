@@ -30,6 +30,7 @@ from ckptstore.checkpoint import layout, orbax
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.hostlocal import known_shared
+from ckptstore.checkpoint.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.checkpoint.restore import restore
 from ckptstore.checkpoint.save import save_items
 from ckptstore.checkpoint.target import Target, as_tiered, check_distinct, open_target
@@ -194,10 +195,15 @@ class CheckpointManager:
             and self._count > 1
             and known_shared(self.backend, self._count) is not True
         )
-        staged = self._stager.stage(trees, self.options.staging, host_view=host_view)
+        # Configuration items (a dataclass, a dict with strings) become JSON now, a copy.
+        configs = {n: as_json_item(n, v) for n, v in trees.items() if not is_array_tree(v)}
+        arrays = {n: v for n, v in trees.items() if n not in configs}
+        staged = self._stager.stage(arrays, self.options.staging, host_view=host_view)
         self._last_step, self._last_time = step, time.monotonic()
         future = asyncio.run_coroutine_threadsafe(
-            self._write(step, staged, dict(metrics or {}), dict(metadata or {}), start, waited),
+            self._write(
+                step, staged, configs, dict(metrics or {}), dict(metadata or {}), start, waited
+            ),
             self._loop,
         )
         self._inflight = SaveHandle(step, future)
@@ -257,6 +263,7 @@ class CheckpointManager:
         self,
         step: int,
         staged: Staged,
+        configs: dict[str, JsonItem],
         metrics: dict[str, Any],
         metadata: dict[str, Any],
         start: float,
@@ -267,7 +274,7 @@ class CheckpointManager:
             target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
         result = await save_items(
             target,
-            staged.tree,
+            {**staged.tree, **configs},
             step=step,
             metadata={**metadata, "metrics": metrics} if metrics else metadata,
             timeout=self.options.timeout,
