@@ -29,7 +29,7 @@ KINDS = ("jax", "numpy", "scalar")
 PYTHON_TYPES = (None, "int", "float", "bool", "complex")
 MAX_RANK = 64
 #: A PRNG implementation's name (`LeafInfo.prng_impl`): jax's are "threefry2x32", "rbg"...
-_IMPL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+IMPL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 @dataclass
@@ -243,7 +243,7 @@ def parse_leaf(name: str, d: Any) -> LeafInfo:
         raise ValueError(f"leaf {name!r}: bad sharding")
     prng_impl = d.get("prng_impl")  # absent before typed PRNG keys were saved
     if prng_impl is not None and not (
-        isinstance(prng_impl, str) and _IMPL_NAME.fullmatch(prng_impl)
+        isinstance(prng_impl, str) and IMPL_NAME.fullmatch(prng_impl)
     ):
         raise ValueError(f"leaf {name!r}: bad PRNG implementation {str(prng_impl)[:40]!r}")
     if prng_impl is not None and (d["kind"] != "jax" or shape == []):

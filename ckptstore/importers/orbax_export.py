@@ -46,6 +46,7 @@ from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.manifest import ItemManifest
 from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.checkpoint.orbax_keys import ARRAY_METADATAS
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import AnyTarget, Target, as_tiered, open_target, opened, single
 from ckptstore.checkpoint.tiered import nearest
@@ -62,6 +63,7 @@ from ckptstore.format.packs import read_packed
 from ckptstore.importers.orbax_format import (
     DEFAULT_ITEM,
     OrbaxEntry,
+    array_metadatas,
     checkpoint_metadata,
     entries,
     tree_metadata,
@@ -158,6 +160,9 @@ async def _export(
         await _build_view(dst, mirror, item_dir, [e for e in found if e.leaf not in saved.packed])
         if verify:
             await _read_back(dst, item_dir, found, saved.leaves)
+        keys = array_metadatas(found, saved.leaves)
+        if keys is not None:  # typed PRNG keys: their implementation, as Orbax records it
+            await dst.write(_join(item_dir, ARRAY_METADATAS, "process_0"), keys)
         await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
         if manager:
             await dst.write(_join(item_dir, COMMIT_SUCCESS), _success(out.final))
