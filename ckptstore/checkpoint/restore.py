@@ -49,8 +49,13 @@ from ckptstore.format.leaves import (
     key_impl_name,
 )
 from ckptstore.format.packs import read_packed, read_split
+from ckptstore.runtime import shortrepr
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.membudget import check_fits
+
+# `asyncio.run(restore(...))` formats the restored tree with `reprlib` when it ends (Python
+# 3.11, `ckptstore.runtime.shortrepr`): jax arrays there are described, never copied.
+shortrepr.install()
 
 #: Bytes of stored data a restore reads ahead of handing it to the devices (or the
 #: caller): a restore needs about this plus its largest shard over the restored state.
