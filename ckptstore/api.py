@@ -18,6 +18,7 @@ from ckptstore.checkpoint import save as plain_save
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
 from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.checkpoint.jsonitems import JsonItem
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.partial import Part, PartialSave
 from ckptstore.checkpoint.save import SaveResult
@@ -76,18 +77,20 @@ async def save_items(
     timings: dict[str, float] | None = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
-    step, committed together; restore reads any of them by name."""
-    step, prepared = plain_save.prepare(step, items)  # bad trees fail before any opening
+    step, committed together; restore reads any of them by name. An item that is not
+    arrays and numbers but JSON (a dataclass config, a dict with strings) is kept as JSON
+    in the manifest and restored as JSON (or into the dataclass ``like`` gives)."""
+    step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
     tiers = as_tiered(target)
     if tiers is not None:  # committed (or staged, on host-local fast tiers) on the fast tier
         async with tiers.opened() as (fast, durable):
             hooks = tier_save.hooks(tiers, durable)
             return await plain_save.save_prepared(
-                fast, prepared, step, metadata, timeout, timings or {}, hooks
+                fast, prepared, step, metadata, timeout, timings or {}, hooks, configs
             )
     async with opened(single(target)) as backend:
         return await plain_save.save_prepared(
-            backend, prepared, step, metadata, timeout, timings or {}
+            backend, prepared, step, metadata, timeout, timings or {}, configs=configs
         )
 
 
@@ -266,7 +269,7 @@ async def restore(
 restore_sync = blocking(restore)
 
 
-async def _stored_or_orbax(backend: Backend, step: int | None, item: str) -> StoredItem:
+async def _stored_or_orbax(backend: Backend, step: int | None, item: str) -> StoredItem | JsonItem:
     """The item to restore: of a committed ckptstore step, else of an Orbax checkpoint."""
     try:
         return await plain.open_stored(backend, step, item)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import reprlib
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from benchmarks.trees import TREES
@@ -131,3 +135,30 @@ def _at(tree: Any, path: Any) -> Any:
     for key in path:
         tree = tree[key.key]
     return tree
+
+
+def test_asyncio_run_of_a_restore_never_copies_the_arrays_to_format_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`asyncio.run(ckptstore.restore(...))` on the main thread: when its task ends, Python
+    3.11's `asyncio.Runner` formats the task, restored tree included (`signal.getsignal` of
+    its SIGINT handler, `ckptstore.runtime.shortrepr`). A jax array's full repr copies it to
+    the host; the abbreviated one `reprlib` uses there now reads only shape and dtype."""
+    on = NamedSharding(Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y")), P("x"))
+    tree = {f"w{i}": jax.device_put(np.full((64, 8), i, np.float32), on) for i in range(3)}
+    tree["key"] = jax.random.split(jax.random.key(0), 4)
+    ckptstore.save_sync(tmp_path, tree, step=1)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    full = []
+    for cls in {type(tree["w0"]), type(tree["key"])}:
+        monkeypatch.setattr(cls, "__repr__", lambda self, cls=cls: full.append(cls) or "<full>")
+    # The trap is armed only where asyncio.run installs its own SIGINT handler.
+    assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    out = asyncio.run(ckptstore.restore(tmp_path, step=1, like=like))
+    assert full == []
+    assert sorted(out) == sorted(tree)
+    assert repr(tree["w0"]) == "<full>"  # full reprs are the arrays' own, as before
+    assert reprlib.repr(out).startswith(
+        "{'key': <jax.Array key<fry>[4]>, 'w0': <jax.Array float32[64,8]>"
+    )

@@ -286,6 +286,24 @@ class LocalBackend(Backend):
 
         await aiofiles.os.wrap(sync)()
 
+    async def prune_dirs(self, prefix: str) -> None:
+        norm = validate_prefix(prefix).rstrip("/")
+        if not norm:
+            return
+        top = self._path(norm)
+
+        def prune() -> None:
+            path = top
+            while path != self.root and path.is_relative_to(self.root):
+                if not _remove_empty_dir(str(path)):
+                    return
+                path = path.parent
+
+        try:
+            await aiofiles.os.wrap(prune)()
+        except OSError as exc:
+            raise self._error(exc, norm) from exc
+
     async def escapes(self, prefix: str) -> list[str]:
         top = self._path(validate_prefix(prefix))
         root = os.path.realpath(self.root)
@@ -401,6 +419,22 @@ def _remove_tree(path: Path) -> int:
     return count
 
 
+def _remove_empty_dir(path: str) -> bool:
+    """``rmdir`` if ``path`` is an empty directory (or gone already); False where it is not
+    empty or not a directory (a link, a file), which stay as they are."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except NotADirectoryError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    return True
+
+
 def _remove_dir(path: str) -> None:
     """``rmdir`` that leaves a directory gone already, a link (removed above) or one that
     is not empty (a concurrent writer's new file) alone."""
@@ -427,11 +461,26 @@ def put_file(path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: boo
     ``exclusive`` links instead of renaming, failing with EEXIST if ``path`` exists.
     """
     parent = path.parent
-    new_dirs = _makedirs(parent)
     tmp = parent / f".{path.name}{TEMP_MARKER}{uuid.uuid4().hex}"
     views = [memoryview(part).cast("B") for part in parts]
+    new_dirs: list[Path] = []
+    for tries in range(1, _PARENT_TRIES + 1):
+        try:
+            new_dirs += _makedirs(parent)
+            _write_file(tmp, views, fsync=fsync)
+            break
+        except FileNotFoundError:
+            # A directory on the way went between its mkdir and the next one, or the
+            # write: a concurrent `prune_dirs` found it empty for that instant. Again,
+            # after a pause that grows (a pruner spinning on it must not starve us).
+            if tries == _PARENT_TRIES:
+                raise
+            time.sleep(min(0.001 * tries, 0.05))
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     try:
-        _write_file(tmp, views, fsync=fsync)
         if exclusive:
             os.link(tmp, path)
             os.unlink(tmp)
@@ -446,6 +495,10 @@ def put_file(path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: boo
     if fsync:
         for directory in [parent, *new_dirs]:
             fsync_dir(directory)
+
+
+#: How often `put_file` makes its directory again when a concurrent `prune_dirs` removed it.
+_PARENT_TRIES = 64
 
 
 def _makedirs(parent: Path) -> list[Path]:

@@ -58,6 +58,10 @@ log = logging.getLogger("ckptstore")
 
 DEFAULT_GRACE = 6 * 3600.0  # seconds
 DELETE, TRIM = "delete", "trim"  # why an attempt's DELETED record was written
+#: Files Orbax writes at the top of a step directory or of an item in it
+#: (``_CHECKPOINT_METADATA``, ``commit_success.txt``; ``<item>/_METADATA``). A step directory
+#: without a commit marker that holds one belongs to Orbax: gc leaves all but our attempts.
+ORBAX_FILES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA"})
 
 
 @dataclass
@@ -94,6 +98,19 @@ class StepScan:
     @property
     def committed(self) -> bool:
         return self.marker is not None or self.marker_error is not None
+
+    @property
+    def orbax(self) -> bool:
+        """An uncommitted step directory holding Orbax's files (see `ORBAX_FILES`): an
+        Orbax `CheckpointManager` step, finalized or being written, never ckptstore garbage."""
+        if self.committed:
+            return False
+        for entry in self.entries:
+            if entry.name in ORBAX_FILES:
+                return True
+            if any(_orbax_item_file(entry, o.key) for o in entry.objects):
+                return True
+        return False
 
 
 async def scan(backend: Backend) -> list[StepScan]:
@@ -222,6 +239,7 @@ async def remove_step(
             else:
                 await _remove(backend, entry.key, entry.objects)
             removal.add(entry.key, entry.objects)
+    await backend.prune_dirs(layout.step_dir(step))  # gone unless a tombstone stays
     return removal
 
 
@@ -283,7 +301,12 @@ async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal
         garbage = [e for e in s.entries if not e.committed and (s.step, e.name) not in keep]
         for entry in [e for e in garbage if layout.is_attempt(e.name)]:
             await _collect_attempt(backend, entry, older_than, now, dry_run, owner, removal)
-        others = [(e.key, e.objects) for e in garbage if not layout.is_attempt(e.name)]
+        # Not a version-1 leftover: an Orbax step (gc on an Orbax root keeps every one).
+        others = (
+            []
+            if s.orbax
+            else [(e.key, e.objects) for e in garbage if not layout.is_attempt(e.name)]
+        )
         if s.marker is not None and s.marker.attempt is not None:
             others += await _unused_parts(backend, s)
         for key, objects in others:
@@ -295,9 +318,17 @@ async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal
                 await _remove(backend, key, objects)
             removal.add(key, objects)
     removed = tuple(f"{key}/" for key in removal.entries)
-    for info in await backend.remove_temporaries(older_than, dry_run=dry_run):
+    temporaries = await backend.remove_temporaries(older_than, dry_run=dry_run)
+    for info in temporaries:
         if not info.key.startswith(removed):  # else part of an entry named already
             removal.add(info.key, [info])
+    if not dry_run:
+        # Step directories left empty: by what was removed above, or before (a step
+        # deleted by an older version). rmdir only: a writer's new entry keeps its directory.
+        empty = {layout.step_dir(s.step) for s in scans if not s.committed}
+        empty |= {info.key.rpartition("/")[0] for info in temporaries if "/" in info.key}
+        for prefix in sorted(empty):
+            await backend.prune_dirs(prefix)
     return removal
 
 
@@ -390,6 +421,12 @@ async def _staged(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[int,
         if mine is not None:
             keep.add((s.step, mine.attempt))
     return keep
+
+
+def _orbax_item_file(entry: Entry, key: str) -> bool:
+    """Whether ``key`` is an Orbax file directly inside item directory ``entry``."""
+    parts = key.split("/")
+    return len(parts) == 3 and parts[2] in ORBAX_FILES and not layout.is_attempt(entry.name)
 
 
 def _idle(objects: list[ObjectInfo], now: float) -> float | None:

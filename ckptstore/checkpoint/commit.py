@@ -244,6 +244,7 @@ async def clear_attempt(backend: Backend, where: AttemptDir, *, keep_fate: bool)
                 await backend.delete(f"{where.root}/{name}")
                 removed += 1
         await backend.delete_prefix(where.root)  # what is left: empty directories
+        await backend.prune_dirs(layout.step_dir(where.step))  # its step's, if now empty
     return removed
 
 

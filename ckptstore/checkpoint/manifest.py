@@ -17,6 +17,7 @@ from typing import Any
 
 from ckptstore.backends.keys import validate_key
 from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.jsonitems import JsonItem
 from ckptstore.checkpoint.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks
@@ -28,7 +29,7 @@ KINDS = ("jax", "numpy", "scalar")
 PYTHON_TYPES = (None, "int", "float", "bool", "complex")
 MAX_RANK = 64
 #: A PRNG implementation's name (`LeafInfo.prng_impl`): jax's are "threefry2x32", "rbg"...
-_IMPL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+IMPL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 @dataclass
@@ -60,6 +61,14 @@ class Manifest:
     #: Seconds per phase of the save ("staging", "write", "merge"), for `ckptstore info`.
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = layout.FORMAT_VERSION
+    #: Items that are configuration, not arrays (`ckptstore.checkpoint.jsonitems`): their
+    #: JSON is kept here, under the marker's digest. Readers before them ignore this field.
+    json_items: dict[str, JsonItem] = field(default_factory=dict)
+
+    @property
+    def item_names(self) -> list[str]:
+        """Every item, arrays and JSON, sorted."""
+        return sorted([*self.items, *self.json_items])
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +99,11 @@ class Manifest:
                 }
                 for name, item in self.items.items()
             },
+            **(
+                {"json_items": {n: j.to_json() for n, j in self.json_items.items()}}
+                if self.json_items
+                else {}
+            ),
         }
 
     @classmethod
@@ -135,7 +149,12 @@ def _parse(doc: Any) -> Manifest:
         isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values()),
         "timings are not numbers",
     )
-    _expect(isinstance(doc["items"], dict) and bool(doc["items"]), "no items")
+    json_doc = doc.get("json_items", {})
+    _expect(isinstance(json_doc, dict), "json_items is not an object")
+    _expect(isinstance(doc["items"], dict) and bool(doc["items"] or json_doc), "no items")
+    json_items = {layout.check_item(n): JsonItem.from_json(n, j) for n, j in json_doc.items()}
+    both = sorted(set(json_items) & set(doc["items"]))
+    _expect(not both, f"items {both} are both arrays and JSON")
     return Manifest(
         step=step,
         attempt=attempt if version >= 2 else None,
@@ -146,6 +165,7 @@ def _parse(doc: Any) -> Manifest:
         references=list(doc.get("references", [])),
         timings={str(k): float(v) for k, v in timings.items()},
         format_version=version,
+        json_items=json_items,
     )
 
 
@@ -223,7 +243,7 @@ def parse_leaf(name: str, d: Any) -> LeafInfo:
         raise ValueError(f"leaf {name!r}: bad sharding")
     prng_impl = d.get("prng_impl")  # absent before typed PRNG keys were saved
     if prng_impl is not None and not (
-        isinstance(prng_impl, str) and _IMPL_NAME.fullmatch(prng_impl)
+        isinstance(prng_impl, str) and IMPL_NAME.fullmatch(prng_impl)
     ):
         raise ValueError(f"leaf {name!r}: bad PRNG implementation {str(prng_impl)[:40]!r}")
     if prng_impl is not None and (d["kind"] != "jax" or shape == []):

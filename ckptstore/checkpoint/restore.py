@@ -20,8 +20,9 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
+from ckptstore.checkpoint import jsonitems, layout
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
+from ckptstore.checkpoint.jsonitems import JsonItem
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
@@ -48,8 +49,13 @@ from ckptstore.format.leaves import (
     key_impl_name,
 )
 from ckptstore.format.packs import read_packed, read_split
+from ckptstore.runtime import shortrepr
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.membudget import check_fits
+
+# `asyncio.run(restore(...))` formats the restored tree with `reprlib` when it ends (Python
+# 3.11, `ckptstore.runtime.shortrepr`): jax arrays there are described, never copied.
+shortrepr.install()
 
 #: Bytes of stored data a restore reads ahead of handing it to the devices (or the
 #: caller): a restore needs about this plus its largest shard over the restored state.
@@ -99,7 +105,7 @@ async def restore(
 
 
 async def restore_from(
-    open_item: Callable[[], Awaitable[StoredItem]],
+    open_item: Callable[[], Awaitable[StoredItem | JsonItem]],
     like: Any,
     *,
     partial: bool,
@@ -112,6 +118,8 @@ async def restore_from(
     # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
     with gc_paused():
         stored = await open_item()
+        if isinstance(stored, JsonItem):  # configuration: JSON in the manifest
+            return jsonitems.restore(stored, like)
         budget = ByteBudget(max_inflight_bytes)
         return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
@@ -129,7 +137,7 @@ async def restore_manifest(
     """`restore` of the attempt ``manifest`` describes (verified by the caller), from the
     stores on ``backend`` (a host-local fast tier's own copy: `hostlocal`)."""
     return await restore_from(
-        lambda: manifest_item(backend, manifest, item),
+        lambda: open_manifest_item(backend, manifest, item),
         like,
         partial=partial,
         cast=cast,
@@ -137,16 +145,25 @@ async def restore_manifest(
     )
 
 
-async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:
-    """Item ``item`` of committed ``step`` (the latest when None)."""
-    return await manifest_item(backend, await latest_manifest(backend, step), item)
+async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem | JsonItem:
+    """Item ``item`` of committed ``step`` (the latest when None): its arrays, or a JSON item."""
+    return await open_manifest_item(backend, await latest_manifest(backend, step), item)
+
+
+async def open_manifest_item(
+    backend: Backend, manifest: Manifest, item: str
+) -> StoredItem | JsonItem:
+    """Item ``item`` of the attempt ``manifest`` describes: a JSON item, or its arrays."""
+    if item in manifest.json_items:
+        return manifest.json_items[item]
+    return await manifest_item(backend, manifest, item)
 
 
 async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> StoredItem:
     """Item ``item`` of the attempt ``manifest`` describes, read from ``backend``."""
     if item not in manifest.items:
         raise CheckpointNotFoundError(
-            f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
+            f"step {manifest.step} has no item {item!r} (it has {manifest.item_names})",
             backend=backend.url,
         )
     store = item_store(backend, manifest, item)

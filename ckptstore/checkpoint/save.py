@@ -41,6 +41,7 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
+from ckptstore.checkpoint.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.tree import describe, flatten
@@ -89,13 +90,25 @@ class PreparedItem:
             return cls(named, infos, describe(tree))
 
 
-def prepare(step: int, items: Mapping[str, Any]) -> tuple[int, dict[str, PreparedItem]]:
+def prepare(
+    step: int, items: Mapping[str, Any]
+) -> tuple[int, dict[str, PreparedItem], dict[str, JsonItem]]:
     """Check ``step`` and the item names, and flatten and describe every tree, before
-    anything is opened or written."""
+    anything is opened or written. An item that is not arrays and numbers but JSON (a
+    dataclass config, a dict with strings) is kept as JSON in the manifest
+    (`ckptstore.checkpoint.jsonitems`): the third dict."""
     step = layout.check_step(step)
     if not items:
         raise CkptStoreError("nothing to save: no items")
-    return step, {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}
+    prepared: dict[str, PreparedItem] = {}
+    configs: dict[str, JsonItem] = {}
+    for name, tree in items.items():
+        layout.check_item(name)
+        if is_array_tree(tree):
+            prepared[name] = PreparedItem.of(tree)
+        else:
+            configs[name] = as_json_item(name, tree)
+    return step, prepared, configs
 
 
 class SaveHooks:
@@ -159,6 +172,7 @@ async def save_prepared(
     timeout: float,
     timings: dict[str, float],
     hooks: SaveHooks = PLAIN,
+    configs: dict[str, JsonItem] | None = None,
 ) -> SaveResult:
     """The save of prepared ``items`` as ``step`` on ``backend``, every process taking
     part (the module docstring's protocol, with ``hooks``' additions)."""
@@ -237,6 +251,7 @@ async def save_prepared(
             items=manifest_items,
             processes=processes,
             metadata=metadata or {},
+            json_items=configs or {},
             timings={
                 **timings,
                 "write": max(p["seconds"] for p in processes),

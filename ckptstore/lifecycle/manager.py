@@ -30,11 +30,13 @@ from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
+from ckptstore.checkpoint.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.checkpoint.target import Target, open_target
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError, UnsupportedOperationError
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
+from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.hostlocal import known_shared
@@ -135,8 +137,14 @@ class CheckpointManager:
         self._preempted = threading.Event()
         self._previous_handler: Any = None
         self.stats: list[SaveStats] = []  # every save this manager committed, in order
+        #: The finalized steps of an Orbax `CheckpointManager` root at the target (none
+        #: when a ckptstore step is committed there): read like ckptstore's, never written.
+        self._orbax_steps: list[int] = []
         try:
-            steps = self._call(self._all_steps())
+            committed = self._call(self._committed_steps())
+            if not committed:
+                self._orbax_steps = self._call(self._find_orbax_steps())
+            steps = committed or self._orbax_steps
             self._last_step: int | None = steps[-1] if steps else None
             if options.gc_on_start and self._me == 0:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
@@ -176,6 +184,7 @@ class CheckpointManager:
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
         waited = time.perf_counter() - before
+        self._refuse_orbax_root()
         # A committed step is refused here, before anything is staged, as `save_sync` does;
         # the write would only fail later, at `wait()` or the next save.
         self._call(self._ensure_uncommitted(step))
@@ -186,14 +195,33 @@ class CheckpointManager:
             and self._count > 1
             and known_shared(self.backend, self._count) is not True
         )
-        staged = self._stager.stage(trees, self.options.staging, host_view=host_view)
+        # Configuration items (a dataclass, a dict with strings) become JSON now, a copy.
+        configs = {n: as_json_item(n, v) for n, v in trees.items() if not is_array_tree(v)}
+        arrays = {n: v for n, v in trees.items() if n not in configs}
+        staged = self._stager.stage(arrays, self.options.staging, host_view=host_view)
         self._last_step, self._last_time = step, time.monotonic()
         future = asyncio.run_coroutine_threadsafe(
-            self._write(step, staged, dict(metrics or {}), dict(metadata or {}), start, waited),
+            self._write(
+                step, staged, configs, dict(metrics or {}), dict(metadata or {}), start, waited
+            ),
             self._loop,
         )
         self._inflight = SaveHandle(step, future)
         return self._inflight
+
+    def _refuse_orbax_root(self) -> None:
+        """`UnsupportedOperationError` on an Orbax root, before anything is written: its
+        steps and ours would then share step numbers, directories and listings (Orbax's
+        `all_steps` would show our step directories as its own, and ours its)."""
+        if not self._orbax_steps:
+            return
+        url, latest = self.backend.url, self._orbax_steps[-1]
+        raise UnsupportedOperationError(
+            f"{url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the manager "
+            "restores its steps but does not save beside them. To resume in ckptstore format, "
+            f"import the step into a new root (`ckptstore import-orbax {url} NEW_ROOT --step "
+            f"{latest}`) and point the manager there"
+        )
 
     async def _ensure_uncommitted(self, step: int) -> None:
         """`AlreadyExistsError` if ``step`` is committed on the target (tiered: on either
@@ -235,6 +263,7 @@ class CheckpointManager:
         self,
         step: int,
         staged: Staged,
+        configs: dict[str, JsonItem],
         metrics: dict[str, Any],
         metadata: dict[str, Any],
         start: float,
@@ -245,7 +274,7 @@ class CheckpointManager:
             target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
         result = await save_items(
             target,
-            staged.tree,
+            {**staged.tree, **configs},
             step=step,
             metadata={**metadata, "metrics": metrics} if metrics else metadata,
             timeout=self.options.timeout,
@@ -391,18 +420,31 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Committed steps (on either tier), ascending."""
+        """Committed steps (on either tier), ascending; as `ckptstore.list_steps`, where
+        none is committed, the finalized steps of an Orbax `CheckpointManager` root."""
         return self._call(self._all_steps())
 
     async def _all_steps(self) -> list[int]:
+        return await self._committed_steps() or await self._find_orbax_steps()
+
+    async def _committed_steps(self) -> list[int]:
         steps = set(await committed_steps(self.backend))
         if self.durable is not None:
             steps |= set(await committed_steps(self.durable))
         return sorted(steps)
 
+    async def _find_orbax_steps(self) -> list[int]:
+        """Finalized Orbax steps on the target (either tier), ascending."""
+        found = await asyncio.gather(
+            *(orbax.finalized_steps(b) for b in (self.backend, self.durable) if b is not None)
+        )
+        return sorted(set().union(*found))
+
     def _restore(self, step: int | None, like: Any, **kwargs: Any) -> Any:
         """From the target, or from the nearest tier with a good copy."""
         where = self.backend if self.durable is None else Tiered(self.backend, self.durable)
+        if self.durable is not None and step is None and self._orbax_steps:
+            step = self.latest_step()  # tiers name a step to read Orbax's
         return self._call(restore(where, step, like, **kwargs))
 
     def restore(

@@ -57,9 +57,11 @@ from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.packs import read_packed
 from ckptstore.orbax.inspect import read_all
+from ckptstore.orbax.keys import ARRAY_METADATAS
 from ckptstore.orbax.metadata import (
     DEFAULT_ITEM,
     OrbaxEntry,
+    array_metadatas,
     checkpoint_metadata,
     entries,
     tree_metadata,
@@ -122,6 +124,9 @@ async def export(
         await _build_view(dst, mirror, item_dir, [e for e in found if e.leaf not in saved.packed])
         if verify:
             await _read_back(dst, item_dir, found, saved.leaves)
+        keys = array_metadatas(found, saved.leaves)
+        if keys is not None:  # typed PRNG keys: their implementation, as Orbax records it
+            await dst.write(_join(item_dir, ARRAY_METADATAS, "process_0"), keys)
         await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
         if manager:
             await dst.write(_join(item_dir, COMMIT_SUCCESS), _success(out.final))

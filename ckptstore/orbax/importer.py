@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+import jax
+import jax.numpy as jnp
+
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.partial import PartialSave
@@ -86,6 +89,8 @@ def _nest(values: dict[str, Any]) -> dict[str, Any]:
 
 async def _load(stored: StoredItem, info: LeafInfo) -> Any:
     data = await read_slice(await stored.open(info), (), info.name)
+    if info.prng_impl is not None:  # Orbax recorded typed keys: saved as such, bit-exact
+        return jax.random.wrap_key_data(jnp.asarray(data), impl=info.prng_impl)
     if info.kind != "scalar":
         return data
     return _PYTHON[info.python_type](data[()]) if info.python_type else data[()]

@@ -18,6 +18,7 @@ from urllib.parse import unquote
 from ckptstore.errors import OrbaxExportError as OrbaxExportError  # its old home re-exports it
 from ckptstore.errors import UnsupportedLeafError
 from ckptstore.format.leaves import LeafInfo
+from ckptstore.orbax.keys import RANDOM_KEY_IMPL
 from ckptstore.orbax.read import DICT, SEQUENCE
 
 #: What ckptstore leaf kinds are, in Orbax's value types.
@@ -121,6 +122,24 @@ def tree_metadata(found: list[OrbaxEntry]) -> bytes:
         "custom_metadata": None,
     }
     return json.dumps(doc).encode()
+
+
+def array_metadatas(found: list[OrbaxEntry], leaves: dict[str, LeafInfo]) -> bytes | None:
+    """Orbax's ``array_metadatas/process_0`` for the typed PRNG key arrays among ``found``
+    (their implementation, which Orbax restores them with); None where there are none."""
+    records = [
+        {
+            "array_metadata": {
+                "param_name": e.param,
+                "write_shape": list(leaves[e.leaf].chunk_shape),
+                "chunk_shape": list(leaves[e.leaf].chunk_shape),
+                "ext_metadata": {RANDOM_KEY_IMPL: leaves[e.leaf].prng_impl},
+            }
+        }
+        for e in found
+        if e.leaf is not None and leaves[e.leaf].prng_impl is not None
+    ]
+    return json.dumps({"array_metadatas": records}).encode() if records else None
 
 
 def checkpoint_metadata(*, manager: bool, started: float) -> bytes:

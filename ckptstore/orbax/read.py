@@ -20,7 +20,6 @@ Each array is zarr v2 (Orbax's default) or zarr3 under its dot-joined key path
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from ckptstore.errors import (
     UnsupportedLeafError,
 )
 from ckptstore.format.leaves import LeafInfo, dtype_of
+from ckptstore.orbax.keys import key_impls, strict_json, typed_key
 
 TREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -147,23 +147,6 @@ class TreeMetadata:
     use_ocdbt: bool | None  # None: not recorded (older Orbax); decided by the files
     use_zarr3: bool
     every_chunk_stored: bool  # store_array_data_equal_to_fill_value: a missing chunk is damage
-
-
-def strict_json(data: bytes) -> Any:
-    """JSON with no duplicate keys and no NaN/Infinity; ValueError otherwise."""
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in items:
-            if key in out:
-                raise ValueError(f"duplicate key {key[:80]!r}")
-            out[key] = value
-        return out
-
-    def constant(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
-    return json.loads(data, object_pairs_hook=pairs, parse_constant=constant)
 
 
 def parse_tree_metadata(data: bytes, where: str) -> TreeMetadata:
@@ -356,6 +339,13 @@ async def open_item(backend: Backend, where: str, item: str, *, default_item: st
         meta.every_chunk_stored,
         [(entry, info) for entry, (info, _) in zip(arrays, opened, strict=True)],
     )
+    impls = await key_impls(backend, prefix)
+    opened = [
+        (typed_key(info, entry.name, entry.param, impls[entry.param]), arr)
+        if entry.param in impls
+        else (info, arr)
+        for entry, (info, arr) in zip(arrays, opened, strict=True)
+    ]
     leaves = {info.name: info for info, _ in opened}
     stores = {info.name: arr for info, arr in opened}
 

@@ -226,6 +226,17 @@ class BackendTests:
             await backend.delete_prefix("")
         assert await backend.read("keep") == b"x"
 
+    async def test_prune_dirs_never_removes_an_object(self, backend: Backend) -> None:
+        await backend.write("s/a/b/1", b"1")
+        await backend.prune_dirs("s/a/b")  # holds an object: nothing goes
+        assert await backend.read("s/a/b/1") == b"1"
+        await backend.delete("s/a/b/1")
+        await backend.prune_dirs("s/a/b")  # empty now: may go (an optional hook)
+        await backend.prune_dirs("s/gone")  # never existed: fine
+        assert await keys_of(backend) == []
+        await backend.write("s/a/b/2", b"2")  # writes below a pruned directory still work
+        assert await backend.read("s/a/b/2") == b"2"
+
     # ---- create (the commit primitive) ----
 
     async def test_create_new_then_exists(self, backend: Backend) -> None:

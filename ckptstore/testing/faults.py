@@ -103,6 +103,9 @@ class FaultyBackend(Backend):
     async def sync_dirs(self, prefix: str) -> None:
         await self.inner.sync_dirs(prefix)
 
+    async def prune_dirs(self, prefix: str) -> None:
+        await self.inner.prune_dirs(prefix)
+
     async def close(self) -> None:
         await self.inner.close()
 
