@@ -191,6 +191,7 @@ async def verify(
     step: int | None = None,
     *,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    progress: plain_verify.ProgressFn | None = None,
 ) -> VerifyReport:
     """Check committed ``step`` end to end (see `ckptstore.checkpoint.verify.verify`).
 
@@ -200,13 +201,15 @@ async def verify(
     tiers = as_tiered(target)
     if tiers is None:
         return await plain_verify.verify(
-            single(target), step, max_inflight_bytes=max_inflight_bytes
+            single(target), step, max_inflight_bytes=max_inflight_bytes, progress=progress
         )
     async with tiers.opened() as (fast, durable):
         at = await _step(fast, durable, step)
         skipped: dict[str, str] = {}
         if await fast.exists(layout.commit_key(at)):
-            report = await plain_verify.verify_step(fast, at, max_inflight_bytes=max_inflight_bytes)
+            report = await plain_verify.verify_step(
+                fast, at, max_inflight_bytes=max_inflight_bytes, progress=progress
+            )
             report.tier = "fast"
             if report.ok or not await durable.exists(layout.commit_key(at)):
                 return report
@@ -218,6 +221,8 @@ async def verify(
             )
             bad = {**report.problems, **report.unreadable}
             skipped = {f"{fast.url}/{k}": v for k, v in bad.items()}
-        report = await plain_verify.verify_step(durable, at, max_inflight_bytes=max_inflight_bytes)
+        report = await plain_verify.verify_step(
+            durable, at, max_inflight_bytes=max_inflight_bytes, progress=progress
+        )
         report.tier, report.skipped = "durable", skipped
         return report
