@@ -73,7 +73,7 @@ class Output:
             return cls(json=as_json)
         if forced:
             return cls(progress=True, after=0.0)
-        return cls(progress=stderr_is_terminal())
+        return cls(progress=stderr_is_terminal(), after=PROGRESS_AFTER)
 
     def bar(self, label: str, total_items: int | None = None, total_bytes: int = 0) -> Progress:
         """A progress line on stderr, drawn only as these settings say."""
