@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -59,7 +61,12 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     readme = (DOCS.parent / "README.md").read_text()
     (code,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", readme, re.S)
     code = code.replace('"/tmp/ckptstore-quickstart"', repr(str(tmp_path / "quickstart")))
-    exec(compile(code, "README quick start", "exec"), {"__name__": "readme"})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README quick start", "exec"), {"__name__": "readme"})
+    assert printed.getvalue().splitlines() == ["[100]", "True", "[28, 29, 30]"]
+    assert "# committed steps only: [100]" in code and "all_steps())  " in code
+    assert code.rstrip().endswith("# [28, 29, 30]")  # as commented: the last saves committed
     assert ckptstore.list_steps_sync(str(tmp_path / "quickstart")) == [100]
     assert ckptstore.list_steps_sync(str(tmp_path / "quickstart-run")) == [28, 29, 30]
 
