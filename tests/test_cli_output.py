@@ -320,6 +320,16 @@ def test_progress_waits_its_delay_then_shows_rate_and_time_left(
     assert quiet.getvalue() == ""  # quick work leaves no trace
 
 
+def test_rm_progress_counts_steps(root: str) -> None:
+    """rm cannot know the bytes ahead: its line counts steps, with the bytes removed so far."""
+    proc = subprocess.run(
+        [EXE, "rm", root, "--step", "1-2", "--progress"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "removed 2 steps (1-2)" in proc.stdout
+    final = proc.stderr.splitlines()[-1]  # text mode reads each "\r" as a line end
+    assert re.match(r"rm 2/2  5\d\d\.\d KiB \(100%\)  .*/s  elapsed 0:00:0\d  left 0:00:00", final)
+
+
 # ---- exit statuses, as documented ----
 
 

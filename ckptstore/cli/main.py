@@ -325,7 +325,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         getattr(args, "steps", None) or [],
         getattr(args, "keep_latest", None),
         getattr(args, "dry_run", False),
-        out.json,
+        out,
     )
 
     def verify(target: Backend | Tiered, shown: str) -> Coroutine[Any, Any, int]:

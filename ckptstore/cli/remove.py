@@ -12,7 +12,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import Removal, delete_step, gc, scan_step
 from ckptstore.checkpoint.target import Tiered
-from ckptstore.cli.output import EXIT_OK, error_json, exit_status, print_json
+from ckptstore.cli.output import EXIT_OK, Output, error_json, exit_status, print_json
 from ckptstore.cli.steps import committed
 from ckptstore.cli.text import count, human
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
@@ -109,7 +109,7 @@ async def cmd_rm(
     specs: Sequence[StepSpec],
     keep_latest: int | None,
     dry_run: bool,
-    as_json: bool,
+    out: Output,
 ) -> int:
     """Remove the selected committed steps, oldest first; stops at the first failure (what
     was removed until then is still reported, then the error: in the JSON document as its
@@ -118,15 +118,20 @@ async def cmd_rm(
     steps = select_steps(present, specs, keep_latest, shown)
     done: list[tuple[int, Removal]] = []
     failure: CkptStoreError | None = None
-    for step in steps:
-        try:
-            removal = await (_would_delete if dry_run else delete_step)(target, step)
-        except CkptStoreError as exc:
-            failure = exc
-            break
-        done.append((step, removal))
+    bar = out.bar("would remove" if dry_run else "rm", total_items=len(steps))
+    try:
+        for step in steps:
+            try:
+                removal = await (_would_delete if dry_run else delete_step)(target, step)
+            except CkptStoreError as exc:
+                failure = exc
+                break
+            done.append((step, removal))
+            bar.advance(1, removal.bytes)
+    finally:
+        bar.close()
     remaining = [s for s in present if s not in {s for s, _ in done}]
-    if as_json:
+    if out.json:
         doc: dict[str, Any] = {
             "dry_run": dry_run,
             "steps": [

@@ -64,13 +64,17 @@ class Progress:
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = self.bytes / elapsed
-        left = (self.total_bytes - self.bytes) / rate if rate > 0 else float("nan")
-        eta = _duration(left) if left == left else "?"
-        pct = 100.0 * self.bytes / self.total_bytes if self.total_bytes else 100.0
         items = "" if self.total_items is None else f" {self.items}/{self.total_items}"
+        if self.total_bytes or not self.total_items:
+            done, total, amount = self.bytes, self.total_bytes, f"{_size(self.bytes)}/"
+            amount += _size(self.total_bytes)
+        else:  # bytes not known ahead (removals): the share of items done, and bytes so far
+            done, total, amount = self.items, self.total_items, _size(self.bytes)
+        fraction = done / total if total else 1.0
+        left = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
+        eta = _duration(left) if left == left else "?"
         return (
-            f"{self.label}{items}  "
-            f"{_size(self.bytes)}/{_size(self.total_bytes)} ({pct:.0f}%)  "
+            f"{self.label}{items}  {amount} ({100 * fraction:.0f}%)  "
             f"{_size(rate)}/s  elapsed {_duration(elapsed)}  left {eta}"
         )
 
