@@ -9,6 +9,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,36 @@ def test_every_command_answers_one_json_document(
     assert again["steps"] == [] and again["durable"] == [4]
     assert run_json(["info", str(profile)], capsys)["step"] == 4
     assert run_json(["gc", str(profile), "--dry-run"], capsys)["entries"] == []
+
+
+def test_promote_watch_json_is_one_document_per_line(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "nvme", tmp_path / "bucket"
+    profile = tmp_path / "tiers.toml"
+    profile.write_text(f'[tiers]\nfast = "{fast}"\ndurable = "{durable}"\n')
+    proc = subprocess.Popen(
+        [EXE, "promote", str(profile), "--watch", "--interval", "0.1", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        assert first["event"] == "watching" and first["durable"] == durable.as_uri()
+        ckptstore.save_sync(str(fast), {"x": np.arange(6)}, step=3)
+        deadline = time.monotonic() + 60
+        while ckptstore.list_steps_sync(str(durable)) != [3]:
+            assert time.monotonic() < deadline, "step 3 never became durable"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and err == ""
+    events = [json.loads(line) for line in out.splitlines()]  # each line one document
+    assert [e["event"] for e in events] == ["promoted", "stopped"]
+    assert events[0]["step"] == 3 and events[0]["copied"] > 0
+    assert events[1] == {"event": "stopped", "durable": [3], "signal": "SIGTERM"}
 
 
 def test_errors_are_json_documents_too(root: str, capsys: pytest.CaptureFixture[str]) -> None:
