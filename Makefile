@@ -33,6 +33,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy ckptstore
 
+# `make bench`: every benchmark (results in benchmarks/results/*.json), then the plots of
+# docs/benchmarks.md redrawn from those results (benchmarks/report.py, into docs/img/).
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 	$(PY) benchmarks/storage.py
@@ -43,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/partial.py
 	$(PY) benchmarks/training_loop.py
 	$(PY) benchmarks/tiered.py
+	$(PY) benchmarks/report.py
 
 # `make torture`: 300 SIGKILLs at random moments of saves, partial saves, merges, commits,
 # delete_step and gc, on local disk and moto S3, by one process and by two; after each, every

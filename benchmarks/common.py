@@ -370,10 +370,10 @@ def recycle_memory(nbytes: int) -> None:
     On these VMs the guest reports the memory it frees to the host (virtio-balloon free
     page reporting, within about a second), and the first touch of such a page costs
     several times a plain one: 1 GiB touched in 0.65-1.1 s against 0.10 s (see
-    docs/benchmarks.md, session 12). Left alone, an operation that lands its result in
-    new memory (a restore, unlike ``dd`` to ``/dev/null``) is fast or slow depending on
-    how long ago something else freed memory; after this, every contender starts alike,
-    as on a machine that does not report.
+    docs/benchmarks.md, "The host takes freed memory back"). Left alone, an operation
+    that lands its result in new memory (a restore, unlike ``dd`` to ``/dev/null``) is
+    fast or slow depending on how long ago something else freed memory; after this,
+    every contender starts alike, as on a machine that does not report.
     """
     import numpy as np  # numpy-free callers of this module need not load it
 

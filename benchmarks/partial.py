@@ -379,57 +379,6 @@ def table(timing: Measurement, fig: dict[str, Any], s3: Run) -> list[list[str]]:
     return rows
 
 
-def plot(runs: dict[str, Any], fig: dict[str, Any], path: Path) -> None:
-    """Cumulative bytes vs k (left, GiB) and bytes / payload so far (right, log y)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
-    payload = np.asarray(runs["ckptstore"][0].payload, float)
-    k = np.arange(1, len(payload) + 1)
-    snapshot = fig["snapshot_copy_analytic_curve"]
-    lines = [
-        ("snapshot-copy (from ckptstore's part sizes)", snapshot, "tab:red", "-"),
-        ("Orbax 0.12.8 (write_bytes)", runs["orbax"][0].curve, "tab:green", "-."),
-        ("ckptstore (write_bytes)", runs["ckptstore"][0].curve, "tab:blue", "-"),
-    ]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    left.plot(k, payload / 2**30, color="gray", ls="--", lw=1.5, label="payload")
-    for label, ys, color, ls in lines:
-        left.plot(k, np.asarray(ys) / 2**30, color=color, ls=ls, lw=2, label=label)
-        right.plot(k, np.asarray(ys) / payload, color=color, ls=ls, lw=2, label=label)
-    for ys, color in [(snapshot, "tab:red"), (runs["ckptstore"][0].curve, "tab:blue")]:
-        end = (k[-1], ys[-1] / 2**30)
-        style = {"textcoords": "offset points", "ha": "right", "color": color}
-        left.annotate(f"{end[1]:.2f} GiB", end, (-4, 6), **style)
-    points = [
-        ("snapshot", "o", "tab:red", f"snapshot-copy, real run ({SNAPSHOT_PART_MIB} MiB parts)"),
-        ("s3", "s", "tab:purple", "ckptstore on S3 (moto), object bytes"),
-    ]
-    for name, marker, color, label in points:
-        ys = np.asarray(runs[name].curve) / runs[name].payload
-        rk = np.arange(1, len(ys) + 1)
-        right.plot(rk, ys, marker, ms=4, color=color, mfc="none", label=label)
-    right.axhline(BYTES_FLOOR, color="black", lw=0.8, ls=":", label=f"floor {BYTES_FLOOR}x")
-    left.set_ylim(top=max(snapshot) / 2**30 * 1.1)
-    title = f"Local disk: K={len(k)} parts, {payload[-1] / 2**30:.2f} GiB float32"
-    left.set(xlabel="partial saves k", ylabel="cumulative bytes written (GiB)", title=title)
-    right.set(xlabel="partial saves k", ylabel="bytes written / payload so far", yscale="log")
-    right.set_title("Write amplification (log scale)")
-    right.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}x"))
-    right.yaxis.set_minor_formatter(ticker.NullFormatter())
-    for ax in (left, right):
-        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="upper left")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
@@ -440,7 +389,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--s3-part-mib", type=float, default=5, help="part size on S3, MiB (default 5)")
     add("--quick", action="store_true", help="smoke run: K=4 x 2 MiB, 1 rep; S3 K=3 x 1 MiB")
     add("--scratch", type=Path, default=None, help="parent of the temporary directory")
-    add("--no-write-results", action="store_true", help="write neither the JSON nor the PNG")
+    add("--no-write-results", action="store_true", help="write neither the JSON nor the plots")
     add("--strict", action="store_true", help="exit 1 if any floor fails")
     add("--seed", type=int, default=0, help="seed of the random payload")
     args = p.parse_args(argv)
@@ -501,10 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + markdown_table(HEADERS, rows))
     print("\nfloors: " + ("all PASS" if not failed else "FAIL: " + "; ".join(failed)))
     if not args.no_write_results:
-        json_path, png_path = RESULTS / "partial.json", RESULTS / "partial_bytes.png"
+        from benchmarks import report  # matplotlib: only where plots are drawn
+
+        json_path = RESULTS / "partial.json"
         write_results(json_path, results_json(args, machine, runs, timing, fig, rows))
-        plot(runs, fig, png_path)
-        print(f"results written to {json_path} and {png_path}")
+        pngs = report.render(["partial_bytes.png", "partial_orbax.png"])
+        print(f"results written to {json_path}; plots: {', '.join(map(str, pngs))}")
     return 1 if failed and args.strict else 0
 
 

@@ -6,7 +6,7 @@ leaves, ~256 MiB. Per repetition (the order of the first pair alternates):
 - save return: ``ckptstore.save(local, tree)`` vs a ``CheckpointManager`` on
   ``Tiered(local, s3)``: ``save(...).wait()`` (committed on the fast tier); then
   ``wait_until_finished()`` (promoted and committed on S3), reported as save to durable;
-- promotion: ``ckptstore.lifecycle.tiers.promote_step`` of one committed step to a fresh
+- promotion: ``ckptstore.tiers.promote.promote_step`` of one committed step to a fresh
   S3 prefix vs ``s3fs`` ``put`` of the same attempt directory (recursive), same bytes.
 
 Floors: save return with tiering <= 1.1x the local-only save; promotion >= 0.8x s3fs.
@@ -47,8 +47,8 @@ from benchmarks.common import (
 )
 from benchmarks.storage import moto_environment
 from ckptstore.backends.s3 import S3Backend
-from ckptstore.lifecycle.tiers import promote_step
 from ckptstore.testing.servers import MOTO_KEY, unique_bucket_name
+from ckptstore.tiers.promote import promote_step
 
 PACKAGES = ["ckptstore", "jax", "tensorstore", "numpy", "s3fs", "aiobotocore", "moto"]
 

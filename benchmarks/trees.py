@@ -13,7 +13,7 @@ carry the shardings to restore onto).
   an optimizer state of many small tensors.
 - ``d`` (1 GiB): 2 huge leaves saved sharded over (4, 2), restored onto a
   (2, 4) mesh: each restored slice takes half of each of two saved chunks
-  (resharding on restore; until session 9 the target only permuted the devices).
+  (resharding on restore).
 """
 
 from __future__ import annotations

@@ -29,103 +29,106 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ckptstore.errors import (
-    AlreadyExistsError,
-    CheckpointNotFoundError,
-    CkptStoreError,
-    ConfigError,
-    CoordinationError,
-    CorruptCheckpointError,
-    DuplicateLeafError,
-    FencedError,
-    IncompleteCheckpointError,
-    InsufficientMemoryError,
-    InsufficientSpaceError,
-    InvalidKeyError,
-    InvalidStepError,
-    InvalidURLError,
-    NotFoundError,
-    ObjectChangedError,
-    PermissionDeniedError,
-    RetriesExhaustedError,
-    StorageError,
-    TransientStorageError,
-    TreeMismatchError,
-    UnsupportedOperationError,
-)
+from ckptstore import errors as _errors
+from ckptstore.errors import *  # noqa: F403  (the error hierarchy: errors.__all__)
+
+#: The public names loaded on first use, by the module that defines them: the one list
+#: `__all__` and the lazy loading come from (tests/test_api.py checks the imports below
+#: for type checkers say the same).
+_PUBLIC = {
+    "ckptstore.api": (
+        "Promotion",
+        "delete_step",
+        "delete_step_sync",
+        "export_orbax",
+        "export_orbax_sync",
+        "gc",
+        "gc_sync",
+        "import_orbax",
+        "import_orbax_sync",
+        "list_steps",
+        "list_steps_sync",
+        "partial_save",
+        "partial_save_sync",
+        "PartialSaveSync",
+        "promote",
+        "promote_sync",
+        "read_manifest",
+        "read_manifest_sync",
+        "restore",
+        "restore_sync",
+        "save",
+        "save_sync",
+        "verify",
+        "verify_sync",
+    ),
+    "ckptstore.backends.base": (
+        "Backend",
+        "Capabilities",
+        "ObjectInfo",
+    ),
+    "ckptstore.backends.registry": (
+        "load_profile",
+        "open_backend",
+    ),
+    "ckptstore.backends.retry": ("RetryPolicy",),
+    "ckptstore.checkpoint.cleanup": ("Removal",),
+    "ckptstore.checkpoint.partial": (
+        "Part",
+        "PartialSave",
+    ),
+    "ckptstore.checkpoint.save": ("SaveResult",),
+    "ckptstore.checkpoint.verify": ("VerifyReport",),
+    "ckptstore.lifecycle.manager": (
+        "CheckpointManager",
+        "SaveHandle",
+        "SaveStats",
+    ),
+    "ckptstore.lifecycle.options": ("ManagerOptions",),
+    "ckptstore.tiers.target": ("Tiered",),
+    "ckptstore.lifecycle": ("policies",),  # a module
+}
 
 if TYPE_CHECKING:
+    from ckptstore.api import (
+        PartialSaveSync,
+        Promotion,
+        delete_step,
+        delete_step_sync,
+        export_orbax,
+        export_orbax_sync,
+        gc,
+        gc_sync,
+        import_orbax,
+        import_orbax_sync,
+        list_steps,
+        list_steps_sync,
+        partial_save,
+        partial_save_sync,
+        promote,
+        promote_sync,
+        read_manifest,
+        read_manifest_sync,
+        restore,
+        restore_sync,
+        save,
+        save_sync,
+        verify,
+        verify_sync,
+    )
     from ckptstore.backends.base import Backend, Capabilities, ObjectInfo
     from ckptstore.backends.registry import load_profile, open_backend
     from ckptstore.backends.retry import RetryPolicy
-    from ckptstore.checkpoint.blocking import (
-        PartialSaveSync,
-        delete_step_sync,
-        gc_sync,
-        list_steps_sync,
-        partial_save_sync,
-        read_manifest_sync,
-        restore_sync,
-        save_sync,
-        verify_sync,
-    )
-    from ckptstore.checkpoint.cleanup import Removal, delete_step, gc
-    from ckptstore.checkpoint.partial import Part, PartialSave, partial_save
-    from ckptstore.checkpoint.save import SaveResult, save
-    from ckptstore.checkpoint.target import Tiered
-    from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
+    from ckptstore.checkpoint.cleanup import Removal
+    from ckptstore.checkpoint.partial import Part, PartialSave
+    from ckptstore.checkpoint.save import SaveResult
     from ckptstore.checkpoint.verify import VerifyReport
-    from ckptstore.importers.orbax_export import export_orbax, export_orbax_sync
-    from ckptstore.importers.orbax_import import import_orbax, import_orbax_sync
     from ckptstore.lifecycle import policies
     from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
     from ckptstore.lifecycle.options import ManagerOptions
-    from ckptstore.lifecycle.tiers import Promotion, promote, promote_sync
+    from ckptstore.tiers.target import Tiered
 
-#: Each lazily loaded public name and the module that defines it.
-_LAZY = {
-    "Backend": "ckptstore.backends.base",
-    "Capabilities": "ckptstore.backends.base",
-    "ObjectInfo": "ckptstore.backends.base",
-    "load_profile": "ckptstore.backends.registry",
-    "open_backend": "ckptstore.backends.registry",
-    "RetryPolicy": "ckptstore.backends.retry",
-    "PartialSaveSync": "ckptstore.checkpoint.blocking",
-    "delete_step_sync": "ckptstore.checkpoint.blocking",
-    "gc_sync": "ckptstore.checkpoint.blocking",
-    "list_steps_sync": "ckptstore.checkpoint.blocking",
-    "partial_save_sync": "ckptstore.checkpoint.blocking",
-    "read_manifest_sync": "ckptstore.checkpoint.blocking",
-    "restore_sync": "ckptstore.checkpoint.blocking",
-    "save_sync": "ckptstore.checkpoint.blocking",
-    "verify_sync": "ckptstore.checkpoint.blocking",
-    "Removal": "ckptstore.checkpoint.cleanup",
-    "delete_step": "ckptstore.checkpoint.cleanup",
-    "gc": "ckptstore.checkpoint.cleanup",
-    "Part": "ckptstore.checkpoint.partial",
-    "PartialSave": "ckptstore.checkpoint.partial",
-    "partial_save": "ckptstore.checkpoint.partial",
-    "Tiered": "ckptstore.checkpoint.target",
-    "list_steps": "ckptstore.checkpoint.tiered",
-    "read_manifest": "ckptstore.checkpoint.tiered",
-    "restore": "ckptstore.checkpoint.tiered",
-    "SaveResult": "ckptstore.checkpoint.save",
-    "save": "ckptstore.checkpoint.save",
-    "VerifyReport": "ckptstore.checkpoint.verify",
-    "verify": "ckptstore.checkpoint.tiered",
-    "export_orbax": "ckptstore.importers.orbax_export",
-    "export_orbax_sync": "ckptstore.importers.orbax_export",
-    "import_orbax": "ckptstore.importers.orbax_import",
-    "import_orbax_sync": "ckptstore.importers.orbax_import",
-    "policies": "ckptstore.lifecycle.policies",  # a module
-    "CheckpointManager": "ckptstore.lifecycle.manager",
-    "SaveHandle": "ckptstore.lifecycle.manager",
-    "SaveStats": "ckptstore.lifecycle.manager",
-    "ManagerOptions": "ckptstore.lifecycle.options",
-    "Promotion": "ckptstore.lifecycle.tiers",
-    "promote": "ckptstore.lifecycle.tiers",
-    "promote_sync": "ckptstore.lifecycle.tiers",
-}
+_LAZY = {name: module for module, names in _PUBLIC.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
@@ -133,7 +136,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ckptstore' has no attribute {name!r}")
     loaded = importlib.import_module(module)
-    value: Any = loaded if name == "policies" else getattr(loaded, name)
+    value: Any = getattr(loaded, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
@@ -142,68 +145,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = [
-    "AlreadyExistsError",
-    "Backend",
-    "Capabilities",
-    "CheckpointManager",
-    "CheckpointNotFoundError",
-    "CkptStoreError",
-    "ConfigError",
-    "CoordinationError",
-    "CorruptCheckpointError",
-    "DuplicateLeafError",
-    "FencedError",
-    "IncompleteCheckpointError",
-    "InsufficientMemoryError",
-    "InsufficientSpaceError",
-    "InvalidKeyError",
-    "InvalidStepError",
-    "InvalidURLError",
-    "ManagerOptions",
-    "NotFoundError",
-    "ObjectChangedError",
-    "ObjectInfo",
-    "Part",
-    "PartialSave",
-    "PartialSaveSync",
-    "PermissionDeniedError",
-    "Promotion",
-    "Removal",
-    "RetriesExhaustedError",
-    "RetryPolicy",
-    "SaveHandle",
-    "SaveResult",
-    "SaveStats",
-    "StorageError",
-    "Tiered",
-    "TransientStorageError",
-    "TreeMismatchError",
-    "UnsupportedOperationError",
-    "VerifyReport",
-    "delete_step",
-    "delete_step_sync",
-    "export_orbax",
-    "export_orbax_sync",
-    "gc",
-    "gc_sync",
-    "import_orbax",
-    "import_orbax_sync",
-    "list_steps",
-    "list_steps_sync",
-    "load_profile",
-    "open_backend",
-    "partial_save",
-    "partial_save_sync",
-    "policies",
-    "promote",
-    "promote_sync",
-    "read_manifest",
-    "read_manifest_sync",
-    "restore",
-    "restore_sync",
-    "save",
-    "save_sync",
-    "verify",
-    "verify_sync",
-]
+__all__ = sorted([*_errors.__all__, *_LAZY])

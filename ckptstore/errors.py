@@ -83,6 +83,11 @@ class ObjectChangedError(StorageError):
     """
 
 
+class ShortReadError(StorageError):
+    """An object holds fewer bytes than a read asked for (`Backend.read_into`). The storage
+    layer cannot tell why; a reader of committed data calls it corruption."""
+
+
 class RetriesExhaustedError(TransientStorageError):
     """A transient failure persisted through every allowed retry."""
 
@@ -194,3 +199,36 @@ def storage_failed(exc: BaseException) -> bool:
     return isinstance(exc, StorageError) and not isinstance(
         exc, NotFoundError | AlreadyExistsError | InsufficientSpaceError
     )
+
+
+#: Every error a public operation raises (re-exported as ``ckptstore.<name>``).
+__all__ = [
+    "AlreadyExistsError",
+    "CheckpointNotFoundError",
+    "CkptStoreError",
+    "ConfigError",
+    "CoordinationError",
+    "CorruptCheckpointError",
+    "DuplicateLeafError",
+    "FencedError",
+    "IncompleteCheckpointError",
+    "InsufficientMemoryError",
+    "InsufficientSpaceError",
+    "InvalidKeyError",
+    "InvalidStepError",
+    "InvalidURLError",
+    "NotFoundError",
+    "ObjectChangedError",
+    "OrbaxExportError",
+    "PermissionDeniedError",
+    "RetriesExhaustedError",
+    "SafetensorsError",
+    "ShortReadError",
+    "StagingBudgetError",
+    "StorageError",
+    "TransientStorageError",
+    "TreeError",
+    "TreeMismatchError",
+    "UnsupportedLeafError",
+    "UnsupportedOperationError",
+]

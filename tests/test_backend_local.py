@@ -134,13 +134,13 @@ async def test_every_directory_of_a_save_is_fsynced_before_its_marker(
     from ckptstore.backends import local
 
     synced: list[tuple[Path, bool]] = []
-    fsync_dir = local._fsync_dir
+    fsync_dir = local.fsync_dir
 
     def record(directory: Path) -> None:
         synced.append((Path(directory), (tmp_path / "root" / "3" / "COMMITTED").exists()))
         fsync_dir(directory)
 
-    monkeypatch.setattr(local, "_fsync_dir", record)
+    monkeypatch.setattr(local, "fsync_dir", record)
     tree = {"a": {"w": np.arange(1000.0), "b": np.ones((4, 4), np.int32)}, "s": np.float32(2)}
     await ckptstore.save(str(tmp_path / "root"), tree, step=3)
     before = {d for d, committed in synced if not committed}
@@ -156,7 +156,7 @@ async def test_sync_dirs_without_fsync_does_nothing_and_a_missing_prefix_is_not_
     from ckptstore.backends import local
 
     calls: list[Path] = []
-    monkeypatch.setattr(local, "_fsync_dir", calls.append)
+    monkeypatch.setattr(local, "fsync_dir", calls.append)
     await LocalBackend(tmp_path, fsync=False).sync_dirs("")
     assert calls == []
     with pytest.raises(NotFoundError):

@@ -40,3 +40,43 @@ def test_small_leaves_benchmark_quick_run() -> None:
         assert f"| {writer} " in out, out
     scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
+
+
+def run_report(*args: str) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/report.py ARGS``: draws the plots from recorded results, runs nothing."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "report.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_report_draws_every_plot_the_doc_shows(tmp_path: Path) -> None:
+    # From the committed results: every figure docs/benchmarks.md links is drawn, as a PNG.
+    proc = run_report("--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    shown = set(re.findall(r"\]\(img/([\w.-]+\.png)\)", doc))
+    drawn = {p.name for p in tmp_path.iterdir()}
+    assert shown, "docs/benchmarks.md links no plot"
+    assert shown <= drawn, f"linked but not drawn: {sorted(shown - drawn)}"
+    assert drawn <= shown, f"drawn but not in the doc: {sorted(drawn - shown)}"
+    for name in drawn:
+        png = (tmp_path / name).read_bytes()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, name
+    # ...and they are the ones committed in docs/img (regenerated with the results).
+    committed = {p.name for p in (REPO / "docs" / "img").glob("*.png")}
+    assert drawn == committed
+
+
+def test_report_names_a_missing_results_file(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    for src in (REPO / "benchmarks" / "results").glob("*.json"):
+        if src.name != "tiered.json":
+            (results / src.name).write_bytes(src.read_bytes())
+    proc = run_report("--results", str(results), "--out", str(tmp_path / "img"))
+    assert proc.returncode == 1
+    assert "tiered.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

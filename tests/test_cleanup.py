@@ -17,8 +17,10 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import commit as commit_protocol
-from ckptstore.checkpoint import hostlocal, layout
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.staged import staged_key
 from ckptstore.cli import main
+from ckptstore.tiers import hostlocal
 from tests.paths import attempts, committed_root
 from tests.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
 
@@ -72,7 +74,7 @@ async def test_gc_keeps_a_staged_step_on_a_host_local_fast_tier(tmp_path: Path) 
     dead = await crashed_attempt(fast, 5)  # a save on this host that never staged
     removed = await ckptstore.gc(fast, older_than=0)
     assert removed.entries == [dead.root]
-    assert await fast.exists(part.manifest) and await fast.exists(hostlocal.staged_key(5))
+    assert await fast.exists(part.manifest) and await fast.exists(staged_key(5))
     (tmp_path / "5" / "STAGED").write_text("not json")  # unreadable: keep the whole step
     other = await crashed_attempt(fast, 5)
     assert (await ckptstore.gc(fast, older_than=0)).entries == []

@@ -24,7 +24,7 @@ import ckptstore
 from ckptstore.cli import main
 from ckptstore.cli import output as cli_output
 from ckptstore.cli.output import EXIT_STATUSES
-from ckptstore.importers.progress import Progress
+from ckptstore.runtime.progress import Progress
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 EXE = str(Path(sys.executable).with_name("ckptstore"))

@@ -31,7 +31,7 @@ async def test_retries_exhausted_names_backend_and_key_once() -> None:
         ("ckptstore.format.leaves", "UnsupportedLeafError"),
         ("ckptstore.checkpoint.partial", "DuplicateLeafError"),
         ("ckptstore.lifecycle.staging", "StagingBudgetError"),
-        ("ckptstore.importers.orbax_format", "OrbaxExportError"),
+        ("ckptstore.orbax.metadata", "OrbaxExportError"),
         ("ckptstore.importers.safetensors", "SafetensorsError"),
     ],
 )

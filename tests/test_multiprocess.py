@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore.checkpoint.target import opened
 from ckptstore.cli import main
-from ckptstore.lifecycle import tiers
+from ckptstore.tiers import promote as tiers
 from tests.mp_worker import SHAPES, expected
 from tests.paths import a_day_later
 from tests.test_partial import shared_target

@@ -24,8 +24,8 @@ import pytest
 import tensorstore as ts
 
 import ckptstore
-from ckptstore.checkpoint import orbax
 from ckptstore.cli import main as cli
+from ckptstore.orbax import read as orbax
 
 #: id -> (shape, chunks) written into array w's ``.zarray`` (it stores 4 float64 values).
 SIZES: dict[str, tuple[list[int], list[int]]] = {

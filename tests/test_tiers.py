@@ -24,7 +24,7 @@ import pytest
 import ckptstore
 from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.cli import main
-from ckptstore.lifecycle import tiers
+from ckptstore.tiers import promote as tiers
 from tests.paths import committed_root, largest_data_file
 from tests.test_partial import shared_target
 
@@ -68,11 +68,11 @@ async def test_promote_then_restore_from_either_tier(tiered: ckptstore.Tiered) -
     assert (await ckptstore.verify(tiered.durable, step=2)).ok
     again = await ckptstore.promote(tiered, step=2)  # idempotent
     assert again[0].already and again[0].copied == 0
-    assert_tree(await tiers.restore(tiered), 2)
+    assert_tree(await ckptstore.restore(tiered), 2)
     shutil.rmtree(tiered.fast)  # the job moved to new machines: the fast tier is empty
-    assert await tiers.list_steps(tiered) == [1, 2]
-    assert_tree(await tiers.restore(tiered, step=1), 1)
-    assert_tree(await tiers.restore(tiered), 2)
+    assert await ckptstore.list_steps(tiered) == [1, 2]
+    assert_tree(await ckptstore.restore(tiered, step=1), 1)
+    assert_tree(await ckptstore.restore(tiered), 2)
 
 
 async def test_a_damaged_fast_copy_falls_back_to_the_durable_one(
@@ -89,7 +89,7 @@ async def test_a_damaged_fast_copy_falls_back_to_the_durable_one(
     with pytest.raises(ckptstore.CorruptCheckpointError):
         await ckptstore.restore(tiered.fast)
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
-        assert_tree(await tiers.restore(tiered), 3)
+        assert_tree(await ckptstore.restore(tiered), 3)
     assert "fast copy of step 3 is damaged" in caplog.text
 
 
@@ -335,7 +335,7 @@ SLOW_PROMOTER = textwrap.dedent(
     """
     import sys
     from ckptstore.cli import main
-    from ckptstore.lifecycle import tiers
+    from ckptstore.tiers import promote as tiers
     from ckptstore.testing.faults import FaultyBackend
 
     real_copy = tiers.copy_objects

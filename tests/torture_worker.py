@@ -33,7 +33,7 @@ PRELOAD = [
     "ckptstore.checkpoint.save",
     "ckptstore.checkpoint.partial",
     "ckptstore.checkpoint.cleanup",
-    "ckptstore.checkpoint.tiered",
+    "ckptstore.tiers.read",
     "ckptstore.backends.s3",
     "s3fs",
     "jax",

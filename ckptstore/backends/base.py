@@ -24,9 +24,9 @@ from ckptstore.backends.retry import NO_RETRY, RetryPolicy, retry_async
 from ckptstore.errors import (
     AlreadyExistsError,
     ConfigError,
-    CorruptCheckpointError,
     NotFoundError,
     RetriesExhaustedError,
+    ShortReadError,
 )
 from ckptstore.runtime.futures import finish_first as finish_first  # its old home re-exports it
 
@@ -119,8 +119,8 @@ class Backend(ABC):
         self, key: str, offset: int, out: memoryview | Sequence[memoryview]
     ) -> None:
         """Fill ``out`` (a byte buffer, or several filled one after another) with the
-        object's bytes from ``offset`` on; an object too short to fill it is corrupt
-        (`CorruptCheckpointError`)."""
+        object's bytes from ``offset`` on; an object too short to fill it is a
+        `ShortReadError`."""
         validate_key(key)
         if offset < 0:
             raise ValueError(f"offset must be non-negative, got {offset}")
@@ -128,7 +128,9 @@ class Backend(ABC):
         want = sum(o.nbytes for o in outs)
         got = await self._run(lambda _: self._read_into(key, offset, outs), key, want)
         if got != want:
-            raise CorruptCheckpointError(f"{key}: {got} bytes at offset {offset}, {want} expected")
+            raise ShortReadError(
+                f"{key}: {got} bytes at offset {offset}, {want} expected", backend=self.url, key=key
+            )
 
     async def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole object; readers see either the old or the new bytes, never a mix."""

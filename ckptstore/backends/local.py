@@ -272,11 +272,11 @@ class LocalBackend(Backend):
             if not top.is_dir():
                 raise NotFoundError(f"{top} is not a directory", backend=self.url, key=prefix)
             for dirpath, _dirs, _files in os.walk(top):
-                _fsync_dir(Path(dirpath))
+                fsync_dir(Path(dirpath))
             for parent in top.parents:
                 if not parent.is_relative_to(self.root):
                     break
-                _fsync_dir(parent)
+                fsync_dir(parent)
 
         await aiofiles.os.wrap(sync)()
 
@@ -439,7 +439,7 @@ def put_file(path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: boo
         raise
     if fsync:
         for directory in [parent, *new_dirs]:
-            _fsync_dir(directory)
+            fsync_dir(directory)
 
 
 def _makedirs(parent: Path) -> list[Path]:
@@ -459,7 +459,8 @@ def _makedirs(parent: Path) -> list[Path]:
     return created
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make ``directory``'s entries (a rename, a new link) durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

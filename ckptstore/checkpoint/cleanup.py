@@ -42,9 +42,9 @@ from ckptstore.checkpoint.commit import (
     read_fate,
     read_marker,
 )
-from ckptstore.checkpoint.hostlocal import STAGED, read_staged
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, opened, single
+from ckptstore.checkpoint.staged import STAGED, read_staged
+from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -179,46 +179,19 @@ async def _referenced(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[
     return out
 
 
-async def delete_step(target: AnyTarget, step: int) -> Removal:
+async def delete_step(target: Target, step: int) -> Removal:
     """Delete committed ``step``: its marker first, then the attempt it named.
 
     The attempt's data stays if another committed attempt references it. A step
     whose marker is unreadable loses just the marker; `gc` removes the rest.
-    On a `Tiered` target the step leaves both tiers, the fast one first (killed in
-    between, the durable copy is still listed: never a fast-only step that a later
-    promotion would bring back). Entries are then named by URL.
+    (``ckptstore.delete_step`` also takes `Tiered` targets: `ckptstore.tiers.cleanup`.)
     """
     step = layout.check_step(step)
-    tiers = as_tiered(target)
-    if tiers is not None:
-        return await _delete_from_tiers(tiers, step)
-    async with opened(single(target)) as backend:
-        return await _delete_step(backend, step)
+    async with opened(target) as backend:
+        return await remove_step(backend, step)
 
 
-async def _delete_from_tiers(tiers: Tiered, step: int) -> Removal:
-    """The fast copy first, leaving ``DELETED`` in its attempt: a promotion of it in flight
-    finds that after creating the durable marker and takes the marker back (`promote_step`).
-    The durable tier is looked at only then, so between the two one of them sees the other."""
-    async with tiers.opened() as (fast, durable):
-        removal = Removal()
-        found = False
-        for backend in (fast, durable):
-            if await backend.exists(layout.commit_key(step)):
-                found = True
-                removal.absorb(
-                    await _delete_step(backend, step, tombstone=backend is fast), backend.url
-                )
-        if not found:
-            raise CheckpointNotFoundError(
-                f"step {step} is committed on neither tier",
-                backend=f"{fast.url} | {durable.url}",
-                key=layout.commit_key(step),
-            )
-        return removal
-
-
-async def _delete_step(
+async def remove_step(
     backend: Backend, step: int, *, tombstone: bool = False, reason: str = DELETE
 ) -> Removal:
     """Record the deletion in the attempt (``DELETED``: the attempt is dead, for `gc` if
@@ -256,7 +229,7 @@ async def trim_step(fast: Backend, step: int) -> Removal:
     """Delete promoted ``step`` from a fast tier (``keep_fast``): as `delete_step`, but the
     deletion record says "trim", which a promotion in flight does not take for a user's
     deletion (its durable copy is the one that stays)."""
-    return await _delete_step(fast, layout.check_step(step), reason=TRIM)
+    return await remove_step(fast, layout.check_step(step), reason=TRIM)
 
 
 async def mark_deleted(backend: Backend, where: layout.AttemptDir, reason: str) -> None:
@@ -281,30 +254,26 @@ async def deleted_by_user(backend: Backend, where: layout.AttemptDir) -> bool:
 
 
 async def gc(
-    target: AnyTarget, *, older_than: float = DEFAULT_GRACE, dry_run: bool = False
+    target: Target, *, older_than: float = DEFAULT_GRACE, dry_run: bool = False
 ) -> Removal:
     """Remove uncommitted attempts and unused parts nobody wrote to for ``older_than`` s.
 
     ``older_than=0`` collects regardless of age (only when no writer can be running).
     Where a backend cannot tell when an object was written, it is never collected
-    unless ``older_than`` is 0. On a `Tiered` target both tiers are collected (an
-    interrupted promotion's objects are garbage of the durable tier until its marker
-    lands: the grace period keeps a running one's); entries are then named by URL.
+    unless ``older_than`` is 0. (``ckptstore.gc`` also takes `Tiered` targets, collecting
+    both tiers: `ckptstore.tiers.cleanup`.)
     """
+    check_grace(older_than)
+    async with opened(target) as backend:
+        return await collect(backend, older_than, dry_run)
+
+
+def check_grace(older_than: float) -> None:
     if older_than < 0:
         raise CkptStoreError(f"older_than must be >= 0 seconds, got {older_than}")
-    tiers = as_tiered(target)
-    if tiers is not None:
-        removal = Removal()
-        async with tiers.opened() as (fast, durable):
-            for backend in (fast, durable):
-                removal.absorb(await _gc(backend, older_than, dry_run), backend.url)
-        return removal
-    async with opened(single(target)) as backend:
-        return await _gc(backend, older_than, dry_run)
 
 
-async def _gc(backend: Backend, older_than: float, dry_run: bool) -> Removal:
+async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal:
     scans = await scan(backend)
     keep = await _referenced(backend, scans) | await _staged(backend, scans)
     now = time.time()

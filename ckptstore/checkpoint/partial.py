@@ -29,6 +29,7 @@ import dataclasses
 import json
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -45,12 +46,11 @@ from ckptstore.checkpoint.commit import (
     new_owner,
     read_fate,
 )
-from ckptstore.checkpoint.hostlocal import fast_is_shared
 from ckptstore.checkpoint.layout import AttemptDir
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest, parse_leaf
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
-from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
+from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.tree import check_leaf_paths, check_structure, describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import (
@@ -61,7 +61,6 @@ from ckptstore.errors import (
     FencedError,
     NotFoundError,
     TreeError,
-    UnsupportedOperationError,
 )
 from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
@@ -181,33 +180,32 @@ class PartialSave:
     @classmethod
     async def open(
         cls,
-        target: AnyTarget,
+        target: Target,
         step: int,
         *,
         item: str = layout.DEFAULT_ITEM,
         timeout: float = distributed.DEFAULT_TIMEOUT,
         resume: bool = True,
         attempt: str | None = None,
+        check: Callable[[Backend], Awaitable[None]] | None = None,
     ) -> PartialSave:
         """Open the partial save of ``step``.
 
         By default the newest uncommitted session of this step and item is resumed,
         or a new one started; ``resume=False`` always starts a new one, and
         ``attempt`` resumes exactly that session (`CheckpointNotFoundError` if absent).
+        ``check(backend)``, if given, runs first (tiers refuse host-local fast tiers).
         """
         step = layout.check_step(step)
         layout.check_item(item)
-        tiers = as_tiered(target)
-        if tiers is not None:  # a partial save is written and committed on the fast tier
-            target = tiers.fast
         if isinstance(target, Backend):
             session = cls(target, step, item, timeout)
         else:
-            owned = opened(single(target))
+            owned = opened(target)
             session = cls(await owned.__aenter__(), step, item, timeout, owned)
         try:
-            if tiers is not None:
-                await _refuse_host_local(session.backend, step, timeout)
+            if check is not None:
+                await check(session.backend)
             await session._start(resume, attempt)
         except BaseException:
             await session.close()
@@ -523,42 +521,6 @@ def _nesting_conflicts(saved: set[str], new: list[str]) -> list[str]:
     return problems
 
 
-async def _refuse_host_local(fast: Backend, step: int, timeout: float) -> None:
-    """A multi-process partial save on host-local fast tiers (`hostlocal`) is refused up
-    front: its finalize merges every part's per-process stores on one fast tier, and each
-    host's parts are on its own disk only. Collective (every process gets the same answer)."""
-    if distributed.process_count() == 1:
-        return
-    if not await fast_is_shared(fast, Handoff(f"partial/{step}/tiers", timeout)):
-        raise UnsupportedOperationError(
-            f"partial_save of step {step}: the fast tier {fast.url} is host-local (not one "
-            "storage every process sees), and a partial save's finalize merges every "
-            "process's parts on one fast tier. Save the step with ckptstore.save (staged on "
-            "each host, merged on the durable tier by promotion), or give partial_save the "
-            "durable tier or a fast tier every process shares"
-        )
-
-
 def _writers(part: Part) -> int:
     """How many processes wrote ``part`` (each has its own store)."""
     return max(1, len(part.processes))
-
-
-async def partial_save(
-    target: AnyTarget,
-    step: int,
-    *,
-    item: str = layout.DEFAULT_ITEM,
-    timeout: float = distributed.DEFAULT_TIMEOUT,
-    resume: bool = True,
-    attempt: str | None = None,
-) -> PartialSave:
-    """Open (or resume) a partial-save session for ``step``: see `PartialSave.open`.
-
-    On a `Tiered` target the session lives on the fast tier (no free-space check: parts
-    come one at a time, their total is unknown up front); promote the step afterwards.
-    A multi-process session on host-local fast tiers is refused with
-    `UnsupportedOperationError` (see `_refuse_host_local`)."""
-    return await PartialSave.open(
-        target, step, item=item, timeout=timeout, resume=resume, attempt=attempt
-    )

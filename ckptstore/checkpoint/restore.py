@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout, orbax
+from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
@@ -57,13 +57,9 @@ MAX_INFLIGHT_BYTES = 256 << 20
 
 
 async def list_steps(target: Target) -> list[int]:
-    """Committed steps, ascending. Steps without a commit marker are ignored.
-
-    Where there is no committed step, the finalized steps of an Orbax
-    `CheckpointManager` root at ``target`` (never its temporary directories).
-    """
+    """Committed steps, ascending. Steps without a commit marker are ignored."""
     async with opened(target) as backend:
-        return await committed_steps(backend) or await orbax.finalized_steps(backend)
+        return await committed_steps(backend)
 
 
 async def read_manifest(target: Target, step: int | None = None) -> Manifest:
@@ -89,20 +85,35 @@ async def restore(
     jax arrays laid out that way, each process reading only its slices. Typed PRNG
     keys come back as typed keys of their saved implementation either way.
 
-    Where ``target`` has no such committed step but holds an Orbax checkpoint (a
-    `StandardCheckpointer` directory, or a `CheckpointManager` root with a finalized
-    ``step``), that is read instead, with the same semantics.
-
     At most ``max_inflight_bytes`` of read data wait for their devices at a time
     (one slice larger than that is read alone).
     """
+    async with opened(target) as backend:
+        return await restore_from(
+            lambda: open_stored(backend, step, item),
+            like,
+            partial=partial,
+            cast=cast,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+
+
+async def restore_from(
+    open_item: Callable[[], Awaitable[StoredItem]],
+    like: Any,
+    *,
+    partial: bool,
+    cast: bool,
+    max_inflight_bytes: int,
+) -> Any:
+    """The tree ``like`` describes, from the item ``open_item()`` opens (a committed step's,
+    an Orbax checkpoint's: `ckptstore.api`); the parameters are `restore`'s."""
     # Thousands of long-lived objects for a tree of thousands of leaves, none of them
     # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
     with gc_paused():
-        async with opened(target) as backend:
-            stored = await open_stored(backend, step, item)
-            budget = ByteBudget(max_inflight_bytes)
-            return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+        stored = await open_item()
+        budget = ByteBudget(max_inflight_bytes)
+        return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
 
 
 async def restore_manifest(
@@ -117,22 +128,18 @@ async def restore_manifest(
 ) -> Any:
     """`restore` of the attempt ``manifest`` describes (verified by the caller), from the
     stores on ``backend`` (a host-local fast tier's own copy: `hostlocal`)."""
-    with gc_paused():  # as in `restore`
-        stored = await manifest_item(backend, manifest, item)
-        budget = ByteBudget(max_inflight_bytes)
-        return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+    return await restore_from(
+        lambda: manifest_item(backend, manifest, item),
+        like,
+        partial=partial,
+        cast=cast,
+        max_inflight_bytes=max_inflight_bytes,
+    )
 
 
 async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem:
-    """The item to restore: from a committed ckptstore step, else from an Orbax checkpoint."""
-    try:
-        manifest = await latest_manifest(backend, step)
-    except CheckpointNotFoundError:
-        where = await orbax.locate(backend, step)
-        if where is None:
-            raise
-        return await orbax.open_item(backend, where, item, default_item=layout.DEFAULT_ITEM)
-    return await manifest_item(backend, manifest, item)
+    """Item ``item`` of committed ``step`` (the latest when None)."""
+    return await manifest_item(backend, await latest_manifest(backend, step), item)
 
 
 async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> StoredItem:

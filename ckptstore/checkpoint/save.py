@@ -16,7 +16,9 @@ Protocol (every process runs the same code; see `ckptstore.checkpoint.commit`):
 Nothing outside the attempt is written or deleted, so a concurrent writer of
 the same step (a preempted job's zombie, say) can never damage what the other
 committed: one marker wins, the loser gets `AlreadyExistsError`.
-The hand-offs between these steps are `Handoff` rounds.
+The hand-offs between these steps are `Handoff` rounds. What a kind of storage adds
+to them (tiers: a room check, a host-local fast tier's staging) comes in through
+`SaveHooks`, phase by phase; a plain save uses the defaults.
 """
 
 from __future__ import annotations
@@ -32,30 +34,20 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
     ABANDON,
     COMMIT,
+    Fate,
     claim,
     clear_attempt,
     commit,
     ensure_uncommitted,
     new_owner,
 )
-from ckptstore.checkpoint.hostlocal import (
-    can_write_host_view,
-    fast_is_shared,
-    host_view_bytes,
-    stage,
-    staged_key,
-    write_host_view,
-)
 from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.room import Room, bytes_to_write, ensure_room
-from ckptstore.checkpoint.target import AnyTarget, as_tiered, opened, single
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
-from ckptstore.errors import AlreadyExistsError, CkptStoreError, FencedError, NotFoundError
+from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index
-from ckptstore.runtime import distributed
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
 
@@ -97,82 +89,83 @@ class PreparedItem:
             return cls(named, infos, describe(tree))
 
 
-async def save(
-    target: AnyTarget,
-    tree: Any,
-    *,
-    step: int,
-    item: str = layout.DEFAULT_ITEM,
-    metadata: dict[str, Any] | None = None,
-    timeout: float = distributed.DEFAULT_TIMEOUT,
-) -> SaveResult:
-    """Save ``tree`` as checkpoint ``step``; returns once it is committed.
-
-    On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
-    committed on the fast tier, after checking it has room (see `ensure_room`); promotion
-    to the durable tier is separate (``ckptstore.promote``, the manager, ``ckptstore
-    promote``). Raises `AlreadyExistsError` if ``step`` is already committed (on the
-    fast tier, for tiers).
-    """
-    return await save_items(target, {item: tree}, step=step, metadata=metadata, timeout=timeout)
-
-
-async def save_items(
-    target: AnyTarget,
-    items: Mapping[str, Any],
-    *,
-    step: int,
-    metadata: dict[str, Any] | None = None,
-    timeout: float = distributed.DEFAULT_TIMEOUT,
-    timings: dict[str, float] | None = None,
-) -> SaveResult:
-    """Save several trees (items, e.g. the train state and a data-iterator state) as one
-    step, committed together; restore reads any of them by name."""
+def prepare(step: int, items: Mapping[str, Any]) -> tuple[int, dict[str, PreparedItem]]:
+    """Check ``step`` and the item names, and flatten and describe every tree, before
+    anything is opened or written."""
     step = layout.check_step(step)
     if not items:
         raise CkptStoreError("nothing to save: no items")
-    prepared = {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}
-    tiers = as_tiered(target)
-    if tiers is None:
-        async with opened(single(target)) as backend:
-            return await _save(backend, prepared, step, metadata, timeout, timings or {})
-    async with tiers.opened() as (fast, durable):
-        room = Room(durable, tiers.free_margin)
-        return await _save(fast, prepared, step, metadata, timeout, timings or {}, room)
+    return step, {layout.check_item(name): PreparedItem.of(tree) for name, tree in items.items()}
 
 
-async def _save(
+class SaveHooks:
+    """What a kind of storage adds to a save, phase by phase (see the module docstring for
+    the phases). The defaults are a plain save's; `ckptstore.tiers.save` has the tiers'.
+
+    - phase 1, every process, before the attempt is chosen: `before_attempt` (tiers: is
+      the fast tier host-local, is there room);
+    - phase 2, every process: its shards, into packs where `packs` says so, then
+      `after_write` (tiers: this host's own copy of what its devices hold);
+    - phase 3, process 0: the merge where `merge` says so, then `finish` with the
+      manifest and the claimed fate (a plain save commits; a host-local fast tier stages);
+    - phase 4, every process: `after_finish` (a host-local fast tier: each process stages
+      its part), and the save returns.
+    """
+
+    #: Small leaves go into packs (a host-local fast tier's promotion reads OCDBT stores only).
+    packs = True
+    #: Process 0 merges the stores here (a host-local fast tier: on the durable tier, later).
+    merge = True
+
+    async def before_attempt(
+        self, backend: Backend, items: dict[str, PreparedItem], step: int, handoff: Handoff
+    ) -> None:
+        """Before the attempt exists; an error here fails the save with nothing written."""
+
+    async def after_write(
+        self,
+        backend: Backend,
+        where: layout.AttemptDir,
+        items: dict[str, PreparedItem],
+        handoff: Handoff,
+    ) -> None:
+        """After this process wrote its shards (an error discards the attempt)."""
+
+    async def finish(
+        self,
+        backend: Backend,
+        where: layout.AttemptDir,
+        manifest: Manifest,
+        fate: Fate,
+        handoff: Handoff,
+    ) -> None:
+        """Process 0, the fate claimed for commit: make the step what readers see."""
+        await commit(backend, manifest, fate)
+
+    async def after_finish(
+        self, backend: Backend, where: layout.AttemptDir, handoff: Handoff
+    ) -> None:
+        """Every process, once process 0 finished; the save returns after this."""
+
+
+PLAIN = SaveHooks()
+
+
+async def save_prepared(
     backend: Backend,
     items: dict[str, PreparedItem],
     step: int,
     metadata: dict[str, Any] | None,
     timeout: float,
     timings: dict[str, float],
-    room: Room | None = None,
+    hooks: SaveHooks = PLAIN,
 ) -> SaveResult:
+    """The save of prepared ``items`` as ``step`` on ``backend``, every process taking
+    part (the module docstring's protocol, with ``hooks``' additions)."""
     start = time.perf_counter()
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
-    host_local = host_view = False
-    if room is not None:  # tiers: every process checks its own fast tier; one failing fails all
-        host_local = not await fast_is_shared(backend, handoff)  # see `hostlocal`
-        values = [value for item in items.values() for _, value in item.named]
-        if host_local:
-            await ensure_uncommitted(room.durable, step)
-            host_view = can_write_host_view(values, handoff.me)
-
-        async def make_room() -> dict[str, Any]:
-            if host_local and await backend.exists(staged_key(step)):
-                raise AlreadyExistsError(
-                    f"step {step} is already staged", backend=backend.url, key=staged_key(step)
-                )
-            mine = sum(bytes_to_write(i.named, i.leaves, handoff.me) for i in items.values())
-            if host_view:
-                mine += host_view_bytes(values, handoff.me)
-            return {"evicted": await ensure_room(backend, room, mine)}
-
-        await handoff.everyone(make_room)
-        await handoff.primary(handoff.reports)
+    await hooks.before_attempt(backend, items, step, handoff)
 
     async def fresh_attempt() -> str:
         return layout.new_attempt()
@@ -185,9 +178,7 @@ async def _save(
         packed: dict[str, int] = {}  # per item, the leaves this process packed
         for name, item in items.items():
             store = where.process_store(name, handoff.me)
-            # Small leaves go into packs, except on a host-local fast tier: its promotion
-            # and this host's own copy (`hostlocal`) read only OCDBT stores.
-            packs = None if host_local else PackTarget(backend, where.item(name), _last(store))
+            packs = PackTarget(backend, where.item(name), _last(store)) if hooks.packs else None
             with backend.write_behind(store):
                 stats = await write_leaves(
                     ocdbt_spec(backend.kvstore_spec(store)),
@@ -203,10 +194,7 @@ async def _save(
                 await write_index(backend, store, stats.packed)
             packed[name] = len(stats.packed)
         total[_PACKED] = packed
-        if host_view:  # this host's copy, for a restart on the same hosts (`hostlocal`)
-            for name, item in items.items():
-                leaves = list(zip(item.leaves, (value for _, value in item.named), strict=True))
-                await write_host_view(backend, where, name, leaves, handoff.me)
+        await hooks.after_write(backend, where, items, handoff)
         return total
 
     try:
@@ -236,7 +224,7 @@ async def _save(
             stores = [where.process_store(name, i) for i in range(handoff.count)]
             packed = await _packed(backend, where, name, item.leaves, reports)
             infos = {info.name: info for info in item.leaves}
-            if not host_local:  # host-local: merged on the durable tier at promotion
+            if hooks.merge:
                 unpacked = [info for info in item.leaves if info.name not in packed]
                 await merge(backend, where.item(name), stores, unpacked)
                 await check_packs(
@@ -263,10 +251,7 @@ async def _save(
             },
         )
         committing = True
-        if host_local:
-            await stage(backend, step, str(where.attempt), 0, handoff.count, manifest, host_view)
-        else:
-            await commit(backend, manifest, fate)
+        await hooks.finish(backend, where, manifest, fate, handoff)
         phases["commit"] = time.perf_counter() - merged
 
     try:
@@ -275,17 +260,7 @@ async def _save(
         if not committing:
             await _discard(backend, where, handoff, owner)
         raise
-    if host_local:  # every other process stages its part; the save returns once all have
-
-        async def stage_mine() -> dict[str, Any]:
-            if handoff.me != 0:
-                await stage(
-                    backend, step, str(where.attempt), handoff.me, handoff.count, None, host_view
-                )
-            return {}
-
-        await handoff.everyone(stage_mine)
-        await handoff.primary(handoff.reports)
+    await hooks.after_finish(backend, where, handoff)
     return SaveResult(
         step=step,
         attempt=str(where.attempt),

@@ -20,7 +20,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
 from ckptstore.checkpoint.cleanup import DEFAULT_GRACE
-from ckptstore.checkpoint.target import Tiered, open_target
+from ckptstore.checkpoint.target import open_target
 from ckptstore.cli import orbax as cli_orbax
 from ckptstore.cli.output import (
     EXIT_STATUSES,
@@ -38,6 +38,7 @@ from ckptstore.cli.tiers import cmd_ls_tiers, cmd_promote
 from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
 from ckptstore.importers.safetensors import DEFAULT_BATCH_BYTES, import_safetensors
 from ckptstore.lifecycle.options import seconds
+from ckptstore.tiers.target import Tiered
 
 DESCRIPTION = "What is in a checkpoint, and is it intact; cleanup, promotion and import."
 

@@ -9,12 +9,12 @@ import argparse
 import json
 from typing import Any
 
+from ckptstore.api import export_orbax, import_orbax
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.cli.output import Output, print_json
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.importers.orbax_export import export_orbax
-from ckptstore.importers.orbax_import import DEFAULT_BATCH_BYTES, import_orbax
-from ckptstore.importers.orbax_inspect import (
+from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES
+from ckptstore.orbax.inspect import (
     OrbaxStep,
     OrbaxVerifyReport,
     describe_step,

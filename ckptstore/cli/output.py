@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ckptstore.errors import CkptStoreError, storage_failed
-from ckptstore.importers.progress import Progress
+from ckptstore.runtime.progress import Progress
 
 EXIT_OK, EXIT_CORRUPT, EXIT_ERROR, EXIT_UNREADABLE = 0, 1, 2, 3
 

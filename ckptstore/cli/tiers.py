@@ -15,11 +15,11 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ckptstore.checkpoint.commit import committed_steps
-from ckptstore.checkpoint.target import Tiered
 from ckptstore.cli.output import Output, print_json
 from ckptstore.cli.text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
-from ckptstore.lifecycle.tiers import Promotion, promote, status, unpromoted
+from ckptstore.tiers.promote import Promotion, promote, status, unpromoted
+from ckptstore.tiers.target import Tiered
 
 T = TypeVar("T")
 

@@ -91,7 +91,7 @@ def owned_slices(value: Any, process: int) -> list[tuple[Index, Any, bool]]:
 
 def host_view_slices(value: Any, process: int) -> list[tuple[Index, Any, bool]] | None:
     """What ``process`` must write beyond `owned_slices` so that its own stores hold every
-    slice its devices hold (a host-local fast tier's copy, `ckptstore.checkpoint.hostlocal`):
+    slice its devices hold (a host-local fast tier's copy, `ckptstore.tiers.hostlocal`):
     addressable replicas whose replica 0 lives on another process (each index once) and,
     on processes other than 0, host values. None where that data is not at hand: a staged
     array (`HostShards`) staged without its ``extra`` pieces."""

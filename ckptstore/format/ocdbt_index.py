@@ -27,7 +27,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.errors import CorruptCheckpointError, NotFoundError, ShortReadError
 from ckptstore.format.chunks import aligned_empty
 
 #: Neighbouring values of one data file closer than this are fetched in one read.
@@ -146,7 +146,10 @@ class DirectChunks:
         buffers = [values[0].data]
         for gap, value in zip(gaps, values[1:], strict=True):
             buffers += [scratch[:gap], value.data] if gap else [value.data]
-        await self.backend.read_into(key, first.offset, buffers)
+        try:
+            await self.backend.read_into(key, first.offset, buffers)
+        except ShortReadError as exc:  # shrunk since its size was checked: damage
+            raise CorruptCheckpointError(str(exc)) from exc
         return values
 
     async def _size(self, key: str) -> int:

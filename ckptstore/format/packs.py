@@ -36,6 +36,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotFoundError,
+    ShortReadError,
 )
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo
@@ -197,7 +198,7 @@ async def read_packed(
         ]
         try:
             await backend.read_into(_join(prefix, first.key), first.offset, views)
-        except CorruptCheckpointError as exc:  # the pack ends before these leaves do
+        except ShortReadError as exc:  # the pack ends before these leaves do
             if len(indices) > 1:  # find the first leaf cut off: each alone
                 await gather_first_error(run([i]) for i in indices)
             name = leaves[indices[-1]][0].name

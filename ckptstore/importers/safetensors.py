@@ -33,7 +33,7 @@ from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target
 from ckptstore.checkpoint.tree import segment
 from ckptstore.errors import SafetensorsError as SafetensorsError  # its old home re-exports it
-from ckptstore.importers.progress import Progress
+from ckptstore.runtime.progress import Progress
 
 MiB = 1 << 20
 #: Tensor bytes per part. A batch is held twice while it is written (the tensors read from

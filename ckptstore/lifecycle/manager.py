@@ -24,23 +24,22 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
+from ckptstore.api import restore, save_items
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
-from ckptstore.checkpoint.hostlocal import known_shared
-from ckptstore.checkpoint.restore import restore
-from ckptstore.checkpoint.save import save_items
-from ckptstore.checkpoint.target import Target, as_tiered, check_distinct, open_target
+from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.lifecycle import policies as P
-from ckptstore.lifecycle import tiers
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
-from ckptstore.lifecycle.tiers import Tiered, promote
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.hostlocal import known_shared
+from ckptstore.tiers.promote import promote
+from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
@@ -403,9 +402,8 @@ class CheckpointManager:
 
     def _restore(self, step: int | None, like: Any, **kwargs: Any) -> Any:
         """From the target, or from the nearest tier with a good copy."""
-        if self.durable is None:
-            return self._call(restore(self.backend, step, like, **kwargs))
-        return self._call(tiers.restore(Tiered(self.backend, self.durable), step, like, **kwargs))
+        where = self.backend if self.durable is None else Tiered(self.backend, self.durable)
+        return self._call(restore(where, step, like, **kwargs))
 
     def restore(
         self,

@@ -91,7 +91,7 @@ class Stager:
 
         ``host_view``: also the addressable slices held as replicas whose replica 0 is on
         another process (`HostShards.extra`), which a save on a host-local fast tier writes
-        so that the host can serve a restart alone (`ckptstore.checkpoint.hostlocal`).
+        so that the host can serve a restart alone (`ckptstore.tiers.hostlocal`).
         Must not run while an earlier staged tree is still being written (the buffers
         are reused): the manager allows one save in flight.
         """

@@ -38,10 +38,10 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import (
     AlreadyExistsError,
-    CorruptCheckpointError,
     InvalidKeyError,
     NotFoundError,
     RetriesExhaustedError,
+    ShortReadError,
 )
 from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
 
@@ -147,9 +147,9 @@ class BackendTests:
         await backend.read_into("into", 40, [p.data for p in parts])
         assert b"".join(p.tobytes() for p in parts) == data[40 : 40 + sum(sizes)]
 
-    async def test_read_into_past_the_end_is_corrupt(self, backend: Backend) -> None:
+    async def test_read_into_past_the_end_is_a_short_read(self, backend: Backend) -> None:
         await backend.write("short", b"0123456789")
-        with pytest.raises(CorruptCheckpointError, match="short"):
+        with pytest.raises(ShortReadError, match="short"):
             await backend.read_into("short", 4, [memoryview(bytearray(4))] * 2)
         with pytest.raises(NotFoundError):
             await backend.read_into("missing", 0, memoryview(bytearray(1)))

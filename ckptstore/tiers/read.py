@@ -1,13 +1,12 @@
-"""Reading any target, a `Tiered` one included: the nearest tier with a good copy.
+"""Reading a `Tiered` target: the nearest tier with a good copy.
 
-`list_steps`, `read_manifest`, `restore` and `verify` here are the public entry points
-(``ckptstore.restore`` and friends); for a plain target they are those of
-`ckptstore.checkpoint.restore` / `ckptstore.checkpoint.verify`. For tiers:
+`list_steps`, `read_manifest`, `restore` and `verify` here are what ``ckptstore.restore``
+and friends do on tiers (`ckptstore.api` dispatches):
 
 - the steps are those committed on either tier (the union);
 - a step is read from the fast tier when it is committed there, else from the durable tier
   (the job moved to new machines: the fast directory is empty); on host-local fast tiers
-  (`ckptstore.checkpoint.hostlocal`) a restore first tries this host's own copy;
+  (`ckptstore.tiers.hostlocal`) a restore first tries this host's own copy;
 - a fast copy that fails (`CorruptCheckpointError`: marker, digest, metadata, crc32c; or
   any other typed error of a damaged or partial copy, a missing file say) is skipped with a
   warning when the durable tier has the step: never an error the durable copy could avoid,
@@ -29,9 +28,8 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.commit import committed_steps, load_committed
-from ckptstore.checkpoint.hostlocal import read_staged
 from ckptstore.checkpoint.manifest import Manifest
-from ckptstore.checkpoint.target import AnyTarget, Tiered, as_tiered, single
+from ckptstore.checkpoint.staged import read_staged
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
 from ckptstore.errors import (
@@ -40,6 +38,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     TreeMismatchError,
 )
+from ckptstore.tiers.target import Tiered
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
@@ -127,27 +126,20 @@ async def host_copy(fast: Backend, durable: Backend, step: int) -> Manifest | No
     return manifest if manifest.attempt == mine.attempt else None
 
 
-async def list_steps(target: AnyTarget) -> list[int]:
-    """Committed steps, ascending (see `ckptstore.checkpoint.restore.list_steps`); on tiers,
-    those committed on either tier."""
-    tiers = as_tiered(target)
-    if tiers is None:
-        return await plain.list_steps(single(target))
+async def list_steps(tiers: Tiered) -> list[int]:
+    """Steps committed on either tier, ascending."""
     async with tiers.opened() as (fast, durable):
         return await tier_steps(fast, durable)
 
 
-async def read_manifest(target: AnyTarget, step: int | None = None) -> Manifest:
+async def read_manifest(tiers: Tiered, step: int | None = None) -> Manifest:
     """The verified manifest of a committed step (the latest when ``step`` is None), from the
     nearest tier with a good copy."""
-    tiers = as_tiered(target)
-    if tiers is None:
-        return await plain.read_manifest(single(target), step)
     return await nearest(tiers, step, load_committed)
 
 
 async def restore(
-    target: AnyTarget,
+    tiers: Tiered,
     step: int | None = None,
     like: Any = None,
     *,
@@ -156,26 +148,14 @@ async def restore(
     cast: bool = False,
     max_inflight_bytes: int = plain.MAX_INFLIGHT_BYTES,
 ) -> Any:
-    """Restore a committed step (the latest by default), from the nearest tier with a
-    good copy on tiers (see `ckptstore.checkpoint.restore.restore`).
-
-    ``like`` describes what to build: ``None`` gives the saved tree with numpy arrays
-    (typed PRNG keys as typed keys); a tree of `jax.ShapeDtypeStruct` (or arrays) with
-    shardings gives jax arrays laid out that way, each process reading only its slices.
-    ``item``: which item of the step. ``partial``: leaves stored but not in ``like`` are
-    allowed. ``cast``: leaves may be cast to ``like``'s dtypes. At most
-    ``max_inflight_bytes`` of read data wait for their devices at a time. An Orbax
-    checkpoint at ``target`` is read with the same semantics.
-    """
+    """Restore a committed step (the latest by default) from the nearest tier with a good
+    copy; the parameters are `ckptstore.checkpoint.restore.restore`'s."""
     kwargs: dict[str, Any] = {
         "item": item,
         "partial": partial,
         "cast": cast,
         "max_inflight_bytes": max_inflight_bytes,
     }
-    tiers = as_tiered(target)
-    if tiers is None:
-        return await plain.restore(single(target), step, like, **kwargs)
 
     async def read(backend: Backend, at: int) -> Any:
         return await plain.restore(backend, at, like, **kwargs)
@@ -187,22 +167,16 @@ async def restore(
 
 
 async def verify(
-    target: AnyTarget,
+    tiers: Tiered,
     step: int | None = None,
     *,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     progress: plain_verify.ProgressFn | None = None,
 ) -> VerifyReport:
-    """Check committed ``step`` end to end (see `ckptstore.checkpoint.verify.verify`).
-
-    On tiers: the copy a restore would read. A damaged fast copy is reported in
-    ``skipped`` (and logged) and the durable copy is checked instead, if it has the step.
+    """Check committed ``step`` end to end (`ckptstore.checkpoint.verify.verify`): the copy
+    a restore would read. A damaged fast copy is reported in ``skipped`` (and logged) and
+    the durable copy is checked instead, if it has the step.
     """
-    tiers = as_tiered(target)
-    if tiers is None:
-        return await plain_verify.verify(
-            single(target), step, max_inflight_bytes=max_inflight_bytes, progress=progress
-        )
     async with tiers.opened() as (fast, durable):
         at = await _step(fast, durable, step)
         skipped: dict[str, str] = {}

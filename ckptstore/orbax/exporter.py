@@ -40,15 +40,12 @@ from typing import Any
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.local import LocalBackend, fsync_dir
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.manifest import ItemManifest
-from ckptstore.checkpoint.orbax import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
 from ckptstore.checkpoint.stored import settle
-from ckptstore.checkpoint.target import AnyTarget, Target, as_tiered, open_target, opened, single
-from ckptstore.checkpoint.tiered import nearest
+from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.datapath.arrays import ByteBudget, ocdbt_spec
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -59,15 +56,16 @@ from ckptstore.errors import (
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.packs import read_packed
-from ckptstore.importers.orbax_format import (
+from ckptstore.orbax.inspect import read_all
+from ckptstore.orbax.metadata import (
     DEFAULT_ITEM,
     OrbaxEntry,
     checkpoint_metadata,
     entries,
     tree_metadata,
 )
-from ckptstore.importers.orbax_inspect import read_all
-from ckptstore.importers.progress import Progress
+from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.runtime.progress import Progress
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).
 COPY_BUDGET = 256 << 20
@@ -85,41 +83,7 @@ class ExportResult:
     copied_bytes: int  # theirs, and the packed leaves' written into the view
 
 
-async def export_orbax(
-    source: AnyTarget,
-    destination: Target,
-    *,
-    step: int | None = None,
-    item: str = layout.DEFAULT_ITEM,
-    manager: bool = False,
-    link: bool = True,
-    verify: bool = True,
-    progress: bool | Progress = False,
-) -> ExportResult:
-    """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
-
-    ``manager=False``: ``destination`` becomes a `StandardCheckpointer` directory,
-    ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:
-    ``destination`` is (or becomes) a `CheckpointManager` root and the step is added
-    as ``destination/<step>/``, ``ocp.CheckpointManager(destination).restore(step)``.
-    ``link=False`` copies even where hard links would do. ``verify`` reads every leaf
-    back through the new view (each chunk's crc32c checked) before the export is
-    finished; ``verify=False`` checks only that the view holds every key. An existing destination
-    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``. On tiers the
-    step is read from the nearest tier with a good copy (see `ckptstore.checkpoint.tiered`).
-    """
-
-    async def export_from(src: Backend, at: int | None) -> ExportResult:
-        return await _export(src, destination, at, item, manager, link, verify, progress)
-
-    tiers = as_tiered(source)
-    if tiers is not None:
-        return await nearest(tiers, step, export_from)
-    async with opened(single(source)) as src:
-        return await export_from(src, step)
-
-
-async def _export(
+async def export(
     src: Backend,
     destination: Target,
     step: int | None,
@@ -301,7 +265,7 @@ class _Destination:
             if self.rename_to.is_dir():  # empty (checked at open): the rename replaces it
                 self.rename_to.rmdir()
             os.rename(self.tmp, self.rename_to)
-            _fsync_dir(self.rename_to.parent)
+            fsync_dir(self.rename_to.parent)
 
     async def discard(self) -> None:
         """Remove a local temporary directory; elsewhere leave the unfinished export (it
@@ -312,18 +276,10 @@ class _Destination:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every directory below ``root`` (hard links are directory entries)."""
     for path, _, _ in os.walk(root):
-        _fsync_dir(Path(path))
+        fsync_dir(Path(path))
 
 
 async def _mirror(
@@ -437,6 +393,3 @@ async def _read_back(
             await read_all(arr, leaves[e.leaf])
 
     await settle(one(e) for e in found if e.leaf is not None)
-
-
-export_orbax_sync = blocking(export_orbax)

@@ -4,7 +4,7 @@ Orbax names each array by its tree keys joined with dots (``params.w``) and desc
 the tree in ``_METADATA`` (every leaf's key path and value type, plus empty containers
 and ``None``); ``_CHECKPOINT_METADATA`` names the handler that wrote the item. The
 arrays themselves stay ckptstore's zarr3 arrays (``use_zarr3: true``), which Orbax
-reads as they are. The mapping is the inverse of `ckptstore.checkpoint.orbax`.
+reads as they are. The mapping is the inverse of `ckptstore.orbax.read`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from ckptstore.checkpoint.orbax import DICT, SEQUENCE
 from ckptstore.errors import OrbaxExportError as OrbaxExportError  # its old home re-exports it
 from ckptstore.errors import UnsupportedLeafError
 from ckptstore.format.leaves import LeafInfo
+from ckptstore.orbax.read import DICT, SEQUENCE
 
 #: What ckptstore leaf kinds are, in Orbax's value types.
 VALUE_TYPES = {"jax": "jax.Array", "numpy": "np.ndarray", "scalar": "scalar"}

@@ -22,7 +22,6 @@ from typing import Any
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.blocking import blocking
 from ckptstore.checkpoint.cleanup import delete_step, deleted_by_user, trim_step
 from ckptstore.checkpoint.commit import (
     COMMIT,
@@ -32,20 +31,7 @@ from ckptstore.checkpoint.commit import (
     digest,
     load_manifest,
 )
-from ckptstore.checkpoint.hostlocal import (
-    drop_staged,
-    fast_is_shared,
-    is_promoted,
-    merge_on_durable,
-    promoted_part,
-    read_staged,
-    staged_key,
-    staged_steps,
-)
-from ckptstore.checkpoint.target import AnyTarget, as_tiered
-from ckptstore.checkpoint.target import Tiered as Tiered  # re-exported: its old home
-from ckptstore.checkpoint.tiered import list_steps as nearest_list_steps
-from ckptstore.checkpoint.tiered import restore as nearest_restore
+from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.checkpoint.verify import verify_step
 from ckptstore.datapath.arrays import ByteBudget
 from ckptstore.errors import (
@@ -59,6 +45,15 @@ from ckptstore.errors import (
 )
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.hostlocal import (
+    drop_staged,
+    fast_is_shared,
+    is_promoted,
+    merge_on_durable,
+    promoted_part,
+)
+from ckptstore.tiers.target import AnyTarget, as_tiered
+from ckptstore.tiers.target import Tiered as Tiered  # re-exported
 
 log = logging.getLogger("ckptstore")
 
@@ -83,7 +78,7 @@ class Promotion:
 class TierStatus:
     """Where each step is: "fast" (committed on the fast tier only), "durable", "both", or
     "staged": this host's part of a step staged on host-local fast tiers
-    (`ckptstore.checkpoint.hostlocal`) that the durable tier has not committed yet (one
+    (`ckptstore.tiers.hostlocal`) that the durable tier has not committed yet (one
     it committed from the same attempt is "both": this host's copy serves a restore here).
 
     ``uploaded``: for each "fast" or "staged" step, the fraction of its bytes (of a staged
@@ -155,11 +150,6 @@ async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, 
     return (landed / total if total else 0.0), saved
 
 
-async def list_steps(tiered: Tiered) -> list[int]:
-    """Steps committed on either tier, ascending (`ckptstore.list_steps` on tiers)."""
-    return await nearest_list_steps(tiered)
-
-
 async def promote(
     tiered: AnyTarget | None,
     step: int | None = None,
@@ -174,7 +164,7 @@ async def promote(
     ``keep_fast``, promoted steps beyond the latest ``keep_fast`` leave the fast tier.
     In a multi-process job every process calls it: with one shared fast tier process 0
     promotes (the others get ``[]``); with host-local fast tiers (see
-    `ckptstore.checkpoint.hostlocal`) every process uploads its part of each staged step
+    `ckptstore.tiers.hostlocal`) every process uploads its part of each staged step
     and process 0 merges and commits on the durable tier. ``tiered`` is a `Tiered`, a
     profile with a ``[tiers]`` table, or None for ``$CKPTSTORE_PROFILE``.
     """
@@ -194,9 +184,6 @@ async def promote(
 
             return await handoff.primary(here) or []
         return await _promote(tiers, fast, durable, step, max_bytes_in_flight, progress)
-
-
-promote_sync = blocking(promote)
 
 
 async def _promote(
@@ -463,8 +450,3 @@ async def trim_fast(fast: Backend, durable: Backend, keep: int) -> None:
 async def _marker_matches(fast: Backend, durable: Backend, step: int) -> bool:
     key = layout.commit_key(step)
     return bool(await fast.read(key) == await durable.read(key))
-
-
-async def restore(tiered: Tiered, step: int | None = None, like: Any = None, **kwargs: Any) -> Any:
-    """Restore from the nearest tier with a good copy (`ckptstore.restore` on tiers)."""
-    return await nearest_restore(tiered, step, like, **kwargs)

@@ -1,6 +1,6 @@
 """``import-orbax``: an Orbax 0.12 checkpoint converted into a committed ckptstore step.
 
-The Orbax checkpoint is read by the in-place reader (`ckptstore.checkpoint.orbax`,
+The Orbax checkpoint is read by the in-place reader (`ckptstore.orbax.read`,
 strict ``_METADATA`` parsing, every chunk required) and written through a partial
 save: leaves are read a bounded batch at a time, each batch becomes one part, and the
 part is freed before the next batch is read, so peak memory is about the batch size
@@ -12,22 +12,22 @@ leaves a recorded part already holds are not read again. The step is refused
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout, orbax
-from ckptstore.checkpoint.blocking import blocking
+from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
-from ckptstore.checkpoint.target import AnyTarget, Target, opened
+from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import read_slice
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.importers.progress import Progress
+from ckptstore.orbax import read as orbax
+from ckptstore.runtime.progress import Progress
 
 DEFAULT_BATCH_BYTES = 256 << 20
 _PYTHON = {"int": int, "float": float, "bool": bool, "complex": complex}
@@ -93,7 +93,7 @@ async def _load(stored: StoredItem, info: LeafInfo) -> Any:
 
 async def import_orbax(
     source: Target,
-    target: AnyTarget,
+    target: Target,
     *,
     step: int | None = None,
     item: str | None = None,
@@ -101,18 +101,26 @@ async def import_orbax(
     as_item: str = layout.DEFAULT_ITEM,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: bool | Progress = False,
+    open_session: Callable[[int, str], Awaitable[PartialSave]] | None = None,
 ) -> OrbaxImportResult:
     """Import an Orbax checkpoint into ``target`` as committed step ``as_step``.
 
     ``step`` picks a `CheckpointManager` step (default: the latest finalized one) and
     ``item`` one of its items (needed only when it has several). ``as_step`` defaults
-    to the Orbax step, or 0 for a `StandardCheckpointer` directory.
+    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is a
+    partial save of ``target`` (resumable), or of the session ``open_session(as_step,
+    as_item)`` opens (tiers: `ckptstore.api`).
     """
     async with opened(source) as src:
         where, stored = await open_orbax(src, step, item)
         written = as_step if as_step is not None else (layout.parse_step(where) or 0)
         place = f"{src.url}/{where}" if where else src.url
-        async with await PartialSave.open(target, written, item=as_item) as session:
+        opening = (
+            open_session(written, as_item)
+            if open_session is not None
+            else PartialSave.open(target, written, item=as_item)
+        )
+        async with await opening as session:
             done = set(session.leaves)
             todo = [info for name, info in stored.leaves.items() if name not in done]
             bar = Progress.make(progress, len(todo), sum(i.nbytes for i in todo), "leaves")
@@ -138,6 +146,3 @@ async def import_orbax(
         parts=parts,
         save=result,
     )
-
-
-import_orbax_sync = blocking(import_orbax)

@@ -23,12 +23,10 @@ object and every process looks for it (`fast_is_shared`).
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.backends.base import Backend
@@ -36,6 +34,8 @@ from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import COMMIT, Marker, claim, digest
 from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import merge
+from ckptstore.checkpoint.staged import STAGED as STAGED
+from ckptstore.checkpoint.staged import Staged, staged_key
 from ckptstore.datapath.arrays import (
     addressable_indices,
     host_view_slices,
@@ -46,68 +46,9 @@ from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError, NotFoun
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.runtime.handoff import Handoff
 
-STAGED = "STAGED"
 _PROBE = ".ckptstore-probe-"
 #: Fast tiers (by URL) this process already probed, with the answer every process agreed on.
 _probed: dict[tuple[str, int], bool] = {}
-
-
-def staged_key(step: int) -> str:
-    return f"{layout.step_dir(step)}/{STAGED}"
-
-
-@dataclass(frozen=True)
-class Staged:
-    """The content of ``<step>/STAGED`` on one process's fast tier."""
-
-    step: int
-    attempt: str
-    process: int
-    processes: int
-    manifest_digest: str | None = None  # process 0's marker only
-    host_view: bool = False  # this host holds every slice its devices held (`write_host_view`)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "format": layout.FORMAT,
-                "step": self.step,
-                "attempt": self.attempt,
-                "process": self.process,
-                "processes": self.processes,
-                "manifest_digest": self.manifest_digest,
-                "host_view": self.host_view,
-            }
-        ).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, *, step: int, where: str) -> Staged:
-        try:
-            doc = json.loads(data)
-            if doc.get("format") != layout.FORMAT or doc.get("step") != step:
-                raise ValueError("not a staged-step marker of this step")
-            if not layout.is_attempt(doc["attempt"]):
-                raise ValueError("no valid attempt")
-            return cls(
-                step, doc["attempt"], int(doc["process"]), int(doc["processes"]),
-                doc.get("manifest_digest"), doc.get("host_view") is True,
-            )  # fmt: skip
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise CorruptCheckpointError(f"unreadable staged-step marker {where}: {exc}") from exc
-
-
-async def read_staged(fast: Backend, step: int) -> Staged | None:
-    try:
-        data = await fast.read(staged_key(step))
-    except NotFoundError:
-        return None
-    return Staged.from_bytes(data, step=step, where=f"{fast.url}/{staged_key(step)}")
-
-
-async def staged_steps(fast: Backend) -> list[int]:
-    """Steps with a ``STAGED`` marker on this fast tier, ascending."""
-    steps = sorted(s for s in map(layout.parse_step, await fast.list_dir()) if s is not None)
-    return [s for s in steps if await fast.exists(staged_key(s))]
 
 
 async def drop_staged(fast: Backend, step: int) -> None:

@@ -1,14 +1,11 @@
-"""Blocking twins of the async API, for scripts and notebooks.
+"""Running async work from blocking code: one private event-loop thread for the whole
+process, and `blocking`, which makes the ``_sync`` twin of an async function.
 
-They run the coroutine on one private event-loop thread, so they work whether
-or not the caller already runs an event loop, and backends opened for them
-stay on one loop. Ctrl-C (or any exception raised in the waiting thread, such as
-`KeyboardInterrupt`) cancels the running work and waits until it has stopped
-before it propagates: nothing keeps writing behind the caller's back. A second
-Ctrl-C while that cancellation runs stops waiting for it.
-
-The twins of `ckptstore.promote`, `export_orbax` and `import_orbax` live beside
-them (`lifecycle.tiers`, `importers`), as this layer must not import those.
+The twins run their coroutine on that thread, so they work whether or not the caller
+already runs an event loop, and backends opened for them stay on one loop. Ctrl-C (or
+any exception raised in the waiting thread, such as `KeyboardInterrupt`) cancels the
+running work and waits until it has stopped before it propagates: nothing keeps writing
+behind the caller's back. A second Ctrl-C while that cancellation runs stops waiting.
 
 Every twin is made by `blocking` from its async function, so it has that function's
 parameters and types: `inspect.signature`, ``help()``, IDEs and mypy see them
@@ -23,14 +20,7 @@ import inspect
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, overload
-
-from ckptstore.checkpoint.cleanup import delete_step, gc
-from ckptstore.checkpoint.partial import Part, PartialSave, partial_save
-from ckptstore.checkpoint.save import SaveResult, save
-from ckptstore.checkpoint.tiered import list_steps, read_manifest, restore, verify
-from ckptstore.format.leaves import LeafInfo
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -125,7 +115,7 @@ def blocking(
     twin.__name__ = twin.__qualname__ = f"{fn.__name__}_sync"
     twin.__module__ = sys._getframe(1).f_globals.get("__name__", __name__)
     doc = inspect.cleandoc(fn.__doc__ or "")
-    twin.__doc__ = f"`ckptstore.{fn.__name__}`, blocking (see `ckptstore.checkpoint.blocking`)."
+    twin.__doc__ = f"`ckptstore.{fn.__name__}`, blocking (see `ckptstore.runtime.blocking`)."
     if doc:
         twin.__doc__ += f"\n\n{doc}"
     twin.__wrapped__ = fn  # type: ignore[attr-defined]  # typing.get_type_hints finds fn's names
@@ -137,79 +127,3 @@ def blocking(
     twin.__signature__ = signature  # type: ignore[attr-defined]
     twin.__annotations__ = annotations
     return twin
-
-
-save_sync = blocking(save)
-restore_sync = blocking(restore)
-list_steps_sync = blocking(list_steps)
-verify_sync = blocking(verify)
-read_manifest_sync = blocking(read_manifest)
-delete_step_sync = blocking(delete_step)
-gc_sync = blocking(gc)
-
-
-class PartialSaveSync:
-    """A `PartialSave` session with blocking methods (``with`` closes it, as ``async with``
-    closes the async one)."""
-
-    def __init__(self, session: PartialSave):
-        self.session = session
-
-    @property
-    def step(self) -> int:
-        return self.session.step
-
-    @property
-    def attempt(self) -> str:
-        """See `PartialSave.attempt`."""
-        return self.session.attempt
-
-    @property
-    def parts(self) -> list[Part]:
-        """The parts recorded so far."""
-        return self.session.parts
-
-    @property
-    def leaves(self) -> dict[str, LeafInfo]:
-        """See `PartialSave.leaves`."""
-        return self.session.leaves
-
-    def add(self, subtree: Any, *, replace: bool = False) -> Part:
-        """`PartialSave.add`, blocking."""
-        return run(self.session.add(subtree, replace=replace))
-
-    def drop(self, index: int) -> None:
-        """`PartialSave.drop`, blocking."""
-        run(self.session.drop(index))
-
-    def abandon(self) -> None:
-        """`PartialSave.abandon`, blocking."""
-        run(self.session.abandon())
-
-    def finalize(
-        self, *, metadata: dict[str, Any] | None = None, structure: dict[str, Any] | None = None
-    ) -> SaveResult:
-        """`PartialSave.finalize`, blocking."""
-        return run(self.session.finalize(metadata=metadata, structure=structure))
-
-    def close(self) -> None:
-        """`PartialSave.close`, blocking."""
-        run(self.session.close())
-
-    def __enter__(self) -> PartialSaveSync:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<PartialSaveSync step {self.step} attempt {self.attempt}>"
-
-
-#: A session whose methods block (`PartialSaveSync`).
-partial_save_sync = blocking(partial_save, PartialSaveSync)

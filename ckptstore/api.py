@@ -1,0 +1,425 @@
+"""The public operations, each defined once: the one place that tells a target's kind
+(one backend; a `Tiered` pair, or a profile with a ``[tiers]`` table; an Orbax checkpoint
+where no ckptstore step is) and hands it to the folder that owns it: `ckptstore.checkpoint`
+(one backend), `ckptstore.tiers`, `ckptstore.orbax`. Each async operation has its blocking
+``_sync`` twin right below it, with the same signature (`ckptstore.runtime.blocking`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import cleanup, layout
+from ckptstore.checkpoint import restore as plain
+from ckptstore.checkpoint import save as plain_save
+from ckptstore.checkpoint import verify as plain_verify
+from ckptstore.checkpoint.cleanup import Removal
+from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.partial import Part, PartialSave
+from ckptstore.checkpoint.save import SaveResult
+from ckptstore.checkpoint.stored import StoredItem
+from ckptstore.checkpoint.target import Target, opened
+from ckptstore.checkpoint.verify import VerifyReport
+from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
+from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format.leaves import LeafInfo
+from ckptstore.orbax import exporter, importer
+from ckptstore.orbax import read as orbax
+from ckptstore.orbax.exporter import ExportResult
+from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES, OrbaxImportResult
+from ckptstore.runtime import distributed
+from ckptstore.runtime.blocking import blocking, run
+from ckptstore.runtime.progress import Progress
+from ckptstore.tiers import cleanup as tier_cleanup
+from ckptstore.tiers import read as tier_read
+from ckptstore.tiers import save as tier_save
+from ckptstore.tiers.promote import Promotion as Promotion
+from ckptstore.tiers.promote import promote as promote
+from ckptstore.tiers.target import AnyTarget, as_tiered, single
+
+# ---- saving ----
+
+
+async def save(
+    target: AnyTarget,
+    tree: Any,
+    *,
+    step: int,
+    item: str = layout.DEFAULT_ITEM,
+    metadata: dict[str, Any] | None = None,
+    timeout: float = distributed.DEFAULT_TIMEOUT,
+) -> SaveResult:
+    """Save ``tree`` as checkpoint ``step``; returns once it is committed.
+
+    On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
+    committed on the fast tier, after checking it has room; promotion to the durable tier
+    is separate (`promote`, the manager, ``ckptstore promote``). Raises
+    `AlreadyExistsError` if ``step`` is already committed (on the fast tier, for tiers).
+    """
+    return await save_items(target, {item: tree}, step=step, metadata=metadata, timeout=timeout)
+
+
+save_sync = blocking(save)
+
+
+async def save_items(
+    target: AnyTarget,
+    items: Mapping[str, Any],
+    *,
+    step: int,
+    metadata: dict[str, Any] | None = None,
+    timeout: float = distributed.DEFAULT_TIMEOUT,
+    timings: dict[str, float] | None = None,
+) -> SaveResult:
+    """Save several trees (items, e.g. the train state and a data-iterator state) as one
+    step, committed together; restore reads any of them by name."""
+    step, prepared = plain_save.prepare(step, items)  # bad trees fail before any opening
+    tiers = as_tiered(target)
+    if tiers is not None:  # committed (or staged, on host-local fast tiers) on the fast tier
+        async with tiers.opened() as (fast, durable):
+            hooks = tier_save.hooks(tiers, durable)
+            return await plain_save.save_prepared(
+                fast, prepared, step, metadata, timeout, timings or {}, hooks
+            )
+    async with opened(single(target)) as backend:
+        return await plain_save.save_prepared(
+            backend, prepared, step, metadata, timeout, timings or {}
+        )
+
+
+async def partial_save(
+    target: AnyTarget,
+    step: int,
+    *,
+    item: str = layout.DEFAULT_ITEM,
+    timeout: float = distributed.DEFAULT_TIMEOUT,
+    resume: bool = True,
+    attempt: str | None = None,
+) -> PartialSave:
+    """Open (or resume) a partial-save session for ``step``: see `PartialSave.open`.
+
+    On a `Tiered` target the session lives on the fast tier (no free-space check: parts
+    come one at a time, their total is unknown up front); promote the step afterwards.
+    A multi-process session on host-local fast tiers is refused with
+    `UnsupportedOperationError`."""
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_save.partial_save(
+            tiers, step, item=item, timeout=timeout, resume=resume, attempt=attempt
+        )
+    return await PartialSave.open(
+        single(target), step, item=item, timeout=timeout, resume=resume, attempt=attempt
+    )
+
+
+class PartialSaveSync:
+    """A `PartialSave` session with blocking methods (``with`` closes it, as ``async with``
+    closes the async one)."""
+
+    def __init__(self, session: PartialSave):
+        self.session = session
+
+    @property
+    def step(self) -> int:
+        return self.session.step
+
+    @property
+    def attempt(self) -> str:
+        """See `PartialSave.attempt`."""
+        return self.session.attempt
+
+    @property
+    def parts(self) -> list[Part]:
+        """The parts recorded so far."""
+        return self.session.parts
+
+    @property
+    def leaves(self) -> dict[str, LeafInfo]:
+        """See `PartialSave.leaves`."""
+        return self.session.leaves
+
+    def add(self, subtree: Any, *, replace: bool = False) -> Part:
+        """`PartialSave.add`, blocking."""
+        return run(self.session.add(subtree, replace=replace))
+
+    def drop(self, index: int) -> None:
+        """`PartialSave.drop`, blocking."""
+        run(self.session.drop(index))
+
+    def abandon(self) -> None:
+        """`PartialSave.abandon`, blocking."""
+        run(self.session.abandon())
+
+    def finalize(
+        self, *, metadata: dict[str, Any] | None = None, structure: dict[str, Any] | None = None
+    ) -> SaveResult:
+        """`PartialSave.finalize`, blocking."""
+        return run(self.session.finalize(metadata=metadata, structure=structure))
+
+    def close(self) -> None:
+        """`PartialSave.close`, blocking."""
+        run(self.session.close())
+
+    def __enter__(self) -> PartialSaveSync:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<PartialSaveSync step {self.step} attempt {self.attempt}>"
+
+
+#: A session whose methods block (`PartialSaveSync`).
+partial_save_sync = blocking(partial_save, PartialSaveSync)
+
+#: `promote`'s twin (`promote` and `Promotion` are `ckptstore.tiers.promote`'s).
+promote_sync = blocking(promote)
+
+# ---- reading ----
+
+
+async def list_steps(target: AnyTarget) -> list[int]:
+    """Committed steps, ascending; steps without a commit marker are ignored.
+
+    On tiers, those committed on either tier. Where a single target has no committed
+    step, the finalized steps of an Orbax `CheckpointManager` root there (never its
+    temporary directories).
+    """
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_read.list_steps(tiers)
+    async with opened(single(target)) as backend:
+        return await committed_steps(backend) or await orbax.finalized_steps(backend)
+
+
+list_steps_sync = blocking(list_steps)
+
+
+async def read_manifest(target: AnyTarget, step: int | None = None) -> Manifest:
+    """The verified manifest of a committed step (the latest when ``step`` is None); on
+    tiers, from the nearest tier with a good copy."""
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_read.read_manifest(tiers, step)
+    return await plain.read_manifest(single(target), step)
+
+
+read_manifest_sync = blocking(read_manifest)
+
+
+async def restore(
+    target: AnyTarget,
+    step: int | None = None,
+    like: Any = None,
+    *,
+    item: str = layout.DEFAULT_ITEM,
+    partial: bool = False,
+    cast: bool = False,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+) -> Any:
+    """Restore a committed step (the latest by default).
+
+    ``like`` describes what to build: ``None`` gives the saved tree with numpy arrays
+    (typed PRNG keys as typed keys of their saved implementation); a tree of
+    `jax.ShapeDtypeStruct` (or arrays) with shardings gives jax arrays laid out that way,
+    each process reading only its slices. ``item``: which item of the step. ``partial``:
+    leaves stored but not in ``like`` are allowed. ``cast``: leaves may be cast to
+    ``like``'s dtypes. At most ``max_inflight_bytes`` of read data wait for their devices
+    at a time (one slice larger than that is read alone).
+
+    On tiers, the step is read from the nearest tier with a good copy. Where a single
+    target has no such committed step but holds an Orbax checkpoint (a
+    `StandardCheckpointer` directory, or a `CheckpointManager` root with a finalized
+    ``step``), that is read instead, with the same semantics.
+    """
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_read.restore(
+            tiers,
+            step,
+            like,
+            item=item,
+            partial=partial,
+            cast=cast,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+    async with opened(single(target)) as backend:
+        return await plain.restore_from(
+            lambda: _stored_or_orbax(backend, step, item),
+            like,
+            partial=partial,
+            cast=cast,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+
+
+restore_sync = blocking(restore)
+
+
+async def _stored_or_orbax(backend: Backend, step: int | None, item: str) -> StoredItem:
+    """The item to restore: of a committed ckptstore step, else of an Orbax checkpoint."""
+    try:
+        return await plain.open_stored(backend, step, item)
+    except CheckpointNotFoundError:
+        where = await orbax.locate(backend, step)
+        if where is None:
+            raise
+        return await orbax.open_item(backend, where, item, default_item=layout.DEFAULT_ITEM)
+
+
+async def verify(
+    target: AnyTarget,
+    step: int | None = None,
+    *,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    progress: plain_verify.ProgressFn | None = None,
+) -> VerifyReport:
+    """Check committed ``step`` (the latest by default) end to end; never raises for damage
+    (`CheckpointNotFoundError` only if there is no such committed step).
+    ``progress(bytes_done, bytes_total)`` is called as data is read and checked.
+
+    On tiers: the copy a restore would read. A damaged fast copy is reported in
+    ``skipped`` (and logged) and the durable copy is checked instead, if it has the step.
+    """
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_read.verify(
+            tiers, step, max_inflight_bytes=max_inflight_bytes, progress=progress
+        )
+    return await plain_verify.verify(
+        single(target), step, max_inflight_bytes=max_inflight_bytes, progress=progress
+    )
+
+
+verify_sync = blocking(verify)
+
+# ---- removing ----
+
+
+async def delete_step(target: AnyTarget, step: int) -> Removal:
+    """Delete committed ``step``: its marker first, then the attempt it named.
+
+    The attempt's data stays if another committed attempt references it. A step whose
+    marker is unreadable loses just the marker; `gc` removes the rest. On a `Tiered`
+    target the step leaves both tiers, the fast one first (killed in between, the
+    durable copy is still listed: never a fast-only step that a later promotion would
+    bring back). Entries are then named by URL.
+    """
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_cleanup.delete_step(tiers, step)
+    return await cleanup.delete_step(single(target), step)
+
+
+delete_step_sync = blocking(delete_step)
+
+
+async def gc(
+    target: AnyTarget, *, older_than: float = cleanup.DEFAULT_GRACE, dry_run: bool = False
+) -> Removal:
+    """Remove uncommitted attempts and unused parts nobody wrote to for ``older_than`` s.
+
+    ``older_than=0`` collects regardless of age (only when no writer can be running).
+    Where a backend cannot tell when an object was written, it is never collected
+    unless ``older_than`` is 0. On a `Tiered` target both tiers are collected (an
+    interrupted promotion's objects are garbage of the durable tier until its marker
+    lands: the grace period keeps a running one's); entries are then named by URL.
+    """
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_cleanup.gc(tiers, older_than=older_than, dry_run=dry_run)
+    return await cleanup.gc(single(target), older_than=older_than, dry_run=dry_run)
+
+
+gc_sync = blocking(gc)
+
+# ---- Orbax ----
+
+
+async def export_orbax(
+    source: AnyTarget,
+    destination: Target,
+    *,
+    step: int | None = None,
+    item: str = layout.DEFAULT_ITEM,
+    manager: bool = False,
+    link: bool = True,
+    verify: bool = True,
+    progress: bool | Progress = False,
+) -> ExportResult:
+    """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
+
+    ``manager=False``: ``destination`` becomes a `StandardCheckpointer` directory,
+    ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:
+    ``destination`` is (or becomes) a `CheckpointManager` root and the step is added
+    as ``destination/<step>/``, ``ocp.CheckpointManager(destination).restore(step)``.
+    ``link=False`` copies even where hard links would do. ``verify`` reads every leaf
+    back through the new view (each chunk's crc32c checked) before the export is
+    finished; ``verify=False`` checks only that the view holds every key. An existing destination
+    (or step) is `AlreadyExistsError`; nothing is ever written to ``source``.
+    On tiers the step is read from the nearest tier with a good copy.
+    """
+
+    async def export(src: Backend, at: int | None) -> ExportResult:
+        return await exporter.export(src, destination, at, item, manager, link, verify, progress)
+
+    tiers = as_tiered(source)
+    if tiers is not None:
+        return await tier_read.nearest(tiers, step, export)
+    async with opened(single(source)) as src:
+        return await export(src, step)
+
+
+export_orbax_sync = blocking(export_orbax)
+
+
+async def import_orbax(
+    source: Target,
+    target: AnyTarget,
+    *,
+    step: int | None = None,
+    item: str | None = None,
+    as_step: int | None = None,
+    as_item: str = layout.DEFAULT_ITEM,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    progress: bool | Progress = False,
+) -> OrbaxImportResult:
+    """Import an Orbax checkpoint into ``target`` as committed step ``as_step``.
+
+    ``step`` picks a `CheckpointManager` step (default: the latest finalized one) and
+    ``item`` one of its items (needed only when it has several). ``as_step`` defaults
+    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is a
+    partial save (a killed import resumes); on tiers, on the fast tier.
+    """
+    tiers = as_tiered(target)
+    open_session: Callable[[int, str], Any] | None = None
+    if tiers is not None:
+        fast = tiers
+
+        def open_session(at: int, name: str) -> Any:
+            return tier_save.partial_save(fast, at, item=name)
+
+    return await importer.import_orbax(
+        source,
+        tiers.fast if tiers is not None else single(target),
+        step=step,
+        item=item,
+        as_step=as_step,
+        as_item=as_item,
+        batch_bytes=batch_bytes,
+        progress=progress,
+        open_session=open_session,
+    )
+
+
+import_orbax_sync = blocking(import_orbax)

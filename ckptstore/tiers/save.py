@@ -1,0 +1,176 @@
+"""Saving to a `Tiered` target: the save core (`ckptstore.checkpoint.save`) on the fast
+tier, with what tiers add to its phases (`TierHooks`), and partial saves on the fast tier.
+
+What a save on tiers adds, by phase of the save protocol:
+
+1. every process measures whether the fast tier is host-local (`hostlocal.fast_is_shared`);
+   there, the step must be uncommitted on the durable tier too and not staged already.
+   Every process checks its own fast tier has room for what it writes (`room.ensure_room`,
+   evicting promoted steps if that is what it takes); one failing fails all, before
+   anything is written;
+2. on a host-local fast tier small leaves are not packed (promotion reads OCDBT stores
+   only), and a process whose devices' slices fit writes this host's own copy of them
+   (`hostlocal.write_host_view`) for a restart on the same hosts;
+3. on a host-local fast tier process 0 does not merge (promotion merges on the durable
+   tier) and stages the step instead of committing it (`hostlocal.stage`);
+4. there, every other process stages its part; the save returns once all have.
+
+On a shared fast tier only the room check differs from a plain save. Promotion to the
+durable tier is separate (`ckptstore.tiers.promote`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import layout
+from ckptstore.checkpoint.commit import Fate, ensure_uncommitted
+from ckptstore.checkpoint.manifest import Manifest
+from ckptstore.checkpoint.partial import PartialSave
+from ckptstore.checkpoint.save import (
+    PreparedItem,
+    SaveHooks,
+)
+from ckptstore.checkpoint.staged import staged_key
+from ckptstore.errors import AlreadyExistsError, UnsupportedOperationError
+from ckptstore.runtime import distributed
+from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.hostlocal import (
+    can_write_host_view,
+    fast_is_shared,
+    host_view_bytes,
+    stage,
+    write_host_view,
+)
+from ckptstore.tiers.room import Room, bytes_to_write, ensure_room
+from ckptstore.tiers.target import Tiered
+
+
+class TierHooks(SaveHooks):
+    """A save's additions on tiers (the module docstring, phase by phase); one per save."""
+
+    def __init__(self, room: Room):
+        self.room = room
+        self.host_local = False  # the fast tier is each host's own (measured in phase 1)
+        self.host_view = False  # this process writes this host's own copy
+
+    async def before_attempt(
+        self, backend: Backend, items: dict[str, PreparedItem], step: int, handoff: Handoff
+    ) -> None:
+        self.host_local = not await fast_is_shared(backend, handoff)
+        values = [value for item in items.values() for _, value in item.named]
+        if self.host_local:
+            await ensure_uncommitted(self.room.durable, step)
+            self.host_view = can_write_host_view(values, handoff.me)
+        self.packs = self.merge = not self.host_local
+
+        async def make_room() -> dict[str, Any]:
+            if self.host_local and await backend.exists(staged_key(step)):
+                raise AlreadyExistsError(
+                    f"step {step} is already staged", backend=backend.url, key=staged_key(step)
+                )
+            mine = sum(bytes_to_write(i.named, i.leaves, handoff.me) for i in items.values())
+            if self.host_view:
+                mine += host_view_bytes(values, handoff.me)
+            return {"evicted": await ensure_room(backend, self.room, mine)}
+
+        await handoff.everyone(make_room)
+        await handoff.primary(handoff.reports)
+
+    async def after_write(
+        self,
+        backend: Backend,
+        where: layout.AttemptDir,
+        items: dict[str, PreparedItem],
+        handoff: Handoff,
+    ) -> None:
+        if self.host_view:  # this host's copy, for a restart on the same hosts (`hostlocal`)
+            for name, item in items.items():
+                leaves = list(zip(item.leaves, (value for _, value in item.named), strict=True))
+                await write_host_view(backend, where, name, leaves, handoff.me)
+
+    async def finish(
+        self,
+        backend: Backend,
+        where: layout.AttemptDir,
+        manifest: Manifest,
+        fate: Fate,
+        handoff: Handoff,
+    ) -> None:
+        if not self.host_local:
+            await super().finish(backend, where, manifest, fate, handoff)
+            return
+        attempt = str(where.attempt)
+        await stage(backend, where.step, attempt, 0, handoff.count, manifest, self.host_view)
+
+    async def after_finish(
+        self, backend: Backend, where: layout.AttemptDir, handoff: Handoff
+    ) -> None:
+        if not self.host_local:
+            return
+
+        async def stage_mine() -> dict[str, Any]:
+            if handoff.me != 0:
+                await stage(
+                    backend,
+                    where.step,
+                    str(where.attempt),
+                    handoff.me,
+                    handoff.count,
+                    None,
+                    self.host_view,
+                )
+            return {}
+
+        await handoff.everyone(stage_mine)
+        await handoff.primary(handoff.reports)
+
+
+def hooks(tiers: Tiered, durable: Backend) -> TierHooks:
+    """The hooks of one save on ``tiers`` (``durable``: its durable tier, opened)."""
+    return TierHooks(Room(durable, tiers.free_margin))
+
+
+async def partial_save(
+    tiers: Tiered,
+    step: int,
+    *,
+    item: str = layout.DEFAULT_ITEM,
+    timeout: float = distributed.DEFAULT_TIMEOUT,
+    resume: bool = True,
+    attempt: str | None = None,
+) -> PartialSave:
+    """A partial-save session on the fast tier (no free-space check: parts come one at a
+    time, their total is unknown up front); promote the step afterwards. A multi-process
+    session on host-local fast tiers is refused (`refuse_host_local`)."""
+
+    async def check(fast: Backend) -> None:
+        await refuse_host_local(fast, step, timeout)
+
+    return await PartialSave.open(
+        tiers.fast,
+        step,
+        item=item,
+        timeout=timeout,
+        resume=resume,
+        attempt=attempt,
+        check=check,
+    )
+
+
+async def refuse_host_local(fast: Backend, step: int, timeout: float) -> None:
+    """A multi-process partial save on host-local fast tiers (`hostlocal`) is refused up
+    front with `UnsupportedOperationError`: its finalize merges every part's per-process
+    stores on one fast tier, and each host's parts are on its own disk only. Collective
+    (every process gets the same answer)."""
+    if distributed.process_count() == 1:
+        return
+    if not await fast_is_shared(fast, Handoff(f"partial/{step}/tiers", timeout)):
+        raise UnsupportedOperationError(
+            f"partial_save of step {step}: the fast tier {fast.url} is host-local (not one "
+            "storage every process sees), and a partial save's finalize merges every "
+            "process's parts on one fast tier. Save the step with ckptstore.save (staged on "
+            "each host, merged on the durable tier by promotion), or give partial_save the "
+            "durable tier or a fast tier every process shares"
+        )
