@@ -285,17 +285,23 @@ async def verify(
     step: int | None = None,
     *,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    progress: plain_verify.ProgressFn | None = None,
 ) -> VerifyReport:
     """Check committed ``step`` (the latest by default) end to end; never raises for damage
     (`CheckpointNotFoundError` only if there is no such committed step).
+    ``progress(bytes_done, bytes_total)`` is called as data is read and checked.
 
     On tiers: the copy a restore would read. A damaged fast copy is reported in
     ``skipped`` (and logged) and the durable copy is checked instead, if it has the step.
     """
     tiers = as_tiered(target)
     if tiers is not None:
-        return await tier_read.verify(tiers, step, max_inflight_bytes=max_inflight_bytes)
-    return await plain_verify.verify(single(target), step, max_inflight_bytes=max_inflight_bytes)
+        return await tier_read.verify(
+            tiers, step, max_inflight_bytes=max_inflight_bytes, progress=progress
+        )
+    return await plain_verify.verify(
+        single(target), step, max_inflight_bytes=max_inflight_bytes, progress=progress
+    )
 
 
 verify_sync = blocking(verify)

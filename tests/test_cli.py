@@ -170,8 +170,9 @@ def test_rm_refuses_a_missing_step_before_removing_any(
 ) -> None:
     assert main(["rm", run_root, "--step", "2", "--step", "7", "--step", "9"]) == 2
     assert "steps 7, 9 are not committed" in capsys.readouterr().err
-    assert main(["rm", run_root, "--step", "8", "--json"]) == 2
-    assert "step 8 is not committed" in capsys.readouterr().err
+    doc = rm_json([run_root, "--step", "8"], capsys, status=2)  # --json: the error as JSON
+    assert doc["error"]["type"] == "CheckpointNotFoundError" and doc["error"]["exit"] == 2
+    assert "step 8 is not committed" in doc["error"]["message"]
     assert ckptstore.list_steps_sync(run_root) == [1, 2, 3, 4, 5, 6, 10, 12]
 
 

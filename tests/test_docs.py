@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -59,7 +61,12 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     readme = (DOCS.parent / "README.md").read_text()
     (code,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", readme, re.S)
     code = code.replace('"/tmp/ckptstore-quickstart"', repr(str(tmp_path / "quickstart")))
-    exec(compile(code, "README quick start", "exec"), {"__name__": "readme"})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README quick start", "exec"), {"__name__": "readme"})
+    assert printed.getvalue().splitlines() == ["[100]", "True", "[28, 29, 30]"]
+    assert "# committed steps only: [100]" in code and "all_steps())  " in code
+    assert code.rstrip().endswith("# [28, 29, 30]")  # as commented: the last saves committed
     assert ckptstore.list_steps_sync(str(tmp_path / "quickstart")) == [100]
     assert ckptstore.list_steps_sync(str(tmp_path / "quickstart-run")) == [28, 29, 30]
 
@@ -87,3 +94,55 @@ def test_orbax_out_example_runs_as_written(tmp_path: Path) -> None:
     w = np.arange(32, dtype=np.float32).reshape(8, 4)
     assert np.asarray(state["params"]["w"]).tobytes() == w.tobytes()
     assert again["step"] == 10 and np.asarray(again["params"]["w"]).tobytes() == w.tobytes()
+
+
+PRINTED = re.compile(r"^\s*print\(.*\)\s*#\s*(.*)$")
+
+
+def run_block(code: str, tmp_path: Path) -> tuple[list[str], list[str]]:
+    """Run one example (its /tmp/ paths moved below ``tmp_path``): (what it printed, what
+    its ``print(...)  # comment`` lines say it prints)."""
+    for name in set(re.findall(r'"/tmp/([\w-]+)"', code)):
+        code = code.replace(f'"/tmp/{name}"', repr(str(tmp_path / name)))
+    assert '"/tmp/' not in code
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/migrating-from-orbax.md", "exec"), {"__name__": "example"})
+    lines = [line for line in code.splitlines() if line.lstrip().startswith("print(")]
+    expected = [m[1] for line in lines if (m := PRINTED.match(line))]
+    assert len(expected) == len(lines), "every print(...) says what it prints"
+    return printed.getvalue().splitlines(), expected
+
+
+def test_migrating_from_orbax_examples_run_against_both_libraries(tmp_path: Path) -> None:
+    examples = blocks("migrating-from-orbax.md", "python")
+    pairs = list(zip(examples[::2], examples[1::2], strict=True))
+    assert len(pairs) == 3
+    for n, (orbax, ours) in enumerate(pairs):
+        assert orbax.startswith("# Orbax\n") and "import orbax.checkpoint" in orbax
+        assert ours.startswith("# ckptstore\n") and "orbax" not in ours
+        got_orbax, said_orbax = run_block(orbax, tmp_path / f"{n}-orbax")
+        got_ours, said_ours = run_block(ours, tmp_path / f"{n}-ckptstore")
+        assert got_orbax == said_orbax, orbax
+        assert got_ours == said_ours, ours
+        if n == 1:  # best steps: Orbax deletes the latest step, ckptstore never does
+            assert got_orbax[0] == "[10, 30]" and got_ours[0] == got_ours[2] == "[10, 30, 50]"
+            assert got_orbax[1] == got_ours[1] == "30"
+        else:  # the same answers, side by side
+            assert got_ours == got_orbax
+
+
+def test_migrating_from_orbax_table_names_real_api() -> None:
+    """Every ckptstore name in the mapping table exists."""
+    import orbax.checkpoint as ocp
+
+    text = (DOCS / "migrating-from-orbax.md").read_text()
+    for name in ("EveryNSteps", "InitialStep", "AnyOf", "KeepLatest", "KeepBest", "KeepAnyOf"):
+        assert f"{name}(" in text and hasattr(ckptstore.policies, name)
+    assert "KeepEveryNSteps(n)" in text and hasattr(ckptstore.policies, "KeepEveryNSteps")
+    for option in ("save_interval_steps", "max_to_keep", "best_fn", "best_mode", "keep_period"):
+        assert option in text and option in ocp.CheckpointManagerOptions.__dataclass_fields__
+    manager = ckptstore.CheckpointManager
+    for method in ("save", "restore", "wait_until_finished", "latest_step", "all_steps", "close"):
+        assert hasattr(manager, method) and hasattr(ocp.CheckpointManager, method)
+    assert hasattr(manager, "metrics") and hasattr(ckptstore, "read_manifest_sync")

@@ -270,7 +270,7 @@ def test_cli_on_orbax_checkpoints_and_both_directions(tmp_path: Path) -> None:
     ok = cli("verify", root)
     assert ok.returncode == 0 and "readable; 2 leaves, 56 B read" in ok.stdout, ok.stdout
 
-    imported = cli("import-orbax", root, tmp_path / "cs")
+    imported = cli("import-orbax", root, tmp_path / "cs", "--progress")  # stderr: a pipe
     assert imported.returncode == 0, imported.stderr
     assert "as step 7" in imported.stdout and "leaves 2/2" in imported.stderr  # progress
     again = cli("import-orbax", root, tmp_path / "cs")

@@ -114,6 +114,32 @@ def test_a_downstream_project_uses_only_the_plugin(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout
     assert "Unclosed" not in proc.stdout + proc.stderr
+    assert "warning" not in (proc.stdout + proc.stderr).lower()  # pytest-asyncio's loop scope
+
+
+def run_pytest(project: Path, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, str(project)],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc.stdout + proc.stderr
+
+
+def test_a_project_s_own_loop_scope_is_kept(tmp_path: Path) -> None:
+    """The plugin fills in pytest-asyncio's fixture loop scope only when nobody set it."""
+    (tmp_path / "test_async.py").write_text("async def test_it():\n    pass\n")
+    quiet = run_pytest(tmp_path, "-v")
+    assert "asyncio_default_fixture_loop_scope=function" in quiet
+    assert "PytestDeprecationWarning" not in quiet
+    own = run_pytest(tmp_path, "-v", "-o", "asyncio_default_fixture_loop_scope=module")
+    assert "asyncio_default_fixture_loop_scope=module" in own
+    off = run_pytest(tmp_path, "-v", "-o", "ckptstore_asyncio=false", "-o", "asyncio_mode=auto")
+    assert '"asyncio_default_fixture_loop_scope" is unset' in off  # turned off: not ours
 
 
 def test_claiming_async_tests_can_be_turned_off(tmp_path: Path) -> None:

@@ -311,7 +311,9 @@ async def test_promote_watch_promotes_each_new_step_until_sigterm(
     it runs becomes durable on moto S3, with its progress shown; SIGTERM stops it, status 0."""
     durable = shared_target("s3", request, tmp_path, "durable")
     profile = tiers_profile(tmp_path, durable)
-    proc, out, err = start_cli("promote", str(profile), "--watch", "--interval", "0.2")
+    proc, out, err = start_cli(
+        "promote", str(profile), "--watch", "--interval", "0.2", "--progress"
+    )
     try:
         out.wait_for("SIGINT or SIGTERM stops")
         for step in (1, 2):
@@ -362,7 +364,7 @@ async def test_sigterm_mid_promotion_leaves_a_resumable_unlisted_step(
             i.key async for i in fast.list("3/") if not i.key.endswith(("COMMITTED", "FATE"))
         ]
     proc, out, err = start_cli(
-        "promote", str(profile), "--watch", "--interval", "0.2", script=SLOW_PROMOTER
+        "promote", str(profile), "--watch", "--interval", "0.2", "--progress", script=SLOW_PROMOTER
     )
     try:
         err.wait_for("step 3: ")  # an object landed, more to come

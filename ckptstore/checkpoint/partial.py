@@ -70,9 +70,10 @@ from ckptstore.runtime.handoff import Handoff
 _PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Part:
-    """One completed part of a partial save."""
+    """One completed part of a partial save (its repr is one short line: the leaves and
+    structure it carries can be thousands of entries)."""
 
     index: int
     dir: str  # the part's directory below the item, ``pending_<index>-<token>``
@@ -84,6 +85,13 @@ class Part:
     @property
     def nbytes(self) -> int:
         return sum(info.nbytes for info in self.leaves.values())
+
+    def __repr__(self) -> str:
+        leaves = (
+            f"{len(self.leaves)} leaf" if len(self.leaves) == 1 else f"{len(self.leaves)} leaves"
+        )
+        replace = ", replace" if self.replace else ""
+        return f"<Part {self.index} {self.dir}: {leaves}, {self.nbytes} bytes{replace}>"
 
     def to_bytes(self) -> bytes:
         return json.dumps(

@@ -46,7 +46,7 @@ from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
-from ckptstore.errors import CkptStoreError, FencedError
+from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index
 from ckptstore.runtime.gcpause import gc_paused
@@ -213,6 +213,13 @@ async def save_prepared(
 
     try:
         mine = await handoff.everyone(write_mine)
+    except NotFoundError as exc:
+        if (missing := await _root_missing(backend)) is not None:  # a missing bucket
+            raise NotFoundError(
+                f"{missing.message}: nothing was saved", backend=backend.url
+            ) from exc
+        await _discard(backend, where, handoff, owner)
+        raise
     except Exception:
         await _discard(backend, where, handoff, owner)
         raise
@@ -308,6 +315,20 @@ async def _packed(
     if found:
         raise CkptStoreError(f"packed leaves the tree does not have: {sorted(found)[:5]}")
     return out
+
+
+async def _root_missing(backend: Backend) -> NotFoundError | None:
+    """After a write found nothing to write into: whether the root itself is missing (a
+    bucket that does not exist, a directory deleted meanwhile). Then there is no attempt to
+    discard or leave for gc, and that, not a key, is what the save's error should name.
+    (Asked only on failure: a check before every save would cost a request each.)"""
+    try:
+        await backend.check_root()
+    except NotFoundError as exc:
+        return exc
+    except CkptStoreError:
+        return None
+    return None
 
 
 async def _discard(

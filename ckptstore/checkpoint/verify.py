@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,22 +81,36 @@ class VerifyReport:
             self.problems[what] = str(exc)
 
 
+#: ``progress(bytes_done, bytes_total)``: called as data is read and checked.
+ProgressFn = Callable[[int, int], None]
+
+
 async def verify(
-    target: Target, step: int | None = None, *, max_inflight_bytes: int = MAX_INFLIGHT_BYTES
+    target: Target,
+    step: int | None = None,
+    *,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    progress: ProgressFn | None = None,
 ) -> VerifyReport:
     """Check committed ``step`` (the latest by default) end to end; never raises for damage.
 
     At most ``max_inflight_bytes`` of data are read and held at a time (one slab larger
-    than that is read alone). Raises `CheckpointNotFoundError` only if there is no such
-    committed step.
+    than that is read alone). ``progress(bytes_done, bytes_total)`` is called as slabs are
+    checked. Raises `CheckpointNotFoundError` only if there is no such committed step.
     """
     async with opened(target) as backend:
         step = await resolve_step(backend, step)
-        return await verify_step(backend, step, max_inflight_bytes=max_inflight_bytes)
+        return await verify_step(
+            backend, step, max_inflight_bytes=max_inflight_bytes, progress=progress
+        )
 
 
 async def verify_step(
-    backend: Backend, step: int, *, max_inflight_bytes: int = MAX_INFLIGHT_BYTES
+    backend: Backend,
+    step: int,
+    *,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    progress: ProgressFn | None = None,
 ) -> VerifyReport:
     report = VerifyReport(step=step)
     budget = ByteBudget(max_inflight_bytes)
@@ -112,13 +127,26 @@ async def verify_step(
             report.problems[key] = "leads outside the checkpoint's root (a link): not read"
         if report.problems:
             return report
+    done = 0
+
+    def checked(nbytes: int) -> None:  # counts slabs as they are read, unlike report.bytes
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, manifest.nbytes)
+
     for name in manifest.items:
-        await _verify_item(backend, manifest, name, report, budget)
+        await _verify_item(backend, manifest, name, report, budget, checked)
     return report
 
 
 async def _verify_item(
-    backend: Backend, manifest: Manifest, name: str, report: VerifyReport, budget: ByteBudget
+    backend: Backend,
+    manifest: Manifest,
+    name: str,
+    report: VerifyReport,
+    budget: ByteBudget,
+    checked: Callable[[int], None],
 ) -> None:
     item = manifest.items[name]
     spec = item_store(backend, manifest, name)
@@ -144,6 +172,7 @@ async def _verify_item(
     async def unpack(info: LeafInfo) -> int:
         async with budget.hold(info.nbytes):
             await read_packed(backend, prefix, [(info, item.packed[info.name])])
+        checked(info.nbytes)
         return info.nbytes
 
     async def worker() -> None:  # a few workers, not a task per leaf: thousands of leaves
@@ -152,7 +181,7 @@ async def _verify_item(
                 if info.name in item.packed:
                     nbytes = await unpack(info)
                 else:
-                    nbytes = await _read_all(spec, ctx, kv, info, budget)
+                    nbytes = await _read_all(spec, ctx, kv, info, budget, checked)
                 report.bytes += nbytes  # not `+= await`: that would add to a stale total
             except CkptStoreError as exc:
                 report.record(f"{name}/{info.name}", exc)
@@ -162,10 +191,15 @@ async def _verify_item(
 
 
 async def _read_all(
-    spec: dict[str, Any], ctx: ts.Context, kv: ts.KvStore, info: LeafInfo, budget: ByteBudget
+    spec: dict[str, Any],
+    ctx: ts.Context,
+    kv: ts.KvStore,
+    info: LeafInfo,
+    budget: ByteBudget,
+    checked: Callable[[int], None],
 ) -> int:
     """Read every byte of a leaf through the restore's path, a slab at a time, each slab
-    held in ``budget`` while it is read and checked."""
+    held in ``budget`` while it is read and checked (and then passed to ``checked``)."""
     raw = await RawLeaf.open(KvChunks(kv), info)
     if raw is not None:
         read = raw.read
@@ -178,6 +212,7 @@ async def _read_all(
     if not info.shape or info.nbytes <= READ_BYTES:
         async with budget.hold(info.nbytes):
             await read(())
+        checked(info.nbytes)
         return info.nbytes
     row_bytes = max(1, info.nbytes // info.shape[0])
     rows = max(1, READ_BYTES // row_bytes)
@@ -185,4 +220,5 @@ async def _read_all(
     for start in range(0, info.shape[0], rows):
         async with budget.hold(min(rows, info.shape[0] - start) * row_bytes):
             await read((slice(start, start + rows),))
+        checked(min(rows, info.shape[0] - start) * row_bytes)
     return info.nbytes

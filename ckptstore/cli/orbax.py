@@ -11,9 +11,16 @@ from typing import Any
 
 from ckptstore.api import export_orbax, import_orbax
 from ckptstore.checkpoint.target import Target, opened
+from ckptstore.cli.output import Output, print_json
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES
-from ckptstore.orbax.inspect import OrbaxStep, describe_step, find, verify_orbax
+from ckptstore.orbax.inspect import (
+    OrbaxStep,
+    OrbaxVerifyReport,
+    describe_step,
+    find,
+    verify_orbax,
+)
 
 COMMANDS = ("export-orbax", "import-orbax")
 
@@ -102,16 +109,24 @@ async def verify(target: Target, step: int | None, as_json: bool) -> int | None:
             return None
         report = await verify_orbax(backend, step)
     if as_json:
-        doc = {
-            "format": "orbax",
-            "step": report.step,
-            "ok": report.ok,
-            "leaves": report.leaves,
-            "bytes": report.bytes,
-            "problems": report.problems,
-        }
-        print(json.dumps(doc, indent=1))
+        print_json(_verify_json(report))
         return 0 if report.ok else 1
+    _print_verify(report)
+    return 0 if report.ok else 1
+
+
+def _verify_json(report: OrbaxVerifyReport) -> dict[str, Any]:
+    return {
+        "format": "orbax",
+        "step": report.step,
+        "ok": report.ok,
+        "leaves": report.leaves,
+        "bytes": report.bytes,
+        "problems": report.problems,
+    }
+
+
+def _print_verify(report: OrbaxVerifyReport) -> None:
     for what, why in sorted(report.problems.items()):
         print(f"CORRUPT {what}: {why}")
     verdict = "readable" if report.ok else f"CORRUPT ({len(report.problems)} problem(s))"
@@ -120,12 +135,43 @@ async def verify(target: Target, step: int | None, as_json: bool) -> int | None:
         f"{where}: {verdict}; {report.leaves} leaves, {_size(report.bytes)} read "
         "(Orbax zarr v2 chunks carry no checksum)"
     )
-    return 0 if report.ok else 1
 
 
-def add_parsers(sub: Any) -> None:
-    """The ``export-orbax`` and ``import-orbax`` subcommands."""
-    exp = sub.add_parser("export-orbax", help="write a committed step as an Orbax checkpoint")
+async def verify_all(target: Target, out: Output) -> int | None:
+    """``verify --all`` of an Orbax checkpoint: every finalized step (or the one
+    checkpoint of a directory); None if there is none. Exit 1 if any step is corrupt."""
+    async with opened(target) as backend:
+        found = await find(backend)
+        if not found:
+            return None
+        reports = [await verify_orbax(backend, step) for step, _ in found]
+    bad = [r.step for r in reports if not r.ok]
+    if out.json:
+        print_json(
+            {
+                "ok": not bad,
+                "summary": {
+                    "steps": len(reports),
+                    "intact": len(reports) - len(bad),
+                    "corrupt": bad,
+                    "bytes": sum(r.bytes for r in reports),
+                },
+                "steps": [_verify_json(r) for r in reports],
+            }
+        )
+        return 1 if bad else 0
+    for report in reports:
+        _print_verify(report)
+    readable = len(reports) - len(bad)
+    print(f"verified {len(reports)} Orbax step(s): {readable} readable, {len(bad)} CORRUPT")
+    return 1 if bad else 0
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    """The ``export-orbax`` and ``import-orbax`` subcommands (``common``: the options every
+    command takes: --profile, --endpoint, --json, --progress, --no-progress)."""
+    text = "write a committed step as an Orbax checkpoint"
+    exp = sub.add_parser("export-orbax", help=text, description=text, parents=[common])
     exp.add_argument("src", help="ckptstore target (path, URL or .toml profile)")
     exp.add_argument("dst", help="new Orbax directory (or CheckpointManager root, --manager)")
     exp.add_argument("--step", type=int, help="the step (default: the latest)")
@@ -137,18 +183,18 @@ def add_parsers(sub: Any) -> None:
     exp.add_argument(
         "--no-verify", action="store_true", help="skip reading every leaf back before finishing"
     )
-    exp.add_argument("--no-progress", action="store_true")
-    imp = sub.add_parser("import-orbax", help="convert an Orbax checkpoint into a committed step")
+    text = "convert an Orbax checkpoint into a committed step"
+    imp = sub.add_parser("import-orbax", help=text, description=text, parents=[common])
     imp.add_argument("src", help="Orbax directory or CheckpointManager root")
     imp.add_argument("dst", help="ckptstore target (path, URL or .toml profile)")
     imp.add_argument("--step", type=int, help="the Orbax step (default: the latest finalized)")
     imp.add_argument("--item", help="the Orbax item, when a step has several")
     imp.add_argument("--as-step", type=int, help="the step to write (default: the Orbax step)")
     imp.add_argument("--batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20)
-    imp.add_argument("--no-progress", action="store_true")
 
 
 async def run(args: argparse.Namespace) -> int:
+    out = Output.from_args(args)
     if args.command == "export-orbax":
         r = await export_orbax(
             args.src,
@@ -158,8 +204,21 @@ async def run(args: argparse.Namespace) -> int:
             manager=args.manager,
             link=not args.copy,
             verify=not args.no_verify,
-            progress=not args.no_progress,
+            progress=out.bar("objects", 0),
         )
+        if out.json:
+            print_json(
+                {
+                    "step": r.step,
+                    "path": r.path,
+                    "leaves": r.leaves,
+                    "bytes": r.bytes,
+                    "linked": r.linked,
+                    "copied": r.copied,
+                    "copied_bytes": r.copied_bytes,
+                }
+            )
+            return 0
         print(
             f"exported step {r.step} ({r.leaves} leaves, {_size(r.bytes)}) to {r.path}: "
             f"{r.linked} objects linked, {r.copied} copied ({_size(r.copied_bytes)})"
@@ -172,8 +231,21 @@ async def run(args: argparse.Namespace) -> int:
         item=args.item,
         as_step=args.as_step,
         batch_bytes=args.batch_mib << 20,
-        progress=not args.no_progress,
+        progress=out.bar("leaves", 0),
     )
+    if out.json:
+        print_json(
+            {
+                "step": result.save.step,
+                "attempt": result.save.attempt,
+                "source": result.source,
+                "leaves": result.leaves,
+                "skipped": result.skipped,
+                "bytes": result.bytes,
+                "parts": result.parts,
+            }
+        )
+        return 0
     print(
         f"imported {result.leaves} leaves ({_size(result.bytes)}) from {result.source} "
         f"in {result.parts} parts as step {result.save.step}; skipped {result.skipped}"

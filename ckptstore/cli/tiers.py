@@ -9,13 +9,13 @@ import contextlib
 import dataclasses
 import json
 import signal
-import sys
 import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.cli.output import Output, print_json
 from ckptstore.cli.text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.tiers.promote import Promotion, promote, status, unpromoted
@@ -56,7 +56,7 @@ async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
             "unpromoted": lagging,
             "lag_seconds": lag,
         }
-        print(json.dumps(doc, indent=1))
+        print_json(doc)
         return 0
     if not report.steps:
         print(f"no committed checkpoints on either tier of {profile}")
@@ -132,10 +132,33 @@ def _done_text(p: Promotion) -> str:
     )
 
 
+def _done_json(p: Promotion) -> dict[str, Any]:
+    return {"step": p.step, "event": "already durable" if p.already else "promoted"} | {
+        k: getattr(p, k) for k in ("attempt", "objects", "copied", "bytes", "seconds")
+    }
+
+
+class _Say:
+    """What promote reports: text lines, or (``--json``) JSON documents: one at the end
+    of a one-off promotion, one per line as things happen with ``--watch``."""
+
+    def __init__(self, as_json: bool, watch: bool) -> None:
+        self.as_json, self.watch = as_json, watch
+        self.events: list[dict[str, Any]] = []
+
+    def __call__(self, text: str, doc: dict[str, Any]) -> None:
+        if not self.as_json:
+            print(text, flush=True)
+        elif self.watch:
+            print(json.dumps(doc), flush=True)
+        else:
+            self.events.append(doc)
+
+
 async def cmd_promote(
     profile: str,
     step: int | None,
-    show_progress: bool,
+    out: Output,
     *,
     watch: bool = False,
     interval: float = 5.0,
@@ -152,65 +175,62 @@ async def cmd_promote(
     if interval <= 0:
         raise ConfigError(f"--interval must be > 0 seconds, got {interval}")
     tiered = Tiered.from_profile(profile)
+    say = _Say(out.json, watch)
     with Signals() as signals:
         async with tiered.opened() as (fast, durable):
             tiers = dataclasses.replace(tiered, fast=fast, durable=durable)
             if watch:
-                print(
+                say(
                     f"watching {fast.url} every {interval:g} s for steps to promote to "
                     f"{durable.url} (SIGINT or SIGTERM stops)",
-                    flush=True,
+                    {"event": "watching", "fast": fast.url, "durable": durable.url},
                 )
             while True:
                 todo = [step] if step is not None else await unpromoted(fast, durable)
                 for s in todo:
                     if signals.received is not None:  # came while listing: start nothing
                         break
-                    if not await _promote_one(tiers, s, show_progress, signals, skip_gone=watch):
+                    if not await _promote_one(tiers, s, out, say, signals, skip_gone=watch):
                         break
                 if signals.received is not None or not watch or await signals.sleep(interval):
                     break
             durable_now = await committed_steps(durable)
+    name = None if signals.received is None else signal.Signals(signals.received).name
+    status = 0 if name is None or watch else 128 + (signals.received or 0)
+    if out.json:
+        end = {"event": "stopped" if watch else "done", "durable": durable_now, "signal": name}
+        if watch:  # the last of its lines
+            print(json.dumps(end), flush=True)
+        else:
+            print_json(end | {"steps": say.events})
+        return status
     print(f"durable now: {durable_now}", flush=True)
-    if signals.received is None:
-        return 0
-    name = signal.Signals(signals.received).name
-    print(f"stopped by {name}", flush=True)
-    return 0 if watch else 128 + signals.received
+    if name is not None:
+        print(f"stopped by {name}", flush=True)
+    return status
 
 
 async def _promote_one(
-    tiers: Tiered, step: int, show_progress: bool, signals: Signals, *, skip_gone: bool
+    tiers: Tiered, step: int, out: Output, say: _Say, signals: Signals, *, skip_gone: bool
 ) -> bool:
-    """Promote one step, printing its progress and outcome; False when a signal stopped it."""
-
-    shown = False
-
-    def progress(done: int, total: int) -> None:
-        nonlocal shown
-        if show_progress:
-            shown = True
-            percent = 100 * done // total if total else 100
-            print(
-                f"\r  step {step}: {human(done)} of {human(total)} ({percent}%)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-
+    """Promote one step, reporting its progress and outcome; False when a signal stopped it."""
+    bar = out.bar(f"step {step}:")
     try:
-        done = await signals.run(promote(tiers, step, progress=progress))
+        done = await signals.run(promote(tiers, step, progress=bar.update))
     except CheckpointNotFoundError as exc:
         if not skip_gone:
             raise
-        print(f"step {step}: skipped, {exc}", flush=True)  # deleted or trimmed meanwhile
+        # deleted or trimmed meanwhile
+        say(f"step {step}: skipped, {exc}", {"event": "skipped", "step": step, "why": str(exc)})
         return True
     finally:
-        if shown:  # end the progress line
-            print(file=sys.stderr, flush=True)
+        bar.close()
     if done is None:
-        print(f"step {step}: interrupted, not durable (promoting again resumes it)", flush=True)
+        say(
+            f"step {step}: interrupted, not durable (promoting again resumes it)",
+            {"event": "interrupted", "step": step},
+        )
         return False
     for p in done:
-        print(_done_text(p), flush=True)
+        say(_done_text(p), _done_json(p))
     return True

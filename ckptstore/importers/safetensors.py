@@ -345,13 +345,7 @@ async def import_safetensors(
         done = set(session.leaves)
         todo = [(ref, t) for ref, t in plan if leaf_name(t.path) not in done]
         skipped += len(plan) - len(todo)
-        bar = (
-            progress
-            if isinstance(progress, Progress)
-            else Progress(
-                total_items=len(todo), total_bytes=sum(r.nbytes for r, _ in todo), enabled=progress
-            )
-        )
+        bar = Progress.make(progress, len(todo), sum(r.nbytes for r, _ in todo), "tensors")
         parts = 0
         for batch in _batches(todo, batch_bytes):
             subtree = nest([(t.path, convert(ref, t)) for ref, t in batch])

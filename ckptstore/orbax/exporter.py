@@ -109,13 +109,7 @@ async def export(
     objects = await _objects_to_copy(src, where, saved)
     out = await _Destination.open(destination, manifest.step, manager)
     try:
-        bar = (
-            progress
-            if isinstance(progress, Progress)
-            else Progress(
-                len(objects), sum(o.size for o in objects), enabled=progress, label="objects"
-            )
-        )
+        bar = Progress.make(progress, len(objects), sum(o.size for o in objects), "objects")
         dst, item_dir, step_dir = out.backend, out.item_dir, out.step_dir
         mirror = _join(item_dir, f"ckptstore.{item}")
         counts = await _mirror(src, where, objects, dst, mirror, link=link, bar=bar)

@@ -128,13 +128,7 @@ async def import_orbax(
         async with await opening as session:
             done = set(session.leaves)
             todo = [info for name, info in stored.leaves.items() if name not in done]
-            bar = (
-                progress
-                if isinstance(progress, Progress)
-                else Progress(
-                    len(todo), sum(i.nbytes for i in todo), enabled=progress, label="leaves"
-                )
-            )
+            bar = Progress.make(progress, len(todo), sum(i.nbytes for i in todo), "leaves")
             parts = 0
             for batch in _batches(todo, batch_bytes):
                 values = await settle(_load(stored, info) for info in batch)

@@ -15,6 +15,7 @@ parameters and types: `inspect.signature`, ``help()``, IDEs and mypy see them
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import sys
 import threading
@@ -35,7 +36,26 @@ def _background_loop() -> asyncio.AbstractEventLoop:
         if _loop is None:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="ckptstore-loop", daemon=True).start()
+            atexit.register(_finish_async_generators, _loop)
         return _loop
+
+
+#: Seconds `_finish_async_generators` waits at exit.
+EXIT_WAIT = 10.0
+
+
+def _finish_async_generators(loop: asyncio.AbstractEventLoop) -> None:
+    """At interpreter exit, close the async generators still open on the background loop
+    (a `partial_save_sync` session never closed holds its backend in one), while the loop
+    still runs: left to the garbage collector during shutdown, each would print an
+    ``AttributeError`` traceback from asyncio's finalizer instead of closing."""
+    if not loop.is_running():
+        return
+    future = asyncio.run_coroutine_threadsafe(loop.shutdown_asyncgens(), loop)
+    try:
+        future.result(EXIT_WAIT)
+    except Exception:  # exiting anyway: a backend that does not close is not worth a traceback
+        future.cancel()
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

@@ -39,7 +39,9 @@ start lazily, only in sessions that request them. Example, with no configuration
 Async tests and fixtures: under pytest-asyncio's default (strict) mode, this plugin runs
 coroutine tests and async fixtures that no other async plugin claimed (no ``asyncio``,
 ``anyio`` or ``trio`` marker, no ``anyio_backend``) on asyncio, so no ``asyncio_mode``
-setting is needed. Turn that off with ``ckptstore_asyncio = false`` in the pytest ini.
+setting is needed, and pytest-asyncio's ``asyncio_default_fixture_loop_scope`` defaults to
+``function`` unless set (no warning about it). Turn that off with ``ckptstore_asyncio =
+false`` in the pytest ini.
 
 Importing this module imports neither JAX nor TensorStore (a ``conftest.py`` may still set
 ``JAX_PLATFORMS``), and sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` unless already set:
@@ -81,6 +83,26 @@ def _claims_async(config: pytest.Config) -> bool:
         return False
     mode = config.getoption("asyncio_mode", None) or config.getini("asyncio_mode")
     return bool(mode == "strict")  # in auto mode pytest-asyncio takes them anyway
+
+
+#: pytest-asyncio's ini option, which it warns about when unset (its default is to change).
+_LOOP_SCOPE = "asyncio_default_fixture_loop_scope"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Where this plugin runs async tests for the project (`_claims_async`) and the
+    project did not choose pytest-asyncio's fixture loop scope: "function", the default
+    pytest-asyncio recommends, so that it does not warn about a setting nobody made.
+    (Runs before pytest-asyncio's own ``pytest_configure`` reads it.)"""
+    if not _claims_async(config):
+        return
+    try:
+        unset = config.getini(_LOOP_SCOPE) is None
+    except ValueError:  # an older pytest-asyncio without the option
+        return
+    if unset:
+        config._inicache[_LOOP_SCOPE] = "function"  # pytest has no public setter for ini values
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

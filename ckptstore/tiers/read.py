@@ -171,6 +171,7 @@ async def verify(
     step: int | None = None,
     *,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    progress: plain_verify.ProgressFn | None = None,
 ) -> VerifyReport:
     """Check committed ``step`` end to end (`ckptstore.checkpoint.verify.verify`): the copy
     a restore would read. A damaged fast copy is reported in ``skipped`` (and logged) and
@@ -180,7 +181,9 @@ async def verify(
         at = await _step(fast, durable, step)
         skipped: dict[str, str] = {}
         if await fast.exists(layout.commit_key(at)):
-            report = await plain_verify.verify_step(fast, at, max_inflight_bytes=max_inflight_bytes)
+            report = await plain_verify.verify_step(
+                fast, at, max_inflight_bytes=max_inflight_bytes, progress=progress
+            )
             report.tier = "fast"
             if report.ok or not await durable.exists(layout.commit_key(at)):
                 return report
@@ -192,6 +195,8 @@ async def verify(
             )
             bad = {**report.problems, **report.unreadable}
             skipped = {f"{fast.url}/{k}": v for k, v in bad.items()}
-        report = await plain_verify.verify_step(durable, at, max_inflight_bytes=max_inflight_bytes)
+        report = await plain_verify.verify_step(
+            durable, at, max_inflight_bytes=max_inflight_bytes, progress=progress
+        )
         report.tier, report.skipped = "durable", skipped
         return report
