@@ -391,7 +391,7 @@ async def open_leaf(store: dict[str, Any], context: ts.Context, info: LeafInfo) 
     }
     try:
         opening = ts.open(spec, open=True, read=True, context=context)
-        arr = await within(opening, context, 0, f"opening leaf {info.name!r}")
+        arr: ts.TensorStore = await within(opening, context, 0, f"opening leaf {info.name!r}")
     except Exception as exc:  # TensorStore raises ValueError for most failures
         raise _read_error(exc, info.name) from exc
     bind(arr, policy_of(context))  # its reads (`read_slice`) keep the deadline
