@@ -296,4 +296,7 @@ ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
         1,
         None,
     ),
+    ("test_plain_proxy", "test_a_save_through_a_plain_proxy_lands_whole", "proxy", 2, "protocol"),
+    ("test_plain_proxy", "test_a_proxy_that_misreports_sizes_gets_no_commit", "proxy", 1, None),
+    ("test_timeouts", "test_the_deadline_bounds_tensorstore_requests_too", "endpoint", 1, None),
 ]

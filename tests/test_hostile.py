@@ -253,6 +253,54 @@ def test_hostile_safetensors_file(case: str, root: Path) -> None:
     refused(root, lambda: asyncio.run(importing), SafetensorsError, match)
 
 
+SPARSE_TENSOR = textwrap.dedent(
+    """
+    import asyncio, resource, sys
+    limit = 4 << 30  # address space: a 64 GiB buffer fails here (a bare MemoryError, or worse)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import ckptstore
+    from ckptstore.importers.safetensors import find_tensors, import_safetensors
+    model, root = sys.argv[1], sys.argv[2]
+    (ref,) = find_tensors(model)
+    print("declared:", ref.nbytes)
+    for name, run in (
+        ("read", ref.read),
+        ("import", lambda: asyncio.run(import_safetensors(model, root, step=9))),
+    ):
+        try:
+            run()
+            print(name, "no error")
+        except ckptstore.CkptStoreError as exc:
+            print(name, type(exc).__name__, exc)
+    """
+)
+
+
+def test_a_sparse_safetensors_file_declaring_64_gib_allocates_nothing(root: Path) -> None:
+    """A tensor that lies inside its file passes the header's checks; a sparse file can
+    make that 64 GiB. Reading it is refused before the buffer is sized, typed, in a
+    process that cannot map 4 GiB."""
+    big = 64 << 30
+    header = json.dumps({"w": {"dtype": "F32", "shape": [big // 4], "data_offsets": [0, big]}})
+    model = root.parent / "sparse.safetensors"
+    model.write_bytes(cases.safetensors(header.encode(), data=b""))
+    with open(model, "r+b") as f:
+        f.truncate(8 + len(header) + big)  # a hole: no disk used
+    proc = subprocess.run(
+        [sys.executable, "-c", SPARSE_TENSOR, str(model), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"declared: {big}", proc.stdout
+    for line, name in zip(lines[1:], ("read", "import"), strict=True):
+        assert line.startswith(f"{name} InsufficientMemoryError"), proc.stdout
+        assert "'w'" in line, line
+    assert ckptstore.list_steps_sync(str(root)) == [1, 2]  # nothing committed
+
+
 def test_a_safetensors_index_naming_a_shard_outside_its_folder(root: Path) -> None:
     index = root.parent / "model" / "model.safetensors.index.json"
     index.parent.mkdir()
@@ -501,7 +549,7 @@ NEW = {
     "marker": len(cases.MARKERS),
     "part or session record": len(cases.PART_RECORDS) + 1,
     "profile": len(cases.PROFILES) + 1,  # + any profile text
-    "safetensors": len(cases.SAFETENSORS) + 2,  # + an index escaping, + any header
+    "safetensors": len(cases.SAFETENSORS) + 3,  # + an index escaping, any header, sparse
     "step name": len(cases.STEP_NAMES) + 1,  # + any directory name
     "root": len(OPERATIONS) + 3 + 1,  # a file as root; read-only; a symlinked step
 }

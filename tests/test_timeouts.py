@@ -7,11 +7,13 @@ within a bounded time, whether the byte API (s3fs/gcsfs timeouts) or TensorStore
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -299,3 +301,57 @@ def test_timeout_and_retry_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in (0, -1, "5", True):
         with pytest.raises(ConfigError, match="read_timeout"):
             S3Backend("bucket-x", read_timeout=bad)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def black_hole() -> Iterator[str]:
+    """``http://HOST:PORT`` of a listener that accepts connections and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                held.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def test_the_deadline_bounds_tensorstore_requests_too(
+    ckptstore_s3_server: Any, ckptstore_s3_bucket: str, black_hole: str
+) -> None:
+    """TensorStore's requests alone go to a black hole: its curl stall timer (60 s a try
+    unless set) would hold each for minutes; the policy's 2 s deadline ends save and
+    restore, typed, and cancels TensorStore's requests."""
+    endpoint = ckptstore_s3_server.endpoint
+    save_step_1("s3", ckptstore_s3_bucket, endpoint)
+    policy = RetryPolicy(max_attempts=6, base_delay=0.01, max_delay=0.05, deadline=2.0)
+    b = _SplitS3(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env", retry=policy)
+    b.ts_endpoint = black_hole
+
+    async def run() -> None:
+        async with b:
+            for work in (
+                lambda: ckptstore.save(b, TREE, step=2),
+                lambda: ckptstore.restore(b, step=1),
+            ):
+                start = time.monotonic()
+                with pytest.raises(ckptstore.RetriesExhaustedError, match="deadline"):
+                    await work()
+                assert time.monotonic() - start < 2.0 + BOUND
+            assert await ckptstore.list_steps(b) == [1]  # the failed save committed nothing
+
+    asyncio.run(run())

@@ -41,6 +41,7 @@ import tensorstore as ts
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, is_empty_range
 from ckptstore.backends.retry import RetryPolicy, retry_async
+from ckptstore.backends.tsdeadline import bind
 from ckptstore.backends.tserrors import retry_resource
 from ckptstore.errors import (
     ConfigError,
@@ -155,7 +156,9 @@ class ObjectStoreBackend(Backend):
         spec: dict[str, Any] = {self.ts_retries_resource: retry_resource(self.retry)}
         if self.ts_request_concurrency is not None:
             spec[self.ts_concurrency_resource] = {"limit": self.ts_request_concurrency}
-        return ts.Context(spec)
+        context = ts.Context(spec)
+        bind(context, self.retry)  # the deadline bounds TensorStore's requests too
+        return context
 
     @abstractmethod
     def _open_range(

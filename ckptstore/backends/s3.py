@@ -77,6 +77,17 @@ _TS_CREDENTIALS = {
 _TRANSIENT_BOTO = (BotoConnectionError, HTTPClientError, IncompleteReadError)
 
 
+def _no_expect_continue(params: dict[str, Any], **_: Any) -> None:
+    """Drop the ``Expect: 100-continue`` botocore puts on every PUT and POST with a body.
+
+    aiohttp (under aiobotocore) then sends no body until a ``100 (Continue)`` arrives,
+    with no timer: an HTTP/1.0 intermediary, which cannot send one (RFC 9110 10.1.1; a
+    Python ``http.server`` proxy, say), holds every upload until the deadline ends it.
+    The header only saves sending a body a server would refuse; ours are small or parts.
+    """
+    params.get("headers", {}).pop("Expect", None)
+
+
 def _endpoint(option: str | None) -> str | None:
     """The endpoint: the option, else ``$AWS_ENDPOINT_URL_S3``, else ``$AWS_ENDPOINT_URL``
     (the first one set, non-empty), checked by `check_endpoint` under its own name."""
@@ -291,6 +302,9 @@ class S3Backend(ObjectStoreBackend):
         """Call one S3 API method on this bucket, mapping every failure to a typed error."""
         try:
             client = await self._filesystem().set_session()
+            client.meta.events.register_last(
+                "before-call.s3", _no_expect_continue, unique_id="ckptstore-no-expect"
+            )
             return await getattr(client, method)(Bucket=self.bucket, **kwargs)
         except ClientError as exc:
             raise self._client_error(exc, op, key) from exc

@@ -20,6 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
+from ckptstore.backends.tsdeadline import within
 from ckptstore.checkpoint import jsonitems, layout
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
 from ckptstore.checkpoint.jsonitems import JsonItem
@@ -358,13 +359,19 @@ async def chunk_source(
     """Where the item's chunk bytes are read from: its data files directly where the
     backend reads cheaply into buffers and the store's index is understood, else
     TensorStore's kvstore."""
+    what = f"opening item {item!r}"
     if backend.capabilities.direct_reads:
         prefix = item_dir(manifest, item)
-        base = await ts.KvStore.open(backend.kvstore_spec(prefix), context=backend.ts_context)
+        ctx = backend.ts_context
+        base = await within(
+            ts.KvStore.open(backend.kvstore_spec(prefix), context=ctx), ctx, 0, what
+        )
         index = await ocdbt_index.load(base)
         if index is not None:
             return ocdbt_index.DirectChunks(backend, prefix, index)
-    return KvChunks(await ts.KvStore.open(store, context=backend.ts_context))
+    opening = ts.KvStore.open(store, context=backend.ts_context)
+    kv = await within(opening, backend.ts_context, 0, what)
+    return KvChunks(kv, backend.ts_context)
 
 
 def item_dir(manifest: Manifest, item: str) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends._errors import gather_first_error
+from ckptstore.backends.tsdeadline import bind, policy_of, within
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.format import chunks
@@ -165,12 +166,15 @@ async def write_leaves(
         pieces = pieces_of(value)
         if not pieces and not write_metadata:
             return
+        what = f"opening leaf {info.name!r}"
         if write_metadata:
-            arr = await finish_first(ts.open(zarr_spec(store, info), create=True, context=context))
+            opening = ts.open(zarr_spec(store, info), create=True, context=context)
+            arr = await finish_first(within(opening, context, 0, what))
         else:  # the metadata comes from process 0; only chunks are written here
-            arr = await ts.open(
+            opening = ts.open(
                 zarr_spec(store, info), open=True, assume_metadata=True, context=context
             )
+            arr = await within(opening, context, 0, what)
         if pieces:
             stats.leaves.append(info.name)
         await gather_first_error(write_piece(arr, *piece) for piece in pieces)
@@ -197,9 +201,12 @@ async def write_leaves(
                             writes.append(kv.write(chunks.chunk_key(info), chunk))
                 except BaseException:
                     with contextlib.suppress(Exception):
-                        wait_here(writes)  # the ones already issued end first
+                        wait_here(writes, limit)  # the ones already issued end first
                     raise
-                wait_here(writes)
+                wait_here(writes, limit)
+
+            policy = policy_of(context)
+            limit = None if policy is None else policy.limit(nbytes)
 
             await finish_first(asyncio.to_thread(encode_and_write))
             for info, pieces in owned:
@@ -225,14 +232,16 @@ async def write_leaves(
     async def write_piece(arr: ts.TensorStore, index: Index, data: Any, private: bool) -> None:
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
+        what = "writing checkpoint data"
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
-            await finish_first(arr[index].write(view, can_reference_source_data_indefinitely=True))
+            write = arr[index].write(view, can_reference_source_data_indefinitely=True)
+            await finish_first(within(write, context, nbytes, what))
         else:
             async with budget.hold(nbytes):
                 host = await off_loop(lambda: np.asarray(data), nbytes)  # device to host
                 # A numpy leaf is the caller's array: TensorStore copies it.
                 write = arr[index].write(host, can_reference_source_data_indefinitely=private)
-                await finish_first(write)
+                await finish_first(within(write, context, nbytes, what))
         stats.shards += 1
         stats.bytes += nbytes
 
@@ -381,9 +390,12 @@ async def open_leaf(store: dict[str, Any], context: ts.Context, info: LeafInfo) 
         "fill_missing_data_reads": False,
     }
     try:
-        return await ts.open(spec, open=True, read=True, context=context)
+        opening = ts.open(spec, open=True, read=True, context=context)
+        arr: ts.TensorStore = await within(opening, context, 0, f"opening leaf {info.name!r}")
     except Exception as exc:  # TensorStore raises ValueError for most failures
         raise _read_error(exc, info.name) from exc
+    bind(arr, policy_of(context))  # its reads (`read_slice`) keep the deadline
+    return arr
 
 
 class Chunks(Protocol):
@@ -399,14 +411,18 @@ Buffer = bytes | np.ndarray[Any, Any]
 class KvChunks:
     """Values read through TensorStore's kvstore ``kv`` (any backend), in one batch."""
 
-    def __init__(self, kv: ts.KvStore):
+    def __init__(self, kv: ts.KvStore, context: ts.Context | None = None):
         self.kv = kv
+        #: A batch may take the deadline of ``context``'s policy plus its time for 1 MiB
+        #: a key (a chunk's size is not known before it is read).
+        self.policy = policy_of(context)
 
     async def get(self, keys: Sequence[str]) -> list[Buffer | None]:
         batch = ts.Batch()  # lets OCDBT share B-tree node reads between the lookups
         reads = [self.kv.read(key, batch=batch) for key in keys]
         batch.submit()
-        found = await wait_all(reads)
+        limit = None if self.policy is None else self.policy.limit(len(keys) << 20)
+        found = await wait_all(reads, limit)
         # Each value is a copy of up to a chunk (64 MiB): made off the loop, on the CPU pool.
         return await off_loop(lambda: [_value(got) for got in found], THREAD_BYTES)
 
@@ -463,8 +479,10 @@ async def get_values(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence
 
 
 async def read_slice(arr: ts.TensorStore, index: Index, name: str) -> np.ndarray[Any, Any]:
+    part = arr[index]
+    nbytes = part.size * part.dtype.numpy_dtype.itemsize
     try:
-        return np.asarray(await arr[index].read())
+        return np.asarray(await within(part.read(), arr, nbytes, f"reading leaf {name!r}"))
     except Exception as exc:
         raise _read_error(exc, name) from exc
 

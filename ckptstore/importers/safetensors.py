@@ -33,6 +33,7 @@ from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target
 from ckptstore.checkpoint.tree import segment
 from ckptstore.errors import SafetensorsError as SafetensorsError  # its old home re-exports it
+from ckptstore.runtime.membudget import check_fits
 from ckptstore.runtime.progress import Progress
 
 MiB = 1 << 20
@@ -77,7 +78,13 @@ class TensorRef:
     nbytes: int
 
     def read(self) -> np.ndarray[Any, Any]:
-        """The tensor, read straight from the file into one new array."""
+        """The tensor, read straight from the file into one new array.
+
+        Its size was checked against the file's (`read_header`); a sparse file can still
+        declare more than this process can map, which is refused before the buffer is
+        sized (`InsufficientMemoryError`) rather than aborting or raising a bare
+        `MemoryError`."""
+        check_fits(self.nbytes, f"{self.file}: tensor {self.name!r}", leaf=self.name)
         dtype = np.dtype(DTYPES[self.dtype]).newbyteorder("<")
         count = self.nbytes // dtype.itemsize
         with open(self.file, "rb") as f:

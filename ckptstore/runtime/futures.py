@@ -15,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import tensorstore as ts
+
+from ckptstore.errors import RetriesExhaustedError
 
 T = TypeVar("T")
 
@@ -57,7 +60,7 @@ async def off_loop(work: Callable[[], T], nbytes: int) -> T:
     return await finish_first(asyncio.get_running_loop().run_in_executor(_CPU, work))
 
 
-async def wait_all(futures: Sequence[ts.Future[Any]]) -> list[Any]:
+async def wait_all(futures: Sequence[ts.Future[Any]], limit: float | None = None) -> list[Any]:
     """The results of many TensorStore futures, awaited by one worker thread.
 
     Awaiting each future on the event loop costs an asyncio future and a GIL
@@ -65,16 +68,30 @@ async def wait_all(futures: Sequence[ts.Future[Any]]) -> list[Any]:
     Every future finishes before the first error is raised, or before a cancellation goes
     on: a cancelled TensorStore future does not stop the I/O it started, so its writes are
     left to finish rather than to land after the caller has moved on.
+
+    ``limit``: seconds for them all (a retry policy's deadline); past it every future is
+    cancelled (TensorStore drops its requests) and `RetriesExhaustedError` is raised.
     """
-    return await finish_first(asyncio.to_thread(wait_here, futures))
+    return await finish_first(asyncio.to_thread(wait_here, futures, limit))
 
 
-def wait_here(futures: Sequence[ts.Future[Any]]) -> list[Any]:
+def wait_here(futures: Sequence[ts.Future[Any]], limit: float | None = None) -> list[Any]:
     """`wait_all` on the calling thread (a worker thread: this blocks)."""
-    results, error = [], None
+    results: list[Any] = []
+    error: BaseException | None = None
+    end = None if limit is None else time.monotonic() + limit
     for future in futures:
         try:
-            results.append(future.result())
+            if end is None:
+                results.append(future.result())
+            else:
+                results.append(future.result(timeout=max(0.0, end - time.monotonic())))
+        except TimeoutError:
+            for each in futures:
+                each.cancel()
+            error = error or RetriesExhaustedError(
+                f"TensorStore requests: no result within the {limit:.0f} s deadline (retry policy)"
+            )
         except (Exception, asyncio.CancelledError) as exc:  # a cancelled future: see wait_all
             error = error or exc
     if error is not None:
