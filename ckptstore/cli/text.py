@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import time
 
-
-def human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
+from ckptstore.runtime.progress import human as human  # the one byte formatter
 
 
 def count(n: int, word: str, plural: str | None = None) -> str:

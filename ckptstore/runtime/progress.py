@@ -11,12 +11,13 @@ import time
 from typing import TextIO
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+def human(nbytes: float) -> str:
+    """``512 B``, ``1.5 KiB``, ... ``3.0 TiB``: how ckptstore shows a byte count."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
 
 
 def _duration(seconds: float) -> str:
@@ -66,16 +67,16 @@ class Progress:
         rate = self.bytes / elapsed
         items = "" if self.total_items is None else f" {self.items}/{self.total_items}"
         if self.total_bytes or not self.total_items:
-            done, total, amount = self.bytes, self.total_bytes, f"{_size(self.bytes)}/"
-            amount += _size(self.total_bytes)
+            done, total, amount = self.bytes, self.total_bytes, f"{human(self.bytes)}/"
+            amount += human(self.total_bytes)
         else:  # bytes not known ahead (removals): the share of items done, and bytes so far
-            done, total, amount = self.items, self.total_items, _size(self.bytes)
+            done, total, amount = self.items, self.total_items, human(self.bytes)
         fraction = done / total if total else 1.0
         left = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
         eta = _duration(left) if left == left else "?"
         return (
             f"{self.label}{items}  {amount} ({100 * fraction:.0f}%)  "
-            f"{_size(rate)}/s  elapsed {_duration(elapsed)}  left {eta}"
+            f"{human(rate)}/s  elapsed {_duration(elapsed)}  left {eta}"
         )
 
     def advance(self, items: int, nbytes: int) -> None:
