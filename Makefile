@@ -46,26 +46,27 @@ bench: $(STAMP)
 	$(PY) benchmarks/training_loop.py
 	$(PY) benchmarks/tiered.py
 	$(PY) benchmarks/scale.py
+	$(PY) benchmarks/async_restore.py
 	$(PY) benchmarks/report.py
 
 # `make scale`: real JAX processes (one CPU device each) save with 8 and with 16 processes
 # and another count restores, bit-exact (`make test` runs the 8-process case only).
 scale: $(STAMP)
-	CKPTSTORE_SCALE_PROCESSES=8,16 $(PY) -m pytest -q tests/test_multiprocess_scale.py
+	CKPTSTORE_SCALE_PROCESSES=8,16 $(PY) -m pytest -q tests/multiprocess/test_multiprocess_scale.py
 
 # `make torture`: 300 SIGKILLs at random moments of saves, partial saves, merges, commits,
 # delete_step and gc, on local disk and moto S3, by one process and by two; after each, every
 # committed step must restore bit-exact. Results: benchmarks/results/torture.json.
 torture: $(STAMP)
-	$(PY) -m tests.torture --points 300
+	$(PY) -m tests.campaigns.torture --points 300
 
 # `make races`: commit protocol v3's proof. The interleaving checker in full (every schedule
 # of each pair of actors with up to two preemptions, 20,000 seeded random walks over each
 # triple; ~40 min) and 50 rounds of every two-process race shape on local disk and on moto
 # S3 (~15 min). Results: benchmarks/results/interleave.json.
 races: $(STAMP)
-	$(PY) -m tests.interleave --bound 2 --walks 20000 --out benchmarks/results/interleave.json
-	CKPTSTORE_RACE_ROUNDS=50 $(PY) -m pytest -q tests/test_fate_races.py
+	$(PY) -m tests.campaigns.interleave --bound 2 --walks 20000 --out benchmarks/results/interleave.json
+	CKPTSTORE_RACE_ROUNDS=50 $(PY) -m pytest -q tests/campaigns/test_fate_races.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
