@@ -12,14 +12,12 @@ from types import TracebackType
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import cleanup, layout
+from ckptstore.checkpoint import cleanup
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import save as plain_save
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
 from ckptstore.checkpoint.commit import committed_steps
-from ckptstore.checkpoint.jsonitems import JsonItem
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.partial import Part, PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem
@@ -27,7 +25,10 @@ from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
 from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
+from ckptstore.format.manifest import Manifest
 from ckptstore.orbax import exporter, importer
 from ckptstore.orbax import read as orbax
 from ckptstore.orbax.exporter import ExportResult

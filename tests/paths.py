@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import read_marker
+from ckptstore.format import layout
 
 
 async def committed_root(backend: Backend, step: int) -> str:

@@ -27,7 +27,7 @@ async def test_retries_exhausted_names_backend_and_key_once() -> None:
 @pytest.mark.parametrize(
     ("module", "name"),
     [
-        ("ckptstore.checkpoint.tree", "TreeError"),
+        ("ckptstore.format.tree", "TreeError"),
         ("ckptstore.format.leaves", "UnsupportedLeafError"),
         ("ckptstore.checkpoint.partial", "DuplicateLeafError"),
         ("ckptstore.lifecycle.staging", "StagingBudgetError"),

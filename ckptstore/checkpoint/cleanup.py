@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import commit as protocol
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
     COLLECT,
     Marker,
@@ -42,7 +41,6 @@ from ckptstore.checkpoint.commit import (
     read_fate,
     read_marker,
 )
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.staged import STAGED, read_staged
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import (
@@ -53,6 +51,8 @@ from ckptstore.errors import (
     FencedError,
     NotFoundError,
 )
+from ckptstore.format import layout
+from ckptstore.format.manifest import Manifest
 
 log = logging.getLogger("ckptstore")
 

@@ -33,9 +33,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.layout import AttemptDir
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -44,6 +41,9 @@ from ckptstore.errors import (
     InvalidKeyError,
     NotFoundError,
 )
+from ckptstore.format import layout
+from ckptstore.format.layout import AttemptDir
+from ckptstore.format.manifest import Manifest
 
 
 def digest(data: bytes) -> str:

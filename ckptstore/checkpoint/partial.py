@@ -35,7 +35,6 @@ from types import TracebackType
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
     ABANDON,
     COMMIT,
@@ -46,12 +45,9 @@ from ckptstore.checkpoint.commit import (
     new_owner,
     read_fate,
 )
-from ckptstore.checkpoint.layout import AttemptDir
-from ckptstore.checkpoint.manifest import ItemManifest, Manifest, parse_leaf
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.checkpoint.tree import check_leaf_paths, check_structure, describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -63,7 +59,11 @@ from ckptstore.errors import (
     TreeError,
 )
 from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
+from ckptstore.format import layout
+from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.manifest import ItemManifest, Manifest, parse_leaf
+from ckptstore.format.tree import check_leaf_paths, check_structure, describe, flatten
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 
@@ -436,7 +436,7 @@ class PartialSave:
 
         Claims the session's fate first: if another actor (a zombie's finalize, an
         abandon, gc) decided it, `FencedError` before anything is written.
-        ``structure`` (`ckptstore.checkpoint.tree` format) replaces the one the parts'
+        ``structure`` (`ckptstore.format.tree` format) replaces the one the parts'
         subtrees describe, so lists and tuples can span parts (the parts merge as
         dicts); it must name exactly the session's leaves. Raises `AlreadyExistsError`
         if another attempt committed the step meanwhile.

@@ -21,13 +21,9 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import within
-from ckptstore.checkpoint import jsonitems, layout
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest
-from ckptstore.checkpoint.jsonitems import JsonItem
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.checkpoint.tree import path_name, rebuild
 from ckptstore.datapath import placement
 from ckptstore.datapath.arrays import (
     ByteBudget,
@@ -40,7 +36,8 @@ from ckptstore.datapath.arrays import (
 )
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError, TreeMismatchError
-from ckptstore.format import chunks, ocdbt_index
+from ckptstore.format import chunks, jsonitems, layout, ocdbt_index
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import (
     Index,
     LeafInfo,
@@ -49,7 +46,9 @@ from ckptstore.format.leaves import (
     key_data_aval,
     key_impl_name,
 )
+from ckptstore.format.manifest import Manifest
 from ckptstore.format.packs import read_packed, read_split
+from ckptstore.format.tree import path_name, rebuild
 from ckptstore.runtime import shortrepr
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.membudget import check_fits

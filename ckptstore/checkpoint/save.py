@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import (
     ABANDON,
     COMMIT,
@@ -41,14 +40,15 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
-from ckptstore.checkpoint.jsonitems import JsonItem, as_json_item, is_array_tree
-from ckptstore.checkpoint.manifest import ItemManifest, Manifest
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.tree import describe, flatten
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
+from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index
+from ckptstore.format.tree import describe, flatten
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
 
@@ -96,7 +96,7 @@ def prepare(
     """Check ``step`` and the item names, and flatten and describe every tree, before
     anything is opened or written. An item that is not arrays and numbers but JSON (a
     dataclass config, a dict with strings) is kept as JSON in the manifest
-    (`ckptstore.checkpoint.jsonitems`): the third dict."""
+    (`ckptstore.format.jsonitems`): the third dict."""
     step = layout.check_step(step)
     if not items:
         raise CkptStoreError("nothing to save: no items")

@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.format import layout
 
 STAGED = "STAGED"
 

@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StoredItem:
-    """The leaves of one item, the JSON tree structure (`ckptstore.checkpoint.tree`
+    """The leaves of one item, the JSON tree structure (`ckptstore.format.tree`
     format) that names them, and ``open(info)``: the leaf's array, ready to read.
 
     Where the format has them: ``read_small(infos)`` reads many small single-chunk

@@ -25,9 +25,7 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import load_committed, resolve_step
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import item_dir, item_store
 from ckptstore.checkpoint.target import Target, opened
@@ -40,7 +38,9 @@ from ckptstore.datapath.arrays import (
 )
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
+from ckptstore.format import layout
 from ckptstore.format.leaves import Index, LeafInfo
+from ckptstore.format.manifest import Manifest
 from ckptstore.format.packs import read_packed
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.

@@ -12,6 +12,7 @@ from typing import Any
 from ckptstore.api import export_orbax, import_orbax
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.cli.output import Output, print_json
+from ckptstore.cli.text import human
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES
 from ckptstore.orbax.inspect import (
@@ -23,14 +24,6 @@ from ckptstore.orbax.inspect import (
 )
 
 COMMANDS = ("export-orbax", "import-orbax")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _leaf_json(info: LeafInfo) -> dict[str, Any]:
@@ -70,7 +63,7 @@ async def ls(target: Target, as_json: bool, shown: str | None = None) -> int | N
         if s.error is not None:
             print(f"{step:>10}  CORRUPT: {s.error}")
         else:
-            print(f"{step:>10}  {_size(s.nbytes):>10}  {s.leaves:>6}  {','.join(sorted(s.items))}")
+            print(f"{step:>10}  {human(s.nbytes):>10}  {s.leaves:>6}  {','.join(sorted(s.items))}")
     return status
 
 
@@ -88,7 +81,7 @@ async def info(target: Target, step: int | None, as_json: bool) -> int | None:
     if s.error is not None:
         print(f"{what}: CORRUPT: {s.error}")
         return 1
-    print(f"{what}, {_size(s.nbytes)}, {s.leaves} leaves")
+    print(f"{what}, {human(s.nbytes)}, {s.leaves} leaves")
     for name, leaves in s.items.items():
         print(f"item {name!r}: {len(leaves)} leaves")
         width = max((len(n) for n in leaves), default=4)
@@ -97,7 +90,7 @@ async def info(target: Target, step: int | None, as_json: bool) -> int | None:
             shape = "x".join(map(str, leaf.shape)) or "scalar"
             print(
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
-                f"{_size(leaf.nbytes):>10}  {leaf.kind}"
+                f"{human(leaf.nbytes):>10}  {leaf.kind}"
             )
     return 0
 
@@ -132,7 +125,7 @@ def _print_verify(report: OrbaxVerifyReport) -> None:
     verdict = "readable" if report.ok else f"CORRUPT ({len(report.problems)} problem(s))"
     where = "Orbax checkpoint" if report.step is None else f"Orbax step {report.step}"
     print(
-        f"{where}: {verdict}; {report.leaves} leaves, {_size(report.bytes)} read "
+        f"{where}: {verdict}; {report.leaves} leaves, {human(report.bytes)} read "
         "(Orbax zarr v2 chunks carry no checksum)"
     )
 
@@ -220,8 +213,8 @@ async def run(args: argparse.Namespace) -> int:
             )
             return 0
         print(
-            f"exported step {r.step} ({r.leaves} leaves, {_size(r.bytes)}) to {r.path}: "
-            f"{r.linked} objects linked, {r.copied} copied ({_size(r.copied_bytes)})"
+            f"exported step {r.step} ({r.leaves} leaves, {human(r.bytes)}) to {r.path}: "
+            f"{r.linked} objects linked, {r.copied} copied ({human(r.copied_bytes)})"
         )
         return 0
     result = await import_orbax(
@@ -247,7 +240,7 @@ async def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"imported {result.leaves} leaves ({_size(result.bytes)}) from {result.source} "
+        f"imported {result.leaves} leaves ({human(result.bytes)}) from {result.source} "
         f"in {result.parts} parts as step {result.save.step}; skipped {result.skipped}"
     )
     return 0

@@ -10,12 +10,12 @@ from typing import Any
 
 from ckptstore.api import delete_step, gc
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import Removal, scan_step
 from ckptstore.cli.output import EXIT_OK, Output, error_json, exit_status, print_json
 from ckptstore.cli.steps import committed
 from ckptstore.cli.text import count, human
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
+from ckptstore.format import layout
 from ckptstore.tiers.target import Tiered
 
 

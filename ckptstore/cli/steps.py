@@ -10,10 +10,8 @@ from typing import Any
 
 from ckptstore.api import read_manifest, verify
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import scan
 from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.cli import orbax as cli_orbax
 from ckptstore.cli.output import (
@@ -25,6 +23,8 @@ from ckptstore.cli.output import (
 )
 from ckptstore.cli.text import count, duration_text, human, when
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
+from ckptstore.format import layout
+from ckptstore.format.manifest import Manifest
 from ckptstore.tiers.read import tier_steps
 from ckptstore.tiers.target import Tiered
 

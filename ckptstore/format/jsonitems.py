@@ -23,8 +23,8 @@ from typing import Any
 
 import jax
 
-from ckptstore.checkpoint.tree import MAX_DEPTH, flatten, is_leaf_value
 from ckptstore.errors import TreeError, TreeMismatchError
+from ckptstore.format.tree import MAX_DEPTH, flatten, is_leaf_value
 
 #: The largest JSON item, encoded: a config, not a dataset (arrays go in array items).
 MAX_BYTES = 1 << 20

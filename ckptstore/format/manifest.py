@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.keys import validate_key
-from ckptstore.checkpoint import layout
-from ckptstore.checkpoint.jsonitems import JsonItem
-from ckptstore.checkpoint.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.format import chunks
+from ckptstore.format import chunks, layout
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.packs import PackRef
+from ckptstore.format.tree import check_leaf_name, check_leaf_paths, check_structure
 from ckptstore.runtime.gcpause import gc_paused
 
 KINDS = ("jax", "numpy", "scalar")
@@ -61,7 +60,7 @@ class Manifest:
     #: Seconds per phase of the save ("staging", "write", "merge"), for `ckptstore info`.
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = layout.FORMAT_VERSION
-    #: Items that are configuration, not arrays (`ckptstore.checkpoint.jsonitems`): their
+    #: Items that are configuration, not arrays (`ckptstore.format.jsonitems`): their
     #: JSON is kept here, under the marker's digest. Readers before them ignore this field.
     json_items: dict[str, JsonItem] = field(default_factory=dict)
 

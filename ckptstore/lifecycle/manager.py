@@ -27,12 +27,12 @@ from typing import Any, TypeVar
 from ckptstore.api import restore, save_items
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import load_profile
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
-from ckptstore.checkpoint.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError, UnsupportedOperationError
+from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptstore.checkpoint import layout
 from ckptstore.errors import ConfigError
+from ckptstore.format import layout
 from ckptstore.lifecycle import policies as P
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

@@ -12,7 +12,7 @@ returns, so every piece a save will write is copied first. Two ways:
   numpy views of the arrays' own buffers, and the save writes straight from them; the
   views are dropped when the save is done. While a view lives its buffer is never reused:
   a computation that donates it gets fresh memory instead, and `delete()` frees it only
-  when the view is gone (tests/test_manager.py proves both with buffers whose memory is
+  when the view is gone (tests/lifecycle/test_manager.py proves both with buffers whose memory is
   then handed out again). No copy at all: the save holds the state's own buffers, so the
   host never holds more than the state twice (the one being written and the loop's next).
   An earlier version copied the views into the reused buffers on the save's thread; on
@@ -38,11 +38,11 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ckptstore.checkpoint.tree import flatten
 from ckptstore.datapath.arrays import host_view
 from ckptstore.errors import CkptStoreError
 from ckptstore.errors import StagingBudgetError as StagingBudgetError  # old home re-exports
 from ckptstore.format.leaves import HostShards, Index, is_key_array, key_impl_name
+from ckptstore.format.tree import flatten
 
 Bounds = tuple[tuple[int, int], ...]
 

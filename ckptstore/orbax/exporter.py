@@ -41,9 +41,7 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend, fsync_dir
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import latest_manifest
-from ckptstore.checkpoint.manifest import ItemManifest
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.datapath.arrays import ByteBudget, ocdbt_spec
@@ -53,8 +51,9 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ckptstore.format import chunks
+from ckptstore.format import chunks, layout
 from ckptstore.format.leaves import LeafInfo
+from ckptstore.format.manifest import ItemManifest
 from ckptstore.format.packs import read_packed
 from ckptstore.orbax.inspect import read_all
 from ckptstore.orbax.keys import ARRAY_METADATAS

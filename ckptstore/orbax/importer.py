@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import read_slice
 from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime.progress import Progress

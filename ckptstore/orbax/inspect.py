@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.datapath.arrays import read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
+from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime.membudget import check_fits

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.manifest import IMPL_NAME
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format.leaves import LeafInfo, key_data_aval
+from ckptstore.format.manifest import IMPL_NAME
 
 
 def strict_json(data: bytes) -> Any:

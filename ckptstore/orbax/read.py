@@ -29,9 +29,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.stored import StoredItem, settle
-from ckptstore.checkpoint.tree import MAX_DEPTH, check_structure, path_name
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -39,7 +37,9 @@ from ckptstore.errors import (
     TreeError,
     UnsupportedLeafError,
 )
+from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo, dtype_of
+from ckptstore.format.tree import MAX_DEPTH, check_structure, path_name
 from ckptstore.orbax.keys import key_impls, strict_json, typed_key
 
 TREE_METADATA = "_METADATA"
@@ -233,7 +233,7 @@ class _Node:
 
 
 def build_structure(entries: list[Entry]) -> dict[str, Any]:
-    """The tree structure (`ckptstore.checkpoint.tree` format) the entries describe.
+    """The tree structure (`ckptstore.format.tree` format) the entries describe.
 
     Orbax records sequences without saying list or tuple; they come back as lists,
     as from Orbax itself. Dict keys come back as strings.

@@ -13,7 +13,6 @@ period keeps a running one's.
 
 from __future__ import annotations
 
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import (
     DEFAULT_GRACE,
     Removal,
@@ -22,6 +21,7 @@ from ckptstore.checkpoint.cleanup import (
     remove_step,
 )
 from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.format import layout
 from ckptstore.tiers.target import Tiered
 
 

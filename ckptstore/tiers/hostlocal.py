@@ -30,9 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import COMMIT, Marker, claim, digest
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.staged import STAGED as STAGED
 from ckptstore.checkpoint.staged import Staged, staged_key
@@ -43,7 +41,9 @@ from ckptstore.datapath.arrays import (
     write_leaves,
 )
 from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError, NotFoundError
+from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo
+from ckptstore.format.manifest import Manifest
 from ckptstore.runtime.handoff import Handoff
 
 _PROBE = ".ckptstore-probe-"

@@ -21,7 +21,6 @@ from typing import Any
 
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import delete_step, deleted_by_user, trim_step
 from ckptstore.checkpoint.commit import (
     COMMIT,
@@ -43,6 +42,7 @@ from ckptstore.errors import (
     NotFoundError,
     StorageError,
 )
+from ckptstore.format import layout
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.hostlocal import (

@@ -24,11 +24,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.commit import committed_steps, load_committed
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.staged import read_staged
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
@@ -38,6 +36,8 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     TreeMismatchError,
 )
+from ckptstore.format import layout
+from ckptstore.format.manifest import Manifest
 from ckptstore.tiers.target import Tiered
 
 T = TypeVar("T")

@@ -21,11 +21,11 @@ from typing import Any
 import jax
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.cleanup import trim_step
 from ckptstore.checkpoint.commit import committed_steps
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.errors import CheckpointNotFoundError, InsufficientSpaceError, NotFoundError
+from ckptstore.format import layout
 from ckptstore.format.leaves import HostShards, LeafInfo
 from ckptstore.tiers.hostlocal import drop_staged, is_promoted
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import Fate, ensure_uncommitted
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import (
     PreparedItem,
@@ -34,6 +32,8 @@ from ckptstore.checkpoint.save import (
 )
 from ckptstore.checkpoint.staged import staged_key
 from ckptstore.errors import AlreadyExistsError, UnsupportedOperationError
+from ckptstore.format import layout
+from ckptstore.format.manifest import Manifest
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.hostlocal import (

@@ -11,9 +11,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from tests.test_plugin import clean_env
+from tests.backends.test_plugin import clean_env
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 OVERWRITING = """
 import pytest

@@ -17,7 +17,7 @@ import ckptstore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.pagecache import PageCacheEvictor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -13,7 +13,7 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.backends.registry import load_profile, resolve_profile
 from ckptstore.errors import ConfigError
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "backends"
+EXAMPLES = Path(__file__).resolve().parents[2] / "backends"
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from ckptstore.backends.memory import MemoryBackend
 from ckptstore.backends.registry import load_profile, parse_url
 from ckptstore.errors import ConfigError, InvalidURLError
 
-PROFILES = Path(__file__).resolve().parents[1] / "backends"
+PROFILES = Path(__file__).resolve().parents[2] / "backends"
 
 
 @pytest.mark.parametrize(

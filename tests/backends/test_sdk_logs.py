@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore.backends.sdklog import is_aws_line, quiet_aws_sdk
-from tests.test_plugin import clean_env
+from tests.backends.test_plugin import clean_env
 
 AWS_LINE = (
     b"E1201 05:08:52.124881   31545 common-io:5] static: Failed to open file. "
@@ -91,7 +91,7 @@ def test_only_the_sdk_lines_are_held_back(
 
 def test_botocore_debug_records_are_redacted(caplog: pytest.LogCaptureFixture) -> None:
     """The forms botocore logs at DEBUG: a request's headers, the canonical request it
-    signs, an STS reply. (tests/test_secrets.py checks the same against a real client.)"""
+    signs, an STS reply. (tests/campaigns/test_secrets.py checks the same against a real client.)"""
     import ckptstore.backends.s3  # noqa: F401 - installs the filter
 
     lines = {

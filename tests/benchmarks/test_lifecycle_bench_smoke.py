@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 ROWS = {
     "training_loop.py": ["pause per save", "save to durable", "loop time lost per save"],

@@ -1,5 +1,5 @@
 """One of two OS processes playing the actors of a commit-protocol race, round after round
-(tests/test_fate_races.py; `make races` runs 50 rounds of every shape).
+(tests/campaigns/test_fate_races.py; `make races` runs 50 rounds of every shape).
 
 Each round: both processes meet at a barrier; process 0 sets the round up (a partial-save
 session with two parts, or a committed step on a fast tier) and writes what the other

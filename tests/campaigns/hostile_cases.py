@@ -1,8 +1,8 @@
-"""The hostile inputs of tests/test_hostile.py, and the count of those other files cover.
+"""The hostile inputs of tests/campaigns/test_hostile.py, and the count of those other files cover.
 
 Each table maps a case id (the test id) to what is done to a good store and the message
 the typed error must carry. `ELSEWHERE` lists the hostile-input cases other test files
-cover; tests/test_hostile.py checks each entry against that file's parametrization and
+cover; tests/campaigns/test_hostile.py checks each entry against that file's parametrization and
 prints the total that docs/reliability.md gives.
 """
 
@@ -171,7 +171,8 @@ def safetensors(header: bytes, data: bytes = bytes(64), length: int | None = Non
     return struct.pack("<Q", len(header) if length is None else length) + header + data
 
 
-#: Safetensors files beyond tests/test_import_safetensors.py's headers: id -> (bytes, text).
+#: Safetensors files beyond tests/importers/test_import_safetensors.py's headers:
+#: id -> (bytes, text).
 SAFETENSORS: dict[str, tuple[bytes, str]] = {
     "header length beyond file": (safetensors(b"{}", length=1000), "impossible"),
     "header length 2**64-1": (safetensors(b"{}", length=2**64 - 1), "impossible"),
@@ -193,8 +194,8 @@ SAFETENSORS: dict[str, tuple[bytes, str]] = {
 STEP_NAMES = ["05", "-1", "1.0", " 1", "1 ", "+1", "0x1", "\u0967", "\u0661", "1\u0301"]
 
 #: Hostile-input cases other test files cover: (module, test, kind, cases, parameter), the
-#: module below tests/ unless dotted. A parametrized test's count is checked against its
-#: parameter's values.
+#: module a test file's name (in whichever folder below tests/) unless dotted. A
+#: parametrized test's count is checked against its parameter's values.
 ELSEWHERE: list[tuple[str, str, str, int, str | None]] = [
     ("test_commit", "test_hostile_manifests_are_corrupt_not_tracebacks", "manifest", 6, "edit"),
     ("test_commit", "test_manifest_edited_to_another_step_is_caught", "manifest", 2, None),

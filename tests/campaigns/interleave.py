@@ -21,8 +21,8 @@ a step an actor was told is committed restores bit-exact and verifies (unless a
 delete_step of it succeeded), every listed step restores and verifies, every failure an
 actor met is a `CkptStoreError`, and what the scenario adds (a deleted step stays deleted).
 
-`python -m tests.interleave` runs the full exploration (`make races`); the test suite runs
-a bounded one (`tests/test_interleave.py`).
+`python -m tests.campaigns.interleave` runs the full exploration (`make races`); the test suite runs
+a bounded one (`tests/campaigns/test_interleave.py`).
 """
 
 from __future__ import annotations

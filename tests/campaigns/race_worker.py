@@ -1,4 +1,5 @@
-"""One of N OS processes that all save the same steps at the same moment (tests/test_race.py).
+"""One of N OS processes that all save the same steps at the same moment
+(tests/campaigns/test_race.py).
 
 Each round every process waits at a barrier, then saves its own tree as step
 ``round`` and reports "won", "lost" (`AlreadyExistsError` from the early check),

@@ -187,7 +187,7 @@ async def test_verify_tells_unreadable_storage_from_corrupt_data(
         assert await asyncio.to_thread(main, cli) == 3
         assert "503" in capsys.readouterr().err
 
-        # real damage: one byte of the largest data file flipped (exit 1: tests/test_cli.py)
+        # real damage: one byte of the largest data file flipped (exit 1: tests/cli/test_cli.py)
         proxy.set_faults()
         infos = [i async for i in backend.list("1")]
         data = max(infos, key=lambda i: i.size)

@@ -1,6 +1,6 @@
 """Commit protocol v3 with real OS processes: two processes act on one attempt (or one
 step) at the same moment, round after round, on local disk and on moto's S3. No committed
-step may be lost or torn and no error may be untyped (tests/fate_race_worker.py).
+step may be lost or torn and no error may be untyped (tests/campaigns/fate_race_worker.py).
 
 `make races` runs 50 rounds of every shape on each backend (``CKPTSTORE_RACE_ROUNDS``).
 """
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import ckptstore
-from tests.fate_race_worker import SHAPES, fast_dir, parts_tree, run, tree
-from tests.test_partial import shared_target
+from tests.campaigns.fate_race_worker import SHAPES, fast_dir, parts_tree, run, tree
+from tests.checkpoint.test_partial import shared_target
 
 ROUNDS = {"local": 4, "s3": 2}
 

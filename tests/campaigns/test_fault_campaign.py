@@ -9,7 +9,7 @@ they must fail with a typed error and commit nothing.
 The default run is one round per store; the figures in the docs come from a larger one:
 
     CKPTSTORE_FAULT_ROUNDS=20 CKPTSTORE_FAULT_RATE=0.1 \\
-        .venv/bin/python -m pytest -q -s tests/test_fault_campaign.py
+        .venv/bin/python -m pytest -q -s tests/campaigns/test_fault_campaign.py
 
 which prints, per store, the rounds, the requests seen and the faults injected.
 """

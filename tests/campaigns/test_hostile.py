@@ -5,7 +5,7 @@ step directory names; a file where the root should be; a read-only root; a step
 directory that leads out of the root. For each: nothing is committed, nothing is
 written outside the root, and (where a step is damaged) the good step still restores
 and `ckptstore ls` names the bad one and lists the other. The cases are the test ids
-(tests/hostile_cases.py); `test_the_count` adds those other files cover.
+(tests/campaigns/hostile_cases.py); `test_the_count` adds those other files cover.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ckptstore.checkpoint.commit import digest
 from ckptstore.cli import main as cli
 from ckptstore.errors import SafetensorsError
 from ckptstore.importers.safetensors import find_tensors, import_safetensors
-from tests import hostile_cases as cases
+from tests.campaigns import hostile_cases as cases
 
 TREES = {s: {"x": np.arange(4.0) + s, "n": {"y": np.full(3, s, np.int32)}} for s in (1, 2)}
 
@@ -526,7 +526,10 @@ def test_any_profile_is_a_typed_error_or_a_backend(text: bytes, tmp_path: Path) 
 
 
 def _test_function(module: str, test: str) -> Any:
-    target: Any = importlib.import_module(module if "." in module else f"tests.{module}")
+    if "." not in module:  # a test file's name: the folder below tests/ that holds it
+        (found,) = Path(__file__).parents[1].glob(f"*/{module}.py")
+        module = f"tests.{found.parent.name}.{module}"
+    target: Any = importlib.import_module(module)
     for attr in test.split("."):
         target = getattr(target, attr)
     return target

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.checkpoint.tree import MAX_DEPTH
 from ckptstore.errors import TreeError
+from ckptstore.format.tree import MAX_DEPTH
 from ckptstore.lifecycle.staging import Stager
 
 

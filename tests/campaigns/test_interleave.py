@@ -1,6 +1,6 @@
 """Commit protocol v3: every attempt's fate is decided once.
 
-The interleaving checker (`tests/interleave.py`) runs the protocol's actors under chosen
+The interleaving checker (`tests/campaigns/interleave.py`) runs the protocol's actors under chosen
 schedules, here bounded (one preemption per pair schedule, a few random walks per triple;
 `make races` runs the full exploration). Beside it: that the checker finds a check-then-act
 race when there is one, the fate record's own rules, and the untyped leftovers the v3 issue
@@ -19,9 +19,10 @@ import pytest
 
 import ckptstore
 from ckptstore.backends import memory
-from ckptstore.checkpoint import commit, layout
-from tests import interleave
-from tests.interleave import SCENARIOS, TRIPLES, Scenario, Tally, World
+from ckptstore.checkpoint import commit
+from ckptstore.format import layout
+from tests.campaigns import interleave
+from tests.campaigns.interleave import SCENARIOS, TRIPLES, Scenario, Tally, World
 
 
 async def test_every_pair_with_one_preemption_and_random_triples_keep_committed_steps() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import ckptstore
-from tests.race_worker import run, tree
-from tests.test_partial import shared_target
+from tests.campaigns.race_worker import run, tree
+from tests.checkpoint.test_partial import shared_target
 
 WRITERS = 4
 ROUNDS = {"local": 20, "s3": 10}

@@ -32,7 +32,7 @@ from ckptstore.backends.s3 import S3Backend
 from ckptstore.errors import ConfigError, TransientStorageError
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 POLICY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05)
 FAST = {"connect_timeout": 0.25, "read_timeout": 0.25}
 #: Seconds an operation may take against a dead endpoint with these settings (generous:
@@ -208,7 +208,12 @@ def run_worker(mode: str, stores: list[dict[str, str]]) -> list[dict[str, Any]]:
     env = {**os.environ, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "timeout_worker.py"), mode, json.dumps(stores)],
+        [
+            sys.executable,
+            str(REPO / "tests" / "campaigns" / "timeout_worker.py"),
+            mode,
+            json.dumps(stores),
+        ],
         capture_output=True,
         text=True,
         timeout=240,

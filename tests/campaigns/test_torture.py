@@ -1,5 +1,5 @@
 """SIGKILL at 30 random moments of saves, partial saves, merges, commits, delete_step and gc,
-on local disk and moto's S3, by one process and by two (tests/torture.py; `make torture`
+on local disk and moto's S3, by one process and by two (tests/campaigns/torture.py; `make torture`
 runs the full campaign of 300 and more)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ckptstore.testing.servers import MotoS3Server
-from tests.torture import CELLS, moto_env, s3_profile, torture
-from tests.torture_report import table
+from tests.campaigns.torture import CELLS, moto_env, s3_profile, torture
+from tests.campaigns.torture_report import table
 
 POINTS = 30
 

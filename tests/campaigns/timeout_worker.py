@@ -1,7 +1,7 @@
 """Operations against stores whose TensorStore requests never get an answer
-(tests/test_timeouts.py).
+(tests/campaigns/test_timeouts.py).
 
-Run as ``python tests/timeout_worker.py MODE '<json list of stores>'``, with
+Run as ``python tests/campaigns/timeout_worker.py MODE '<json list of stores>'``, with
 ``$TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS`` set: TensorStore reads its stall timeout
 once per process, hence a process of its own. Each store is ``{"kind", "bucket",
 "endpoint"}``. MODE ``kv``: one read and one write through the backend's TensorStore

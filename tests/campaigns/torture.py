@@ -1,7 +1,7 @@
 """SIGKILL torture: kill real processes at random moments of every write path, then check.
 
 Each kill point runs one operation in freshly forked worker processes
-(`tests.torture_worker`): a save (whole, or aimed at its merge or its commit), a
+(`tests.campaigns.torture_worker`): a save (whole, or aimed at its merge or its commit), a
 partial save's ``add`` or ``finalize``, ``delete_step`` or ``gc``, on local disk or on
 moto's S3 server, by one process or by two joined with ``jax.distributed``. When the
 aimed phase starts, the driver waits a random fraction of that phase's usual duration
@@ -19,7 +19,8 @@ The kill points come from one seeded random generator (printed): the same seed g
 same operations, processes, victims and fractions; where in the code a kill lands still
 depends on timing, so each point records the phase it landed in. Usage::
 
-    python -m tests.torture [--points 300] [--seed N] [--json benchmarks/results/torture.json]
+    python -m tests.campaigns.torture [--points 300] [--seed N]
+        [--json benchmarks/results/torture.json]
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ from typing import Any
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import read_marker
-from tests import torture_worker as worker
+from ckptstore.format import layout
+from tests.campaigns import torture_worker as worker
+from tests.campaigns.torture_report import RESULTS, Point, summary, table, write
+from tests.multiprocess.test_multiprocess import free_port
 from tests.paths import a_day_later
-from tests.test_multiprocess import free_port
-from tests.torture_report import RESULTS, Point, summary, table, write
 
 #: (operation, processes) cells; each runs on every backend.
 CELLS = [
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(RESULTS), help="where to write results ('': nowhere)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
-    command = f"python -m tests.torture --points {args.points} --seed {seed}"
+    command = f"python -m tests.campaigns.torture --points {args.points} --seed {seed}"
     if args.backends != "local,s3" or args.keep != 3:
         command += f" --backends {args.backends} --keep {args.keep}"
     from ckptstore.testing.servers import MotoS3Server

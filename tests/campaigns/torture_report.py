@@ -1,7 +1,7 @@
 """The torture campaign's report: kill points per operation and backend, and what the
-checks after each kill found (tests/torture.py).
+checks after each kill found (tests/campaigns/torture.py).
 
-``python -m tests.torture_report [RESULTS]`` prints the table of a results file
+``python -m tests.campaigns.torture_report [RESULTS]`` prints the table of a results file
 (default benchmarks/results/torture.json) from its points.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parents[1] / "benchmarks" / "results" / "torture.json"
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "torture.json"
 
 
 @dataclass

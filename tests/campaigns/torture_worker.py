@@ -1,4 +1,4 @@
-"""The processes the torture campaign (tests/torture.py) kills: one operation each.
+"""The processes the torture campaign (tests/campaigns/torture.py) kills: one operation each.
 
 A worker is forked from a zygote that already imported ckptstore, JAX and TensorStore
 (a multiprocessing forkserver), so a kill point costs a fork instead of an interpreter
@@ -28,8 +28,8 @@ import numpy as np
 
 #: Modules the zygote imports before forking workers.
 PRELOAD = [
-    "tests.torture_zygote",
-    "tests.torture_worker",
+    "tests.campaigns.torture_zygote",
+    "tests.campaigns.torture_worker",
     "ckptstore.checkpoint.save",
     "ckptstore.checkpoint.partial",
     "ckptstore.checkpoint.cleanup",

@@ -1,4 +1,4 @@
-"""Imported by the torture campaign's zygote only (tests/torture_worker.py, PRELOAD):
+"""Imported by the torture campaign's zygote only (tests/campaigns/torture_worker.py, PRELOAD):
 parse botocore's S3 models once, for every worker forked from it.
 
 Each worker's first S3 call builds a client, which parses ~0.6 s of JSON models; every

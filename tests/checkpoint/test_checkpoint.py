@@ -14,7 +14,7 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
+from ckptstore.format import layout
 
 Pair = collections.namedtuple("Pair", "first second")
 

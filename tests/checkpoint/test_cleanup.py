@@ -17,12 +17,12 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import commit as commit_protocol
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.staged import staged_key
 from ckptstore.cli import main
+from ckptstore.format import layout
 from ckptstore.tiers import hostlocal
+from tests.checkpoint.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
 from tests.paths import attempts, committed_root
-from tests.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
 
 
 def data_only(snap: dict[str, bytes]) -> dict[str, bytes]:

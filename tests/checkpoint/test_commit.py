@@ -18,13 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import digest
+from ckptstore.format import layout
 from ckptstore.testing.faults import FaultyBackend
 from tests.paths import attempts, committed_root
 
 T = TypeVar("T")
-FIXTURE_V1 = Path(__file__).with_name("fixtures") / "v1"
+FIXTURE_V1 = Path(__file__).parents[1].joinpath("fixtures") / "v1"
 
 
 def sharded(values: np.ndarray) -> jax.Array:

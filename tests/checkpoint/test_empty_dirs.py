@@ -16,8 +16,8 @@ import ckptstore
 from ckptstore.backends import local
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import commit as commit_protocol
-from tests.test_room import STEP_BYTES, tiers_on
-from tests.test_tiers import tree
+from tests.tiers.test_room import STEP_BYTES, tiers_on
+from tests.tiers.test_tiers import tree
 
 
 def empty_dirs(root: Path) -> list[str]:

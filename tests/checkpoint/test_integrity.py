@@ -80,7 +80,7 @@ KILL_AT_POINT = textwrap.dedent(
     import numpy as np
     import ckptstore
     import ckptstore.checkpoint.save as save_module
-    from tests.killpoints import first_bytes
+    from tests.campaigns.killpoints import first_bytes
 
     point = sys.argv[2]
     real_write, real_merge = save_module.write_leaves, save_module.merge
@@ -149,7 +149,7 @@ async def test_writer_killed_mid_save(
         [sys.executable, "-c", KILL_AT_POINT, str(root), point],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "at point"

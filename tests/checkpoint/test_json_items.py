@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.checkpoint.manifest import Manifest
 from ckptstore.errors import CorruptCheckpointError, TreeError, TreeMismatchError
+from ckptstore.format.manifest import Manifest
 
 
 @dataclass

@@ -163,8 +163,8 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
     import numpy as np
     import ckptstore
     import ckptstore.checkpoint.partial as partial_module
-    from tests.killpoints import first_bytes
-    from tests.test_partial import part_tree
+    from tests.campaigns.killpoints import first_bytes
+    from tests.checkpoint.test_partial import part_tree
 
     real_write = partial_module.write_leaves
     calls = 0
@@ -220,7 +220,7 @@ async def test_killed_importer_resumes_to_the_same_checkpoint(
         [sys.executable, "-c", IMPORTER_KILLED_MID_PART, target],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
     assert proc.stdout is not None
     line = await asyncio.to_thread(proc.stdout.readline)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.manifest import parse_leaf
+from ckptstore.format.manifest import parse_leaf
 
 
 def _known(impl: str) -> bool:
@@ -229,7 +229,7 @@ def test_leaf_records_with_and_without_an_implementation_parse() -> None:
 
 async def test_a_stored_implementation_this_jax_lacks_is_refused_typed(tmp_path: Path) -> None:
     from ckptstore.backends.local import LocalBackend
-    from ckptstore.checkpoint import layout
+    from ckptstore.format import layout
 
     root = tmp_path / "ckpt"
     await ckptstore.save(str(root), {"rng": jax.random.key(0)}, step=1)
@@ -243,8 +243,8 @@ async def test_a_stored_implementation_this_jax_lacks_is_refused_typed(tmp_path:
     with pytest.raises(ckptstore.CorruptCheckpointError):
         await ckptstore.restore(str(root))
     # ...and read by the restore layer itself (as a verified manifest), it is typed too.
-    from ckptstore.checkpoint.manifest import Manifest
     from ckptstore.checkpoint.restore import restore_manifest
+    from ckptstore.format.manifest import Manifest
 
     forged = Manifest.from_bytes(json.dumps(doc).encode(), where="test")
     async with LocalBackend(root) as backend:

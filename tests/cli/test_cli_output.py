@@ -26,7 +26,7 @@ from ckptstore.cli import output as cli_output
 from ckptstore.cli.output import EXIT_STATUSES
 from ckptstore.runtime.progress import Progress
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXE = str(Path(sys.executable).with_name("ckptstore"))
 
 
@@ -379,7 +379,8 @@ def test_exit_statuses_are_documented(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_exit_statuses_as_a_command(root: str, tmp_path: Path) -> None:
     """0 intact, 1 corrupt, 2 an error (a step that is not committed, bad usage); 3 (the
-    storage failed) is asserted against a failing server in tests/test_datapath_faults.py."""
+    storage failed) is asserted against a failing server in
+    tests/campaigns/test_datapath_faults.py."""
 
     def status(*args: str) -> int:
         return subprocess.run([EXE, *args], capture_output=True, timeout=120).returncode

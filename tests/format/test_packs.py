@@ -314,8 +314,8 @@ async def test_index_roundtrip_and_a_malformed_one_is_corruption(tmp_path: Path)
 async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
     """Process 0 reads the index of each process that reports packed leaves (several
     writers: the coordination service carries counts, not tables)."""
-    from ckptstore.checkpoint import layout
     from ckptstore.checkpoint.save import _packed
+    from ckptstore.format import layout
 
     backend = LocalBackend(tmp_path)
     where = layout.AttemptDir(1, layout.new_attempt())

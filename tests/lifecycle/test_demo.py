@@ -1,7 +1,7 @@
 """`make demo` works: preempted, resumed bit-exact, finished (a shorter run than the demo's).
 
 `make demo S3=1` (the same against an embedded moto S3 server) takes as long again, so it runs
-only with ``CKPTSTORE_DEMO_S3=1`` (``CKPTSTORE_DEMO_S3=1 pytest tests/test_demo.py``).
+only with ``CKPTSTORE_DEMO_S3=1`` (``CKPTSTORE_DEMO_S3=1 pytest tests/lifecycle/test_demo.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-DEMO = Path(__file__).resolve().parents[1] / "demo" / "run.py"
+DEMO = Path(__file__).resolve().parents[2] / "demo" / "run.py"
 S3 = pytest.param(
     ["--s3"],
     marks=pytest.mark.skipif(

@@ -21,7 +21,7 @@ import ckptstore
 from ckptstore import policies as pol
 from ckptstore.backends.base import Backend
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.checkpoint import layout
+from ckptstore.format import layout
 from ckptstore.lifecycle.policies import SaveContext, StepRecord
 from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
 
@@ -261,7 +261,7 @@ def test_a_step_committed_only_on_the_durable_tier_is_refused_at_save(tmp_path: 
 
 
 async def test_retention_never_touches_a_step_being_written(tmp_path: Path) -> None:
-    from tests.test_commit import STALLS, Stalled
+    from tests.checkpoint.test_commit import STALLS, Stalled
 
     root = str(tmp_path / "run")
     backend = ckptstore.open_backend(root)

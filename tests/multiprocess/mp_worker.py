@@ -1,4 +1,4 @@
-"""One process of a multi-process test job (run by tests/test_multiprocess.py).
+"""One process of a multi-process test job (run by tests/multiprocess/test_multiprocess.py).
 
 Usage: mp_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT MODE
 MODE "save" saves a sharded tree as step 1 on a (2, 4) mesh; "partial" builds the same

@@ -1,4 +1,4 @@
-"""One process of a many-process job (run by tests/test_multiprocess_scale.py): one CPU
+"""One process of a many-process job (run by tests/multiprocess/test_multiprocess_scale.py): one CPU
 device per process, joined by jax.distributed.
 
 Usage: scale_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT MODE

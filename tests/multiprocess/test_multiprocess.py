@@ -23,9 +23,9 @@ import ckptstore
 from ckptstore.checkpoint.target import opened
 from ckptstore.cli import main
 from ckptstore.tiers import promote as tiers
-from tests.mp_worker import SHAPES, expected
+from tests.checkpoint.test_partial import shared_target
+from tests.multiprocess.mp_worker import SHAPES, expected
 from tests.paths import a_day_later
-from tests.test_partial import shared_target
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 

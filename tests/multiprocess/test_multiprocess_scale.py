@@ -1,6 +1,6 @@
 """Many real JAX processes (one CPU device each, jax.distributed) save one tree sharded
 over all of them; another number of processes, and one process alone, restore it bit for
-bit (tests/scale_worker.py).
+bit (tests/multiprocess/scale_worker.py).
 
 `make test` runs 8 processes; ``CKPTSTORE_SCALE_PROCESSES=8,16`` (`make scale`) adds 16,
 which on a 2-core machine takes longer than `make test` should.
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import ckptstore
-from tests.scale_worker import SHAPES, expected
-from tests.test_multiprocess import free_port
+from tests.multiprocess.scale_worker import SHAPES, expected
+from tests.multiprocess.test_multiprocess import free_port
 
 WORKER = Path(__file__).with_name("scale_worker.py")
 COUNTS = [int(n) for n in os.environ.get("CKPTSTORE_SCALE_PROCESSES", "8").split(",")]

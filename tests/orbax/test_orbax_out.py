@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore.errors import OrbaxExportError
 from tests.conftest import make_backend
-from tests.test_orbax_in import assert_bit_exact, mesh, orbax_save, saved_form, sharded
+from tests.orbax.conftest import assert_bit_exact, mesh, orbax_save, saved_form, sharded
 
 
 def tree_for_orbax() -> dict[str, Any]:
@@ -321,7 +321,7 @@ def test_damaged_source_fails_cleanly(tmp_path: Path) -> None:
 
 def test_format_v1_steps_export(tmp_path: Path) -> None:
     """Version-1 steps record no parts: their whole item directory is exported."""
-    shutil.copytree(Path(__file__).with_name("fixtures") / "v1", tmp_path / "v1")
+    shutil.copytree(Path(__file__).parents[1].joinpath("fixtures") / "v1", tmp_path / "v1")
     for step in (7, 9):
         asyncio.run(ckptstore.export_orbax(tmp_path / "v1", tmp_path / f"out{step}", step=step))
         got = ocp.StandardCheckpointer().restore(tmp_path / f"out{step}")

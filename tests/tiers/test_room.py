@@ -12,11 +12,11 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint import layout
 from ckptstore.checkpoint.commit import Marker
+from ckptstore.format import layout
 from ckptstore.tiers.hostlocal import Staged
 from ckptstore.tiers.room import Room, ensure_room, promoted_steps
-from tests.test_tiers import assert_tree, tree
+from tests.tiers.test_tiers import assert_tree, tree
 
 STEP_BYTES = 256 * 128 * 4 + 7 * 2 + 8  # one tree(step)'s payload
 

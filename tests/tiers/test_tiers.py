@@ -25,8 +25,8 @@ import ckptstore
 from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.cli import main
 from ckptstore.tiers import promote as tiers
+from tests.checkpoint.test_partial import shared_target
 from tests.paths import committed_root, largest_data_file
-from tests.test_partial import shared_target
 
 DURABLE = ["s3", "gcs"]
 #: SIGKILLs of the promoter per durable backend (CKPTSTORE_PROMOTE_KILLS=50 for the long run).
@@ -188,7 +188,7 @@ async def test_a_killed_promotion_resumes_and_never_shows_early(
         proc = await asyncio.to_thread(
             subprocess.run,
             [sys.executable, "-c", KILLED_PROMOTER, fast, durable, str(k)],
-            cwd=Path(__file__).parents[1],
+            cwd=Path(__file__).parents[2],
             capture_output=True,
             timeout=120,
         )
@@ -292,7 +292,7 @@ def start_cli(*args: str, script: str | None = None) -> Started:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
     return proc, Output(proc.stdout), Output(proc.stderr)
 
