@@ -1,6 +1,7 @@
 """Names of everything a checkpoint stores, relative to the backend root.
 
-Format version 3 (attempt-scoped; version 2 is the same without packs):
+Format version 3 (attempt-scoped; version 2 is the same without packs; version 4 is a
+manifest whose leaves may be held by other attempts: incremental saves):
 
 ```
 <step>/
