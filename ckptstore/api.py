@@ -24,7 +24,7 @@ from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import CheckpointNotFoundError, UnsupportedOperationError
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
@@ -54,15 +54,25 @@ async def save(
     item: str = layout.DEFAULT_ITEM,
     metadata: dict[str, Any] | None = None,
     timeout: float = distributed.DEFAULT_TIMEOUT,
+    base: int | None = None,
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
+
+    ``base`` (a committed step; one backend only, for now): an incremental save. Each
+    leaf whose content equals what ``base`` stored (same shape, dtype, chunking, pieces
+    and 128-bit digests) is referenced, not written; restore, verify, `delete_step` and
+    `gc` follow and keep the reference (docs/incremental.md). `CheckpointNotFoundError`
+    if ``base`` is not committed, before anything is written, or no longer committed when
+    the save would commit (then nothing is committed).
 
     On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
     committed on the fast tier, after checking it has room; promotion to the durable tier
     is separate (`promote`, the manager, ``ckptstore promote``). Raises
     `AlreadyExistsError` if ``step`` is already committed (on the fast tier, for tiers).
     """
-    return await save_items(target, {item: tree}, step=step, metadata=metadata, timeout=timeout)
+    return await save_items(
+        target, {item: tree}, step=step, metadata=metadata, timeout=timeout, base=base
+    )
 
 
 save_sync = blocking(save)
@@ -76,13 +86,20 @@ async def save_items(
     metadata: dict[str, Any] | None = None,
     timeout: float = distributed.DEFAULT_TIMEOUT,
     timings: dict[str, float] | None = None,
+    base: int | None = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
     arrays and numbers but JSON (a dataclass config, a dict with strings) is kept as JSON
     in the manifest and restored as JSON (or into the dataclass ``like`` gives)."""
     step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
+    if base is not None:
+        base = layout.check_step(base)
     tiers = as_tiered(target)
+    if tiers is not None and base is not None:
+        raise UnsupportedOperationError(
+            "incremental saves (base=) work on one backend; not yet on tiers"
+        )
     if tiers is not None:  # committed (or staged, on host-local fast tiers) on the fast tier
         async with tiers.opened() as (fast, durable):
             hooks = tier_save.hooks(tiers, durable)
@@ -91,7 +108,7 @@ async def save_items(
             )
     async with opened(single(target)) as backend:
         return await plain_save.save_prepared(
-            backend, prepared, step, metadata, timeout, timings or {}, configs=configs
+            backend, prepared, step, metadata, timeout, timings or {}, configs=configs, base=base
         )
 
 

@@ -180,8 +180,11 @@ async def _remove(backend: Backend, key: str, objects: list[ObjectInfo]) -> None
 
 
 async def _referenced(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[int, str]]:
-    """(step, attempt) pairs some committed attempt references (besides its own)."""
+    """(step, attempt) pairs some committed attempt (as ``scans`` found them) or some
+    save in flight references (besides its own). The saves in flight are looked for
+    after the markers in ``scans`` were read (docs/incremental.md: why that order)."""
     out: set[tuple[int, str]] = set()
+    seen: set[tuple[int, str]] = set()
     for s in scans:
         if s.marker_error is not None:
             raise CorruptCheckpointError(
@@ -191,8 +194,43 @@ async def _referenced(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[
         if s.marker is None or s.marker.attempt is None:
             continue
         manifest: Manifest = await load_manifest(backend, s.marker)
+        seen.add((s.step, s.marker.attempt))
         for ref in manifest.references:
             out.add((int(ref["step"]), str(ref["attempt"])))
+    return out | await _in_flight(backend, seen)
+
+
+async def _in_flight(backend: Backend, seen: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """What attempts not in ``seen`` reference, listed now: saves that wrote their
+    manifest and may still commit (their fate is a commit claim younger than
+    `commit.CLAIM_TTL`, or undecided), and steps committed since ``seen`` was read."""
+    out: set[tuple[int, str]] = set()
+    steps = sorted(
+        s for s in (layout.parse_step(n) for n in await backend.list_dir()) if s is not None
+    )
+    for step in steps:
+        for name in await backend.list_dir(layout.step_dir(step)):
+            if not layout.is_attempt(name) or (step, name) in seen:
+                continue
+            where = layout.AttemptDir(step, name)
+            try:
+                data = await backend.read(where.manifest)
+            except NotFoundError:
+                continue  # still writing (or not a save's): it references nothing yet
+            try:
+                fate = await read_fate(backend, where)
+            except CorruptCheckpointError:
+                fate = None  # cannot tell: count its references
+            if fate is not None and (fate.dead or time.time() - fate.time >= protocol.CLAIM_TTL):
+                continue  # it will never commit
+            if await backend.exists(where.deleted):
+                continue  # a deleted step's: what it referenced, its referrers list too
+            try:
+                manifest = Manifest.from_bytes(data, where=f"{backend.url}/{where.manifest}")
+            except CorruptCheckpointError:
+                continue  # a save writes none a reader refuses: nothing will read it
+            for ref in manifest.references:
+                out.add((int(ref["step"]), str(ref["attempt"])))
     return out
 
 
@@ -221,13 +259,14 @@ async def remove_step(
         )
     keep: set[tuple[int, str]] = set()
     if scanned.marker is not None and scanned.marker.attempt is not None:
+        # Marked first, references read after: a save referencing this step that checked
+        # it before the mark wrote its manifest before, and is found (docs/incremental.md).
+        await mark_deleted(backend, scanned.marker.where, reason)
         others = [s for s in await committed_steps(backend) if s != step]
         keep = await _referenced(
             backend, await asyncio.gather(*(scan_marker(backend, s) for s in others))
         )
     removal = Removal()
-    if scanned.marker is not None and scanned.marker.attempt is not None:
-        await mark_deleted(backend, scanned.marker.where, reason)
     await backend.delete(layout.commit_key(step))  # from here on, the step is gone
     removal.entries.append(layout.commit_key(step))
     removal.objects += 1

@@ -31,6 +31,7 @@ import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.errors import (
@@ -60,6 +61,9 @@ class Marker:
     manifest_digest: str | None
     token: str = ""
     time: float = 0.0
+    #: The format version the marker says (that of its manifest: `layout.PLAIN_VERSION`
+    #: unless the step references other attempts).
+    format_version: int = layout.PLAIN_VERSION
 
     @property
     def where(self) -> AttemptDir:
@@ -69,7 +73,7 @@ class Marker:
         return json.dumps(
             {
                 "format": layout.FORMAT,
-                "format_version": layout.FORMAT_VERSION,
+                "format_version": self.format_version,
                 "step": self.step,
                 "attempt": self.attempt,
                 "manifest_digest": self.manifest_digest,
@@ -278,6 +282,12 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
     Manifest.from_bytes(data, where=f"{backend.url}/{where.manifest} (not written)")
     await backend.write(where.manifest, data)
     await backend.sync_dirs(where.root)  # every directory the attempt created, before the marker
+    if manifest.base is not None:  # after the manifest is visible: docs/incremental.md
+        try:
+            await check_base(backend, manifest.base)
+        except (FencedError, CheckpointNotFoundError):
+            await _give_up(backend, where, fate)
+            raise
     fate.check_fresh(where)
     marker = Marker(
         step=manifest.step,
@@ -285,6 +295,7 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
         manifest_digest=digest(data),
         token=secrets.token_hex(16),
         time=time.time(),
+        format_version=manifest.format_version,
     )
     try:
         await backend.create(layout.commit_key(manifest.step), marker.to_bytes())
@@ -296,6 +307,39 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
             key=layout.commit_key(manifest.step),
         ) from exc
     return marker
+
+
+async def check_base(backend: Backend, base: dict[str, Any]) -> None:
+    """Raise unless the base an incremental save names is still committed: no
+    ``DELETED`` record in its attempt (read first), then its step's marker still naming
+    it. Called after the referencing manifest is written and before its marker: a
+    deletion that had not begun by the first read sees that manifest when it looks for
+    references, so it keeps what the manifest references (docs/incremental.md)."""
+    where = AttemptDir(int(base["step"]), str(base["attempt"]))
+    if await backend.exists(where.deleted):
+        raise FencedError(
+            f"base step {where.step} was deleted while this save referenced it; not committed",
+            backend=backend.url,
+            key=where.deleted,
+        )
+    marker = await read_marker(backend, where.step)
+    if marker is None or marker.attempt != where.attempt:
+        raise CheckpointNotFoundError(
+            f"base step {where.step} (attempt {where.attempt}) is no longer committed; "
+            "this save was not committed",
+            backend=backend.url,
+            key=layout.commit_key(where.step),
+        )
+
+
+async def _give_up(backend: Backend, where: AttemptDir, fate: Fate) -> None:
+    """An incremental save whose base went: abandon its own attempt (a dead attempt's
+    references keep nothing alive) and remove what it wrote, its tombstone left for gc."""
+    try:
+        await claim(backend, where, ABANDON, fate.owner)
+        await clear_attempt(backend, where, keep_fate=True)
+    except Exception:  # the base's error is the one to raise; gc removes the rest
+        pass
 
 
 # ---- readers ----

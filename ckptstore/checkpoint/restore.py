@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ from ckptstore.format.leaves import (
     key_impl_name,
 )
 from ckptstore.format.manifest import Manifest
-from ckptstore.format.packs import read_packed, read_split
+from ckptstore.format.packs import PackRef, read_packed, read_split
 from ckptstore.format.tree import path_name, rebuild
 from ckptstore.runtime import shortrepr
 from ckptstore.runtime.gcpause import gc_paused
@@ -160,42 +160,87 @@ async def open_manifest_item(
 
 
 async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> StoredItem:
-    """Item ``item`` of the attempt ``manifest`` describes, read from ``backend``."""
+    """Item ``item`` of the attempt ``manifest`` describes, read from ``backend``; a leaf
+    another attempt holds (an incremental save's reference) is read from that attempt."""
     if item not in manifest.items:
         raise CheckpointNotFoundError(
             f"step {manifest.step} has no item {item!r} (it has {manifest.item_names})",
             backend=backend.url,
         )
-    store = item_store(backend, manifest, item)
-    ctx = backend.ts_context
-    source = await chunk_source(backend, manifest, item, store)
-
     saved = manifest.items[item]
-    packed = saved.packed
-    prefix = item_dir(manifest, item)
+    where = {name: leaf_dir(manifest, item, name) for name in saved.leaves}
+    readers = {
+        prefix: await _Reader.open(backend, prefix, saved.packed)
+        for prefix in dict.fromkeys(where.values())
+    }
 
-    async def unpack(info: LeafInfo) -> np.ndarray[Any, Any]:
-        (whole,) = await read_packed(backend, prefix, [(info, packed[info.name])])
-        return whole
+    def split(infos: Sequence[LeafInfo]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for k, info in enumerate(infos):
+            groups.setdefault(where[info.name], []).append(k)
+        return groups
 
     async def open_native(info: LeafInfo) -> ts.TensorStore:
-        if info.name in packed:  # an array in memory, for readers that want TensorStore's
-            return ts.array(await unpack(info))
-        return await open_leaf(store, ctx, info)
+        return await readers[where[info.name]].open_native(info)
 
     async def read_small(infos: Sequence[LeafInfo]) -> list[np.ndarray[Any, Any]]:
-        async def others(rest: list[LeafInfo]) -> list[np.ndarray[Any, Any]]:
-            return await read_small_leaves(source, store, ctx, rest)
-
-        return await read_split(backend, prefix, packed, infos, others)
+        out: list[Any] = [None] * len(infos)
+        groups = list(split(infos).items())
+        found = await settle(readers[p].read_small([infos[k] for k in ks]) for p, ks in groups)
+        for (_, ks), values in zip(groups, found, strict=True):
+            for k, value in zip(ks, values, strict=True):
+                out[k] = value
+        return out
 
     async def open_raw(infos: Sequence[LeafInfo]) -> list[Read | None]:
-        raws = iter(await RawLeaf.open_many(source, [i for i in infos if i.name not in packed]))
-        return [
-            _in_memory(await unpack(info)) if info.name in packed else next(raws) for info in infos
-        ]
+        out: list[Read | None] = [None] * len(infos)
+        for prefix, ks in split(infos).items():
+            opened = await readers[prefix].open_raw([infos[k] for k in ks])
+            for k, read in zip(ks, opened, strict=True):
+                out[k] = read
+        return out
 
     return StoredItem(saved.leaves, saved.structure, open_native, read_small, open_raw)
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """The leaves of one item's directory (an attempt's merged store and packs)."""
+
+    backend: Backend
+    prefix: str
+    store: dict[str, Any]
+    source: Chunks
+    packed: Mapping[str, PackRef]
+
+    @classmethod
+    async def open(cls, backend: Backend, prefix: str, packed: Mapping[str, PackRef]) -> _Reader:
+        store = ocdbt_spec(backend.kvstore_spec(prefix))
+        source = await chunk_source_at(backend, prefix, store)
+        return cls(backend, prefix, store, source, packed)
+
+    async def unpack(self, info: LeafInfo) -> np.ndarray[Any, Any]:
+        (whole,) = await read_packed(self.backend, self.prefix, [(info, self.packed[info.name])])
+        return whole
+
+    async def open_native(self, info: LeafInfo) -> ts.TensorStore:
+        if info.name in self.packed:  # an array in memory, for readers that want TensorStore's
+            return ts.array(await self.unpack(info))
+        return await open_leaf(self.store, self.backend.ts_context, info)
+
+    async def read_small(self, infos: Sequence[LeafInfo]) -> list[np.ndarray[Any, Any]]:
+        async def others(rest: list[LeafInfo]) -> list[np.ndarray[Any, Any]]:
+            return await read_small_leaves(self.source, self.store, self.backend.ts_context, rest)
+
+        return await read_split(self.backend, self.prefix, self.packed, infos, others)
+
+    async def open_raw(self, infos: Sequence[LeafInfo]) -> list[Read | None]:
+        unpacked = [i for i in infos if i.name not in self.packed]
+        raws = iter(await RawLeaf.open_many(self.source, unpacked))
+        return [
+            _in_memory(await self.unpack(info)) if info.name in self.packed else next(raws)
+            for info in infos
+        ]
 
 
 async def restore_stored(
@@ -355,12 +400,16 @@ def _in_memory(whole: np.ndarray[Any, Any]) -> Read:
 async def chunk_source(
     backend: Backend, manifest: Manifest, item: str, store: dict[str, Any]
 ) -> Chunks:
-    """Where the item's chunk bytes are read from: its data files directly where the
-    backend reads cheaply into buffers and the store's index is understood, else
-    TensorStore's kvstore."""
-    what = f"opening item {item!r}"
+    """Where the item's chunk bytes are read from (`chunk_source_at` its directory)."""
+    return await chunk_source_at(backend, item_dir(manifest, item), store)
+
+
+async def chunk_source_at(backend: Backend, prefix: str, store: dict[str, Any]) -> Chunks:
+    """Where the chunk bytes of the merged store ``store`` at ``prefix`` are read from: its
+    data files directly where the backend reads cheaply into buffers and the store's index
+    is understood, else TensorStore's kvstore."""
+    what = f"opening {prefix!r}"
     if backend.capabilities.direct_reads:
-        prefix = item_dir(manifest, item)
         ctx = backend.ts_context
         base = await within(
             ts.KvStore.open(backend.kvstore_spec(prefix), context=ctx), ctx, 0, what
@@ -377,6 +426,16 @@ def item_dir(manifest: Manifest, item: str) -> str:
     """The directory of one item (its merged store, process stores and packs) in the
     attempt ``manifest`` describes."""
     return layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+
+
+def leaf_dir(manifest: Manifest, item: str, leaf: str) -> str:
+    """The item directory holding ``leaf``'s bytes: the attempt's own, or (a reference of
+    an incremental save) the same item of the attempt the manifest names for it."""
+    k = manifest.items[item].refs.get(leaf)
+    if k is None:
+        return item_dir(manifest, item)
+    holder = manifest.references[k]
+    return layout.AttemptDir(int(holder["step"]), str(holder["attempt"])).item(item)
 
 
 def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any]:

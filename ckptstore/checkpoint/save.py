@@ -23,6 +23,7 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -40,10 +41,12 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
+from ckptstore.checkpoint.incremental import Base, References, Unchanged, open_base, unchanged
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format import layout
+from ckptstore.format.digests import PieceTable, check_table
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.format.manifest import ItemManifest, Manifest
@@ -68,6 +71,9 @@ class SaveResult:
     #: Seconds per phase on this process: "write" (its shards), "merge" and "commit"
     #: (process 0; the others waited for them).
     timings: dict[str, float] = field(default_factory=dict)
+    #: Payload bytes of the leaves not written because the base step holds them
+    #: (an incremental save, ``base=``); 0 otherwise.
+    bytes_referenced: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,13 +179,22 @@ async def save_prepared(
     timings: dict[str, float],
     hooks: SaveHooks = PLAIN,
     configs: dict[str, JsonItem] | None = None,
+    base: int | None = None,
 ) -> SaveResult:
     """The save of prepared ``items`` as ``step`` on ``backend``, every process taking
-    part (the module docstring's protocol, with ``hooks``' additions)."""
+    part (the module docstring's protocol, with ``hooks``' additions). With ``base`` (a
+    committed step), leaves unchanged since it are referenced, not written
+    (`ckptstore.checkpoint.incremental`)."""
     start = time.perf_counter()
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
     await hooks.before_attempt(backend, items, step, handoff)
+    based: Base | None = None
+    same = Unchanged({name: set() for name in items}, {})
+    if base is not None:  # every process reads it: a base gone is typed, nothing written
+        based = await open_base(backend, base)
+        pairs = {n: (i.leaves, [v for _, v in i.named]) for n, i in items.items()}
+        same = await unchanged(based, pairs, handoff)
 
     async def fresh_attempt() -> str:
         return layout.new_attempt()
@@ -190,24 +205,36 @@ async def save_prepared(
     async def write_mine() -> dict[str, Any]:
         total: dict[str, Any] = {"process": handoff.me, "shards": 0, "bytes": 0, "seconds": 0.0}
         packed: dict[str, int] = {}  # per item, the leaves this process packed
+        digested: dict[str, int] = {}  # per item, the leaves this process digested
         for name, item in items.items():
             store = where.process_store(name, handoff.me)
             packs = PackTarget(backend, where.item(name), _last(store)) if hooks.packs else None
+            skip = same.leaves.get(name, set())
+            digests = dict(same.digested.get(name, {}))
             with backend.write_behind(store):
                 stats = await write_leaves(
                     ocdbt_spec(backend.kvstore_spec(store)),
                     backend.ts_context,
-                    list(zip(item.leaves, (value for _, value in item.named), strict=True)),
+                    [
+                        (info, value)
+                        for info, (_, value) in zip(item.leaves, item.named, strict=True)
+                        if info.name not in skip
+                    ],
                     process=handoff.me,
                     write_metadata=handoff.me == 0,
                     packs=packs,
+                    digests=digests,
                 )
             for key in ("shards", "bytes", "seconds"):
                 total[key] += stats.to_json()[key]
             if stats.packed:
                 await write_index(backend, store, stats.packed)
+            if digests:
+                await _write_digests(backend, store, digests)
             packed[name] = len(stats.packed)
+            digested[name] = len(digests)
         total[_PACKED] = packed
+        total[_DIGESTED] = digested
         await hooks.after_write(backend, where, items, handoff)
         return total
 
@@ -232,23 +259,40 @@ async def save_prepared(
         nonlocal committing
         reports = await handoff.reports()
         fate = await claim(backend, where, COMMIT, owner)  # before the first shared write
-        processes = [{k: v for k, v in p.items() if k != _PACKED} for p in reports]
+        processes = [{k: v for k, v in p.items() if k not in (_PACKED, _DIGESTED)} for p in reports]
         manifest_items = {}
+        references = References([])
         for name, item in items.items():
             stores = [where.process_store(name, i) for i in range(handoff.count)]
             packed = await _packed(backend, where, name, item.leaves, reports)
             infos = {info.name: info for info in item.leaves}
+            held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
             if hooks.merge:
-                unpacked = [info for info in item.leaves if info.name not in packed]
+                unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
                 await merge(backend, where.item(name), stores, unpacked)
                 await check_packs(
                     backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
                 )
+            digests = await _digests(backend, where, name, reports)
+            refs: dict[str, int] = {}
+            for leaf in sorted(held):
+                assert based is not None
+                refs[leaf] = references.index(based.holder(name, leaf))
+                digests[leaf] = dict(based.manifest.items[name].digests[leaf])
+                ref = based.packed(name, leaf)
+                if ref is not None:  # in its holder's pack, which the reference names
+                    packed[leaf] = ref
             manifest_items[name] = ItemManifest(
                 structure=item.structure,
                 leaves=infos,
                 parts=[_last(s) for s in stores],
-                packed=packed,
+                packed={
+                    info.name: packed[info.name] for info in item.leaves if info.name in packed
+                },
+                digests={
+                    info.name: digests[info.name] for info in item.leaves if info.name in digests
+                },
+                refs=refs,
             )
         merged = time.perf_counter()
         phases["merge"] = merged - written
@@ -259,6 +303,9 @@ async def save_prepared(
             processes=processes,
             metadata=metadata or {},
             json_items=configs or {},
+            references=references.holders,
+            base=based.ref if based is not None and references.holders else None,
+            format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
             timings={
                 **timings,
                 "write": max(p["seconds"] for p in processes),
@@ -284,10 +331,19 @@ async def save_prepared(
         seconds=time.perf_counter() - start,
         merge_seconds=phases.get("merge", 0.0),
         timings={"write": written - start, **phases},
+        bytes_referenced=sum(
+            info.nbytes
+            for name, item in items.items()
+            for info in item.leaves
+            if info.name in same.leaves.get(name, set())
+        ),
     )
 
 
 _PACKED = "packed"  # a process's report: per item, how many leaves it packed
+_DIGESTED = "digested"  # ... and how many leaves it digested (`DIGESTS` beside its store)
+#: A writer's digests of its pieces, beside its store: ``{leaf: {bounds: digest}}``.
+DIGESTS = "digests.json"
 #: How long process 0 of a failed save waits for the others to stop writing (each reports
 #: when its writes end) before it removes the attempt; past it, `gc` removes it later.
 DISCARD_WAIT = 60.0
@@ -314,6 +370,33 @@ async def _packed(
     out = {info.name: found.pop(info.name) for info in leaves if info.name in found}
     if found:
         raise CkptStoreError(f"packed leaves the tree does not have: {sorted(found)[:5]}")
+    return out
+
+
+async def _write_digests(backend: Backend, store: str, digests: dict[str, PieceTable]) -> None:
+    with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
+        data = json.dumps(digests, separators=(",", ":")).encode()
+    await backend.write(f"{store}/{DIGESTS}", data)
+
+
+async def _digests(
+    backend: Backend, where: layout.AttemptDir, item: str, reports: Sequence[dict[str, Any]]
+) -> dict[str, PieceTable]:
+    """Every process's piece digests of ``item``, joined per leaf."""
+    out: dict[str, PieceTable] = {}
+    for i, report in enumerate(reports):
+        if not report.get(_DIGESTED, {}).get(item):
+            continue
+        key = f"{where.process_store(item, i)}/{DIGESTS}"
+        try:
+            with gc_paused():
+                doc = json.loads(await backend.read(key))
+                if not isinstance(doc, dict):
+                    raise ValueError("not a JSON object")
+                for leaf, table in doc.items():
+                    out.setdefault(leaf, {}).update(check_table(leaf, table))
+        except ValueError as exc:
+            raise CkptStoreError(f"unreadable digests {key}: {exc}") from exc
     return out
 
 

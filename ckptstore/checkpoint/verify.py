@@ -27,12 +27,13 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.merge import validate
-from ckptstore.checkpoint.restore import item_dir, item_store
+from ckptstore.checkpoint.restore import item_dir, leaf_dir
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import (
     MAX_INFLIGHT_BYTES,
     ByteBudget,
     KvChunks,
+    ocdbt_spec,
     open_leaf,
     read_slice,
 )
@@ -40,7 +41,7 @@ from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.format import layout
 from ckptstore.format.leaves import Index, LeafInfo
-from ckptstore.format.manifest import Manifest
+from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import read_packed
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
@@ -123,8 +124,11 @@ async def verify_step(
         return report
     report.attempt = manifest.attempt
     if manifest.attempt is not None:
-        for key in await backend.escapes(layout.AttemptDir(step, manifest.attempt).root):
-            report.problems[key] = "leads outside the checkpoint's root (a link): not read"
+        roots = [layout.AttemptDir(step, manifest.attempt).root]
+        roots += [layout.AttemptDir(r["step"], r["attempt"]).root for r in manifest.references]
+        for root in roots:  # the attempt, and those holding leaves it references
+            for key in await backend.escapes(root):
+                report.problems[key] = "leads outside the checkpoint's root (a link): not read"
         if report.problems:
             return report
     done = 0
@@ -149,15 +153,36 @@ async def _verify_item(
     checked: Callable[[int], None],
 ) -> None:
     item = manifest.items[name]
-    spec = item_store(backend, manifest, name)
+    groups: dict[str, list[LeafInfo]] = {}  # per directory holding them (incremental saves)
+    for info in item.leaves.values():
+        groups.setdefault(leaf_dir(manifest, name, info.name), []).append(info)
+    for prefix, infos in groups.items():
+        shown = name if prefix == item_dir(manifest, name) else prefix
+        await _verify_leaves(backend, item, prefix, shown, infos, report, budget, checked)
+    report.leaves += len(item.leaves)
+
+
+async def _verify_leaves(
+    backend: Backend,
+    item: ItemManifest,
+    prefix: str,
+    name: str,
+    infos: list[LeafInfo],
+    report: VerifyReport,
+    budget: ByteBudget,
+    checked: Callable[[int], None],
+) -> None:
+    """The leaves ``infos`` of ``item``, held in the item directory ``prefix`` (shown as
+    ``name`` in what the report names)."""
+    spec = ocdbt_spec(backend.kvstore_spec(prefix))
     ctx = backend.ts_context
     try:
         kv = await ts.KvStore.open(spec, context=ctx)
         keys = [k.decode() for k in await kv.list()]
-        in_store = [info for info in item.leaves.values() if info.name not in item.packed]
+        in_store = [info for info in infos if info.name not in item.packed]
         coverage = await validate(kv, keys, in_store)
     except Exception as exc:  # TensorStore raises ValueError for unreadable stores
-        failed = storage_error(exc, op=f"reading the merged store of item {name!r}")
+        failed = storage_error(exc, op=f"reading the merged store {prefix!r}")
         if failed is not None:
             report.unreadable[f"{name}/"] = str(failed)
         else:
@@ -165,9 +190,7 @@ async def _verify_item(
         return
     for leaf, why in coverage.items():
         report.problems[f"{name}/{leaf}"] = why
-    todo = iter([info for info in item.leaves.values() if info.name not in coverage])
-
-    prefix = item_dir(manifest, name)
+    todo = iter([info for info in infos if info.name not in coverage])
 
     async def unpack(info: LeafInfo) -> int:
         async with budget.hold(info.nbytes):
@@ -187,7 +210,6 @@ async def _verify_item(
                 report.record(f"{name}/{info.name}", exc)
 
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-    report.leaves += len(item.leaves)
 
 
 async def _read_all(

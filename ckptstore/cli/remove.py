@@ -90,7 +90,7 @@ async def _would_delete(target: Backend | Tiered, step: int) -> Removal:
             return None
         removal = Removal(entries=[layout.commit_key(step)], objects=1)
         for entry in scanned.entries if scanned.marker is not None else []:
-            if entry.committed:  # an attempt another step references would stay (none yet)
+            if entry.committed:  # counted even where another step references it (then kept)
                 removal.add(entry.key, entry.objects)
         return removal
 

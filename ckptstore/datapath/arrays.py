@@ -28,6 +28,7 @@ from ckptstore.backends.tsdeadline import bind, policy_of, within
 from ckptstore.backends.tserrors import read_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.format import chunks
+from ckptstore.format.digests import PieceTable, digest, digest_off_loop, piece_key
 from ckptstore.format.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
 from ckptstore.format.packs import PackRef, PackTarget, write_pack
 from ckptstore.runtime.futures import THREAD_BYTES, finish_first, off_loop, wait_all, wait_here
@@ -142,6 +143,7 @@ async def write_leaves(
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     select: Select = owned_slices,
     packs: PackTarget | None = None,
+    digests: dict[str, PieceTable] | None = None,
 ) -> WriteStats:
     """Write this process's pieces of ``leaves`` into the OCDBT store ``store``.
 
@@ -150,7 +152,9 @@ async def write_leaves(
     are handed to TensorStore at a time, which bounds the memory a save adds.
     ``select(value, process)`` picks the pieces (`owned_slices`; `host_view_slices`).
     With ``packs``, small single-chunk leaves go into packs there instead
-    (`ckptstore.format.packs`; ``WriteStats.packed`` says where).
+    (`ckptstore.format.packs`; ``WriteStats.packed`` says where). With ``digests``,
+    each piece written of a leaf not in it yet is digested as it is written
+    (`ckptstore.format.digests`), into ``digests[leaf][piece bounds]``.
     """
     stats = WriteStats(process=process)
     start = time.perf_counter()
@@ -177,7 +181,8 @@ async def write_leaves(
             arr = await within(opening, context, 0, what)
         if pieces:
             stats.leaves.append(info.name)
-        await gather_first_error(write_piece(arr, *piece) for piece in pieces)
+        table = _table_for(info)
+        await gather_first_error(write_piece(arr, *piece, table=table) for piece in pieces)
 
     async def small_leaves(group: list[tuple[LeafInfo, Any]]) -> None:
         # Each is one chunk, so at most one piece (the whole array); no TensorStore opens.
@@ -196,9 +201,13 @@ async def write_leaves(
                         if write_metadata:
                             key = chunks.metadata_key(info)
                             writes.append(kv.write(key, chunks.encode_metadata(info)))
-                        for _, data, _ in pieces:
-                            chunk = chunks.encode_chunk(info, np.asarray(data))
+                        table = _table_for(info)
+                        for index, data, _ in pieces:
+                            host = np.asarray(data)
+                            chunk = chunks.encode_chunk(info, host)
                             writes.append(kv.write(chunks.chunk_key(info), chunk))
+                            if table is not None:
+                                table[piece_key(index, info.shape)] = digest(host)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         wait_here(writes, limit)  # the ones already issued end first
@@ -218,30 +227,69 @@ async def write_leaves(
     async def packed_leaves(k: int, group: list[tuple[LeafInfo, Any]]) -> None:
         assert packs is not None
         async with budget.hold(sum(info.nbytes for info, _ in group)):  # device-to-host copies
-            owned = [(info, data) for info, value in group for _, data, _ in pieces_of(value)]
-            if not owned:
+            indexed = [(info, p) for info, value in group for p in pieces_of(value)]
+            if not indexed:
                 return
+            owned = [(info, data) for info, (_, data, _) in indexed]
             write = write_pack(packs.backend, packs.prefix, packs.key(k), owned, encoding=encoding)
             refs = await finish_first(write)
+            tables = [
+                (_table_for(info), piece_key(index, info.shape), data)
+                for info, (index, data, _) in indexed
+            ]
+            if any(table is not None for table, _, _ in tables):
+
+                def digest_all() -> list[str | None]:
+                    return [digest(d) if t is not None else None for t, _, d in tables]
+
+                found = await off_loop(digest_all, sum(i.nbytes for i, _ in owned))
+                for (table, key, _), hexed in zip(tables, found, strict=True):
+                    if table is not None and hexed is not None:
+                        table[key] = hexed
             for (info, _), ref in zip(owned, refs, strict=True):
                 stats.packed[info.name] = ref
                 stats.leaves.append(info.name)
                 stats.shards += 1
                 stats.bytes += info.nbytes
 
-    async def write_piece(arr: ts.TensorStore, index: Index, data: Any, private: bool) -> None:
+    def _table_for(info: LeafInfo) -> PieceTable | None:
+        """The table this write fills for ``info`` (None: not digested here)."""
+        if digests is None or info.name in digests:
+            return None
+        return digests.setdefault(info.name, {})
+
+    async def written(
+        arr: ts.TensorStore, index: Index, host: Any, reference: bool, nbytes: int, hashed: bool
+    ) -> str | None:
+        """Write ``host`` at ``index``, digesting it meanwhile when ``hashed``."""
+        write = arr[index].write(host, can_reference_source_data_indefinitely=reference)
+        writing = finish_first(within(write, context, nbytes, "writing checkpoint data"))
+        if not hashed:
+            await writing
+            return None
+        hexed, _ = await gather_first_error([digest_off_loop(host, nbytes), writing])
+        return str(hexed)
+
+    async def write_piece(
+        arr: ts.TensorStore,
+        index: Index,
+        data: Any,
+        private: bool,
+        *,
+        table: PieceTable | None = None,
+    ) -> None:
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
-        what = "writing checkpoint data"
+        hashed = table is not None
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
-            write = arr[index].write(view, can_reference_source_data_indefinitely=True)
-            await finish_first(within(write, context, nbytes, what))
+            hexed = await written(arr, index, view, True, nbytes, hashed)
         else:
             async with budget.hold(nbytes):
                 host = await off_loop(lambda: np.asarray(data), nbytes)  # device to host
                 # A numpy leaf is the caller's array: TensorStore copies it.
-                write = arr[index].write(host, can_reference_source_data_indefinitely=private)
-                await finish_first(within(write, context, nbytes, what))
+                hexed = await written(arr, index, host, private, nbytes, hashed)
+        if table is not None and hexed is not None:
+            table[piece_key(index, arr.shape)] = hexed
         stats.shards += 1
         stats.bytes += nbytes
 

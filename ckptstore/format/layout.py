@@ -1,6 +1,7 @@
 """Names of everything a checkpoint stores, relative to the backend root.
 
-Format version 3 (attempt-scoped; version 2 is the same without packs):
+Format version 3 (attempt-scoped; version 2 is the same without packs; version 4 is a
+manifest whose leaves may be held by other attempts: incremental saves):
 
 ```
 <step>/
@@ -48,7 +49,12 @@ TOMBSTONES = (FATE, DELETED)
 PARTS = "parts"
 DEFAULT_ITEM = "state"
 FORMAT = "ckptstore"
-FORMAT_VERSION = 3  # 3: an item's small leaves may be packed (`ckptstore.format.packs`)
+#: The newest format read and written. 3: an item's small leaves may be packed
+#: (`ckptstore.format.packs`); 4: an item's leaves may be held by another attempt
+#: (incremental saves, docs/incremental.md). A step without such references is written as
+#: `PLAIN_VERSION`, so that readers of version 3 still read it.
+FORMAT_VERSION = 4
+PLAIN_VERSION = 3
 
 _ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 

@@ -18,6 +18,7 @@ from typing import Any
 from ckptstore.backends.keys import validate_key
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks, layout
+from ckptstore.format.digests import PieceTable, check_table
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.packs import PackRef
@@ -40,10 +41,22 @@ class ItemManifest:
     parts: list[str] = field(default_factory=list)  # store directories merged, in order
     #: Leaves stored in packs (`ckptstore.format.packs`) rather than in the merged store.
     packed: dict[str, PackRef] = field(default_factory=dict)
+    #: Each leaf's piece digests (`ckptstore.format.digests`): what lets a later save use
+    #: this step as its base. Absent for leaves saved before digests were recorded.
+    digests: dict[str, PieceTable] = field(default_factory=dict)
+    #: Leaves whose bytes another attempt holds (an incremental save): leaf -> index into
+    #: `Manifest.references`. Such a leaf is read from the same item of that attempt (its
+    #: merged store, or its pack where ``packed`` names one), not from this attempt's.
+    refs: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(info.nbytes for info in self.leaves.values())
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Payload bytes of the leaves another attempt holds."""
+        return sum(self.leaves[name].nbytes for name in self.refs)
 
 
 @dataclass
@@ -55,11 +68,16 @@ class Manifest:
     created: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)
     #: Other attempts whose data this one references (``{"step": s, "attempt": a}``);
-    #: `delete_step` and `gc` keep them. Empty until incremental saves exist.
+    #: `delete_step` and `gc` keep them (see docs/incremental.md).
     references: list[dict[str, Any]] = field(default_factory=list)
+    #: The committed step an incremental save named as its base (``{"step", "attempt"}``):
+    #: the commit checks it is still committed (`commit.check_base`). None otherwise.
+    base: dict[str, Any] | None = None
     #: Seconds per phase of the save ("staging", "write", "merge"), for `ckptstore info`.
     timings: dict[str, float] = field(default_factory=dict)
-    format_version: int = layout.FORMAT_VERSION
+    #: Manifests without references are written as version 3, which older readers read;
+    #: one with references is version 4 (`layout.FORMAT_VERSION`), which they refuse.
+    format_version: int = layout.PLAIN_VERSION
     #: Items that are configuration, not arrays (`ckptstore.format.jsonitems`): their
     #: JSON is kept here, under the marker's digest. Readers before them ignore this field.
     json_items: dict[str, JsonItem] = field(default_factory=dict)
@@ -95,9 +113,12 @@ class Manifest:
                     "parts": item.parts,
                     "leaves": {n: info.to_json() for n, info in item.leaves.items()},
                     "packed": {n: ref.to_json() for n, ref in item.packed.items()},
+                    **({"digests": item.digests} if item.digests else {}),
+                    **({"refs": item.refs} if item.refs else {}),
                 }
                 for name, item in self.items.items()
             },
+            **({"base": self.base} if self.base is not None else {}),
             **(
                 {"json_items": {n: j.to_json() for n, j in self.json_items.items()}}
                 if self.json_items
@@ -134,15 +155,11 @@ def _parse(doc: Any) -> Manifest:
     _expect(isinstance(doc.get("metadata", {}), dict), "metadata is not an object")
     for name in ("processes", "references"):
         _expect(isinstance(doc.get(name, []), list), f"{name} is not a list")
-    for ref in doc.get("references", []):  # gc and delete_step keep what these name
-        _expect(
-            isinstance(ref, dict)
-            and _is_int(ref.get("step"))
-            and ref["step"] >= 0
-            and isinstance(ref.get("attempt"), str)
-            and layout.is_attempt(ref["attempt"]),
-            f"bad reference {str(ref)[:80]}",
-        )
+    references = doc.get("references", [])
+    for ref in references:  # gc and delete_step keep what these name
+        _expect(_is_attempt_ref(ref), f"bad reference {str(ref)[:80]}")
+    base = doc.get("base")
+    _expect(base is None or _is_attempt_ref(base), f"bad base {str(base)[:80]}")
     timings = doc.get("timings", {})
     _expect(
         isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values()),
@@ -157,18 +174,31 @@ def _parse(doc: Any) -> Manifest:
     return Manifest(
         step=step,
         attempt=attempt if version >= 2 else None,
-        items={name: _parse_item(name, item) for name, item in doc["items"].items()},
+        items={
+            name: _parse_item(name, item, len(references)) for name, item in doc["items"].items()
+        },
         processes=list(doc.get("processes", [])),
         created=float(created),
         metadata=dict(doc.get("metadata", {})),
-        references=list(doc.get("references", [])),
+        references=list(references),
+        base=dict(base) if base is not None else None,
         timings={str(k): float(v) for k, v in timings.items()},
         format_version=version,
         json_items=json_items,
     )
 
 
-def _parse_item(name: str, item: Any) -> ItemManifest:
+def _is_attempt_ref(ref: Any) -> bool:
+    return (
+        isinstance(ref, dict)
+        and _is_int(ref.get("step"))
+        and ref["step"] >= 0
+        and isinstance(ref.get("attempt"), str)
+        and layout.is_attempt(ref["attempt"])
+    )
+
+
+def _parse_item(name: str, item: Any, references: int = 0) -> ItemManifest:
     layout.check_item(name)  # a CkptStoreError and ValueError: reported as corrupt
     _expect(isinstance(item, dict), f"item {name!r} is not an object")
     leaves_doc = item["leaves"]
@@ -196,7 +226,23 @@ def _parse_item(name: str, item: Any) -> ItemManifest:
         if not chunks.small(info):
             shape = list(info.shape)
             raise ValueError(f"leaf {leaf!r} cannot be packed (shape {shape}, {info.nbytes} bytes)")
-    return ItemManifest(structure=structure, leaves=leaves, parts=list(parts), packed=packed)
+    digests_doc = item.get("digests", {})
+    _expect(isinstance(digests_doc, dict), f"item {name!r}: digests is not an object")
+    digests = {n: check_table(n, t) for n, t in digests_doc.items()}
+    refs_doc = item.get("refs", {})
+    _expect(isinstance(refs_doc, dict), f"item {name!r}: refs is not an object")
+    for leaf, k in refs_doc.items():  # an index into the manifest's references
+        _expect(_is_int(k) and 0 <= k < references, f"leaf {leaf!r}: bad reference {k!r}")
+    unknown = sorted((set(digests) | set(refs_doc)) - set(leaves))
+    _expect(not unknown, f"item {name!r}: digests or refs of unknown leaves {unknown[:5]}")
+    return ItemManifest(
+        structure=structure,
+        leaves=leaves,
+        parts=list(parts),
+        packed=packed,
+        digests=digests,
+        refs=dict(refs_doc),
+    )
 
 
 def parse_leaf(name: str, d: Any) -> LeafInfo:

@@ -50,6 +50,7 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    UnsupportedOperationError,
 )
 from ckptstore.format import chunks, layout
 from ckptstore.format.leaves import LeafInfo
@@ -103,6 +104,11 @@ async def export(
             backend=src.url,
         )
     saved = manifest.items[item]
+    if saved.refs:  # the view would lack the leaves other steps hold
+        raise UnsupportedOperationError(
+            f"step {manifest.step} is an incremental save (it references other steps' "
+            "data): exporting such steps to Orbax is not supported yet"
+        )
     found = entries(saved.structure, saved.leaves)  # refuse before writing anything
     where = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
     objects = await _objects_to_copy(src, where, saved)

@@ -41,6 +41,7 @@ from ckptstore.errors import (
     FencedError,
     NotFoundError,
     StorageError,
+    UnsupportedOperationError,
 )
 from ckptstore.format import layout
 from ckptstore.runtime import distributed
@@ -313,7 +314,11 @@ async def promote_step(
             f"step {step} is not committed on the fast tier", backend=fast.url, key=key
         ) from exc
     marker = Marker.from_bytes(marker_bytes, step=step, where=f"{fast.url}/{key}")
-    await load_manifest(fast, marker)
+    if (await load_manifest(fast, marker)).references:  # its copy would lack their bytes
+        raise UnsupportedOperationError(
+            f"step {step} is an incremental save (it references other steps' data): "
+            "promoting such steps is not supported yet"
+        )
     result = Promotion(step=step, attempt=marker.attempt)
     if await _same_marker(durable, key, marker_bytes):
         result.already = True

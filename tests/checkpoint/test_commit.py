@@ -60,7 +60,7 @@ async def test_a_save_writes_only_below_its_attempt(any_backend: Backend) -> Non
     marker = json.loads(await any_backend.read("3/COMMITTED"))
     manifest = await any_backend.read(f"3/{result.attempt}/manifest.json")
     assert marker["attempt"] == result.attempt and marker["manifest_digest"] == digest(manifest)
-    assert json.loads(manifest)["format_version"] == layout.FORMAT_VERSION == 3
+    assert json.loads(manifest)["format_version"] == layout.PLAIN_VERSION == 3
 
 
 async def test_steps_with_odd_names_are_not_listed(any_backend: Backend) -> None:

@@ -1,0 +1,140 @@
+"""Incremental saves: which leaves a save need not write because its base step holds them.
+
+``save(target, tree, step=, base=B)``: a leaf whose stored form (shape, dtype, chunk
+shape) and piece digests (`ckptstore.format.digests`) equal what committed step ``B``
+recorded is not written; the new manifest records it as held by the attempt that holds
+its bytes (B's own, or the one B itself referenced for it: always the original holder,
+never a chain). Reads go there (`ckptstore.checkpoint.restore`, `verify`); `delete_step`
+and `gc` keep every referenced attempt (`ckptstore.checkpoint.cleanup`); the commit
+re-checks that B is still committed (`ckptstore.checkpoint.commit.check_base`). The
+model and its safety argument: docs/incremental.md.
+
+Every process digests its own pieces of each candidate leaf; a leaf is referenced only if
+every process found all its pieces unchanged (one round through the coordination
+service), since a leaf is either written whole or referenced whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.commit import load_committed
+from ckptstore.datapath.arrays import owned_slices
+from ckptstore.format import layout
+from ckptstore.format.digests import PieceTable, matches, piece_table
+from ckptstore.format.leaves import LeafInfo, dtype_of
+from ckptstore.format.manifest import Manifest
+from ckptstore.format.packs import PackRef
+from ckptstore.runtime.handoff import Handoff
+
+
+@dataclass(frozen=True)
+class Base:
+    """The committed step an incremental save names, as its verified manifest."""
+
+    manifest: Manifest
+
+    @property
+    def ref(self) -> dict[str, Any]:
+        """The base as a manifest's ``base`` field names it."""
+        return {"step": self.manifest.step, "attempt": self.manifest.attempt}
+
+    def table(self, item: str, info: LeafInfo) -> PieceTable | None:
+        """The base's piece digests of ``info``'s leaf, if it stored that leaf in the same
+        form (else None: the leaf is written)."""
+        saved = self.manifest.items.get(item)
+        if saved is None or self.manifest.attempt is None:
+            return None
+        old = saved.leaves.get(info.name)
+        if old is None or (old.shape, old.dtype, old.chunk_shape) != (
+            info.shape,
+            info.dtype,
+            info.chunk_shape,
+        ):
+            return None
+        return saved.digests.get(info.name)
+
+    def holder(self, item: str, leaf: str) -> dict[str, Any]:
+        """The attempt holding the bytes of ``leaf`` as the base stored it."""
+        saved = self.manifest.items[item]
+        k = saved.refs.get(leaf)
+        return dict(self.manifest.references[k]) if k is not None else self.ref
+
+    def packed(self, item: str, leaf: str) -> PackRef | None:
+        """Where in its holder's item the leaf is packed, if it is."""
+        return self.manifest.items[item].packed.get(leaf)
+
+
+async def open_base(backend: Backend, step: int) -> Base:
+    """The base step ``step``: `CheckpointNotFoundError` unless it is committed."""
+    return Base(await load_committed(backend, layout.check_step(step)))
+
+
+@dataclass
+class Unchanged:
+    """What `unchanged` found: per item, the leaves every process found unchanged (not
+    written), and this process's digests of the other candidates (not digested again
+    while they are written)."""
+
+    leaves: dict[str, set[str]]
+    digested: dict[str, dict[str, PieceTable]]
+
+
+async def unchanged(
+    base: Base,
+    items: Mapping[str, tuple[Sequence[LeafInfo], Sequence[Any]]],
+    handoff: Handoff,
+) -> Unchanged:
+    """Every process: digest its pieces of each leaf ``base`` stored in the same form,
+    compare with the base's digests, and agree with the others on the leaves unchanged
+    everywhere. ``items``: per item, its leaves and their values."""
+    digested: dict[str, dict[str, PieceTable]] = {}
+
+    async def mine() -> dict[str, Any]:
+        same: dict[str, list[int]] = {}
+        for name, (infos, values) in items.items():
+            tables = digested.setdefault(name, {})
+            for k, (info, value) in enumerate(zip(infos, values, strict=True)):
+                recorded = base.table(name, info)
+                if recorded is None:
+                    continue
+                pieces = owned_slices(value, handoff.me)
+                itemsize = dtype_of(info.dtype).itemsize
+                tables[info.name] = table = await piece_table(pieces, info.shape, itemsize)
+                if matches(table, recorded):
+                    same.setdefault(name, []).append(k)
+        return {"same": same}
+
+    await handoff.everyone(mine)
+
+    async def decide() -> str:
+        reports = await handoff.reports()
+        agreed: dict[str, list[int]] = {}
+        for name in items:
+            found = [set(report["same"].get(name, [])) for report in reports]
+            agreed[name] = sorted(set.intersection(*found)) if found else []
+        return json.dumps(agreed)
+
+    agreed = json.loads(await handoff.agree(decide))
+    leaves = {name: {items[name][0][k].name for k in agreed.get(name, [])} for name in items}
+    for name, same in leaves.items():  # their digests are the base's: not kept twice
+        for leaf in same:
+            digested.get(name, {}).pop(leaf, None)
+    return Unchanged(leaves, digested)
+
+
+@dataclass
+class References:
+    """The attempts a new manifest references, in order (`Manifest.references`)."""
+
+    holders: list[dict[str, Any]]
+
+    def index(self, holder: dict[str, Any]) -> int:
+        key = {"step": int(holder["step"]), "attempt": str(holder["attempt"])}
+        if key not in self.holders:
+            self.holders.append(key)
+        return self.holders.index(key)

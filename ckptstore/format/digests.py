@@ -1,0 +1,96 @@
+"""Content digests of the pieces a process writes: what lets a later save reference them.
+
+An incremental save (`ckptstore.checkpoint.save`, ``base=``) writes a leaf only if its
+content differs from what the base step stored. "Equal" is decided by a 128-bit BLAKE2b
+digest of each piece's bytes (C order, little-endian: the bytes a zarr3 chunk holds
+before its checksum), never by a 32-bit checksum: a digest decides identity, and a
+collision would silently restore another array. Every save records a digest per piece
+(`PieceTable`: the piece's bounds -> its digest), so any later save can use it as a base.
+
+A piece is what `ckptstore.datapath.arrays.owned_slices` gives a process: an addressable
+shard with replica id 0, or a whole host value on process 0. The pieces of one leaf over
+all processes cover the array exactly once, so two tables of one leaf are equal when one
+process's pieces each appear, with the same digest, in the other: a partition that is a
+subset of another partition of the same array is that partition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ckptstore.format.leaves import Index
+from ckptstore.runtime.futures import off_loop
+
+#: One leaf's record: each piece's bounds (`piece_key`) -> its digest (32 hex digits).
+PieceTable = dict[str, str]
+
+DIGEST_BYTES = 16
+_HEX = re.compile(r"[0-9a-f]{32}")
+_KEY = re.compile(r"(?:[0-9]+:[0-9]+(?:,[0-9]+:[0-9]+)*)?")
+
+
+def piece_key(index: Index, shape: Sequence[int]) -> str:
+    """A piece's bounds as text: ``start:stop`` per axis, comma-separated ("" for 0-d)."""
+    out = []
+    for s, dim in zip(index, shape, strict=True):
+        start, stop = s.indices(dim)[:2]
+        out.append(f"{start}:{stop}")
+    return ",".join(out)
+
+
+def digest(data: Any) -> str:
+    """The 128-bit BLAKE2b digest (hex) of an array's bytes in C order, little-endian.
+    Runs at memory speed (and without the interpreter lock for large arrays)."""
+    arr = np.asarray(data)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return hashlib.blake2b(flat.data, digest_size=DIGEST_BYTES).hexdigest()
+
+
+async def digest_off_loop(data: Any, nbytes: int) -> str:
+    """`digest`, on a worker thread for all but small arrays."""
+    return await off_loop(lambda: digest(data), nbytes)
+
+
+async def piece_table(
+    pieces: Sequence[tuple[Index, Any, bool]], shape: Sequence[int], itemsize: int
+) -> PieceTable:
+    """The digests of one leaf's ``pieces`` (as `owned_slices` gives them)."""
+    out: PieceTable = {}
+    for index, data, _ in pieces:
+        nbytes = _size(index, shape) * itemsize
+        out[piece_key(index, shape)] = await digest_off_loop(data, nbytes)
+    return out
+
+
+def matches(mine: Mapping[str, str], base: Mapping[str, str] | None) -> bool:
+    """Whether every piece of ``mine`` is in ``base`` with the same digest (see the module
+    docstring: over all processes, that makes the two tables equal)."""
+    if base is None:
+        return False
+    return all(base.get(key) == value for key, value in mine.items())
+
+
+def check_table(leaf: str, table: Any) -> PieceTable:
+    """A manifest's record of one leaf's digests, checked; raises ValueError."""
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"leaf {leaf!r}: bad digests")
+    for key, value in table.items():
+        if not (isinstance(key, str) and _KEY.fullmatch(key)):
+            raise ValueError(f"leaf {leaf!r}: bad piece bounds {str(key)[:40]!r}")
+        if not (isinstance(value, str) and _HEX.fullmatch(value)):
+            raise ValueError(f"leaf {leaf!r}: bad digest {str(value)[:40]!r}")
+    return dict(table)
+
+
+def _size(index: Index, shape: Sequence[int]) -> int:
+    n = 1
+    for s, dim in zip(index, shape, strict=True):
+        n *= len(range(*s.indices(dim)))
+    return n

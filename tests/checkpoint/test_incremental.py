@@ -1,0 +1,333 @@
+"""Incremental saves (``save(..., base=B)``): only changed leaves are written, reads follow
+the references, and deletion and gc keep what a committed step references
+(docs/incremental.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ckptstore
+from ckptstore import api
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.commit import load_committed
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FencedError,
+    UnsupportedOperationError,
+)
+from ckptstore.format import layout
+from ckptstore.format.packs import entry_size
+from tests.conftest import make_backend
+from tests.paths import committed_root
+
+FROZEN = np.arange(2 << 20, dtype=np.float32).reshape(2048, 1024)  # 8 MiB: never changes
+
+
+@pytest.fixture(params=["local", "s3"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    b = await make_backend(request.param, request, tmp_path)
+    async with b:
+        yield b
+
+
+def lora(k: int) -> dict[str, Any]:
+    """A frozen base (a large leaf, a small packed one) and adapters that change with k."""
+    return {
+        "base": {"w": FROZEN, "norm": np.linspace(0, 1, 7, dtype=np.float32)},
+        "adapter": {"a": np.full((64, 16), k, np.float32), "b": np.full((16, 64), -k, np.int32)},
+        "step": k,
+    }
+
+
+def assert_same(got: Any, want: Any) -> None:
+    flat_got, tree_got = jax.tree_util.tree_flatten(got)
+    flat_want, tree_want = jax.tree_util.tree_flatten(want)
+    assert tree_got == tree_want
+    for g, w in zip(flat_got, flat_want, strict=True):
+        assert type(g) is type(w) or isinstance(w, np.ndarray)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+
+
+async def stored_bytes(backend: Backend, step: int) -> int:
+    return sum(o.size for o in [o async for o in backend.list(await committed_root(backend, step))])
+
+
+async def holders(backend: Backend, step: int) -> set[tuple[int, str]]:
+    manifest = await load_committed(backend, step)
+    return {(r["step"], r["attempt"]) for r in manifest.references}
+
+
+async def test_only_changed_leaves_are_written_and_restore_bit_exact(backend: Backend) -> None:
+    full = await ckptstore.save(backend, lora(1), step=1)
+    inc = await ckptstore.save(backend, lora(2), step=2, base=1)
+    changed = 64 * 16 * 4 * 2 + 8  # the adapters and the step counter
+    assert full.bytes_written == full.bytes and full.bytes_referenced == 0
+    assert inc.bytes_written == changed
+    assert inc.bytes_referenced == FROZEN.nbytes + 7 * 4
+    # On storage: step 2's attempt holds the changed leaves and their metadata only.
+    assert await stored_bytes(backend, 2) < changed + (64 << 10)
+    assert await stored_bytes(backend, 1) > FROZEN.nbytes
+
+    assert_same(await ckptstore.restore(backend, 2), lora(2))
+    assert_same(await ckptstore.restore(backend, 1), lora(1))
+    assert (await ckptstore.verify(backend, 2)).ok
+
+    # Step 3 on base 2 references the original holder (step 1), never step 2: no chains.
+    await ckptstore.save(backend, lora(3), step=3, base=2)
+    step1 = (1, str((await load_committed(backend, 1)).attempt))
+    assert await holders(backend, 3) == {step1} == await holders(backend, 2)
+    assert_same(await ckptstore.restore(backend, 3), lora(3))
+    manifest = await load_committed(backend, 3)
+    assert manifest.format_version == 4 and manifest.base is not None
+    assert manifest.base["step"] == 2
+    assert set(manifest.items["state"].refs) == {"base/w", "base/norm"}
+    # A step without references stays format version 3 (what older readers read).
+    assert (await load_committed(backend, 1)).format_version == 3
+
+
+async def test_partial_restore_of_referenced_leaves(backend: Backend) -> None:
+    await ckptstore.save(backend, lora(1), step=1)
+    await ckptstore.save(backend, lora(2), step=2, base=1)
+    like = {"base": {"w": jax.ShapeDtypeStruct(FROZEN.shape, FROZEN.dtype)}}
+    got = await ckptstore.restore(backend, 2, like, partial=True)
+    np.testing.assert_array_equal(np.asarray(got["base"]["w"]), FROZEN)
+
+
+async def test_a_leaf_changed_in_form_or_content_is_written(backend: Backend) -> None:
+    tree = {
+        "same": np.arange(1000, dtype=np.int32),
+        "reshaped": np.arange(1000, dtype=np.int32),
+        "retyped": np.arange(1000, dtype=np.int32),
+        "one_element": np.arange(1000, dtype=np.int32),
+        "gone": np.ones(3),
+    }
+    await ckptstore.save(backend, tree, step=1)
+    later = {
+        "same": tree["same"],
+        "reshaped": tree["reshaped"].reshape(10, 100),  # the same bytes, another shape
+        "retyped": tree["retyped"].view(np.float32),  # the same bytes, another dtype
+        "one_element": tree["one_element"].copy(),
+        "new": np.zeros(5),
+    }
+    later["one_element"][999] += 1
+    result = await ckptstore.save(backend, later, step=2, base=1)
+    assert result.bytes_referenced == 4000
+    assert result.bytes_written == 3 * 4000 + 40
+    assert set((await load_committed(backend, 2)).items["state"].refs) == {"same"}
+    assert_same(await ckptstore.restore(backend, 2), later)
+
+
+async def test_base_deleted_with_later_steps_alive_then_gc_frees_it(backend: Backend) -> None:
+    for k in (1, 2, 3):
+        await ckptstore.save(backend, lora(k), step=k, base=k - 1 if k > 1 else None)
+    base_root = await committed_root(backend, 1)
+
+    async def base_objects() -> int:
+        return len([o async for o in backend.list(base_root)])
+
+    kept = await base_objects()
+    await ckptstore.delete_step(backend, 1)
+    assert await ckptstore.list_steps(backend) == [2, 3]
+    assert await base_objects() == kept + 1  # its DELETED record added; no byte removed
+    await ckptstore.gc(backend, older_than=0)  # grace 0: still referenced by 2 and 3
+    assert await base_objects() == kept + 1
+    assert_same(await ckptstore.restore(backend, 2), lora(2))
+    assert (await ckptstore.verify(backend, 3)).ok
+
+    await ckptstore.delete_step(backend, 2)
+    await ckptstore.gc(backend, older_than=0)
+    assert await base_objects() == kept + 1  # step 3 still references it
+    assert_same(await ckptstore.restore(backend, 3), lora(3))
+
+    await ckptstore.delete_step(backend, 3)  # the last referrer
+    assert await base_objects() == kept + 1  # delete_step removes its own attempt only
+    removed = await ckptstore.gc(backend, older_than=0)
+    assert base_root in removed.entries
+    left = [o.key.rsplit("/", 1)[1] async for o in backend.list(base_root)]
+    assert set(left) <= set(layout.TOMBSTONES)  # the tombstone, until gc removes it a day later
+
+
+async def test_a_corrupted_base_byte_is_caught_by_the_referencing_step(backend: Backend) -> None:
+    await ckptstore.save(backend, lora(1), step=1)
+    await ckptstore.save(backend, lora(2), step=2, base=1)
+    base_root = await committed_root(backend, 1)
+    files = [o async for o in backend.list(base_root) if "/ocdbt.process_0/d/" in o.key]
+    assert files, [o.key async for o in backend.list(base_root)]
+    biggest = max(files, key=lambda o: o.size)
+    data = bytearray(await backend.read(biggest.key))
+    data[len(data) // 2] ^= 0x01
+    await backend.write(biggest.key, bytes(data))
+
+    report = await ckptstore.verify(backend, 2)
+    assert not report.ok
+    assert any(key.endswith("base/w") for key in report.problems), report.problems
+    with pytest.raises(CorruptCheckpointError):
+        await ckptstore.restore(backend, 2)
+
+
+async def test_a_damaged_base_pack_is_caught_by_the_referencing_step(backend: Backend) -> None:
+    await ckptstore.save(backend, lora(1), step=1)
+    await ckptstore.save(backend, lora(2), step=2, base=1)
+    manifest = await load_committed(backend, 2)
+    ref = manifest.items["state"].packed["base/norm"]  # a small leaf: in step 1's pack
+    key = f"{await committed_root(backend, 1)}/state/{ref.key}"
+    info = manifest.items["state"].leaves["base/norm"]
+    data = bytearray(await backend.read(key))
+    data[ref.offset + entry_size(info) - 6] ^= 0x10  # its data's last bytes
+    await backend.write(key, bytes(data))
+    report = await ckptstore.verify(backend, 2)
+    assert not report.ok and any(k.endswith("base/norm") for k in report.problems)
+    with pytest.raises(CorruptCheckpointError):
+        await ckptstore.restore(backend, 2)
+
+
+async def test_several_items(backend: Backend) -> None:
+    items = {"model": lora(1)["base"], "opt": {"m": np.ones(100)}}
+    await api.save_items(backend, items, step=1)
+    later = {"model": items["model"], "opt": {"m": np.zeros(100)}, "extra": {"x": np.ones(2)}}
+    result = await api.save_items(backend, later, step=2, base=1)
+    assert result.bytes_written == 800 + 16
+    manifest = await load_committed(backend, 2)
+    assert set(manifest.items["model"].refs) == {"w", "norm"} and not manifest.items["opt"].refs
+    for name, tree in later.items():
+        assert_same(await ckptstore.restore(backend, 2, item=name), tree)
+    assert (await ckptstore.verify(backend, 2)).ok
+
+
+async def test_a_missing_base_is_typed_and_nothing_is_written(backend: Backend) -> None:
+    with pytest.raises(CheckpointNotFoundError):
+        await ckptstore.save(backend, lora(1), step=1, base=7)
+    assert [o async for o in backend.list("1")] == []
+    await ckptstore.save(backend, lora(1), step=1)
+    tiers = ckptstore.Tiered(fast=backend, durable=backend)
+    with pytest.raises(UnsupportedOperationError):
+        await ckptstore.save(tiers, lora(2), step=2, base=1)
+
+
+async def test_base_deleted_before_the_commit_fails_typed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The base goes after the save read it and before its manifest: the deletion finds no
+    reference (the manifest is not written yet) and removes the base's bytes; the commit's
+    re-check sees the base gone, and the save fails typed, committing nothing."""
+    await ckptstore.save(backend, lora(1), step=1)
+    write = backend.write
+
+    async def deleting_first(key: str, data: bytes) -> None:
+        if key.startswith("2/") and key.endswith(layout.MANIFEST):
+            await ckptstore.delete_step(backend, 1)
+        await write(key, data)
+
+    monkeypatch.setattr(backend, "write", deleting_first)
+    with pytest.raises((FencedError, CheckpointNotFoundError)):
+        await ckptstore.save(backend, lora(2), step=2, base=1)
+    assert await ckptstore.list_steps(backend) == []
+
+
+async def test_base_deleted_after_the_check_is_kept(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The base goes after the commit's re-check and before the marker: the deletion finds
+    the referencing manifest (a save in flight) and keeps the base's bytes."""
+    await ckptstore.save(backend, lora(1), step=1)
+    create = backend.create
+
+    async def deleting_first(key: str, data: bytes) -> None:
+        if key == layout.commit_key(2):
+            await ckptstore.delete_step(backend, 1)
+            await ckptstore.gc(backend, older_than=0)
+        await create(key, data)
+
+    monkeypatch.setattr(backend, "create", deleting_first)
+    await ckptstore.save(backend, lora(2), step=2, base=1)
+    assert await ckptstore.list_steps(backend) == [2]
+    assert_same(await ckptstore.restore(backend, 2), lora(2))
+    assert (await ckptstore.verify(backend, 2)).ok
+
+
+def mesh(shape: tuple[int, int], names: tuple[str, str] = ("x", "y")) -> Mesh:
+    devices = np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape)
+    return Mesh(devices, names)
+
+
+async def test_sharded_leaves_referenced_and_restored_onto_another_mesh(backend: Backend) -> None:
+    if len(jax.devices()) < 8:
+        pytest.fail(f"need 8 CPU devices (XLA_FLAGS), have {len(jax.devices())}")
+    m = mesh((4, 2))
+    data = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
+    frozen = jax.device_put(data, NamedSharding(m, P("x", "y")))
+    tree = {"frozen": frozen, "resharded": frozen, "lr": jax.device_put(np.float32(1e-3))}
+    await ckptstore.save(backend, tree, step=1)
+    later = {
+        "frozen": frozen,
+        # The same content laid out in other pieces: written again (its layout changed).
+        "resharded": jax.device_put(data, NamedSharding(m, P("y", "x"))),
+        "lr": jax.device_put(np.float32(2e-3)),
+    }
+    result = await ckptstore.save(backend, later, step=2, base=1)
+    assert result.bytes_referenced == data.nbytes
+    assert result.bytes_written == data.nbytes + 4
+
+    other = mesh((2, 4), ("a", "b"))
+    sharding = NamedSharding(other, P("b", "a"))
+    like = {
+        "frozen": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding),
+        "resharded": jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding),
+        "lr": jax.ShapeDtypeStruct((), np.float32),
+    }
+    got = await ckptstore.restore(backend, 2, like)
+    assert got["frozen"].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(got["frozen"]), data)
+    np.testing.assert_array_equal(np.asarray(got["resharded"]), data)
+    assert float(got["lr"]) == np.float32(2e-3)
+
+
+async def test_a_step_saved_without_digests_is_a_base_for_nothing(backend: Backend) -> None:
+    """Steps written before digests were recorded restore as ever, and as a base they
+    reference nothing: every leaf is written."""
+    await ckptstore.save(backend, lora(1), step=1)
+    root = await committed_root(backend, 1)
+    # Rewrite step 1 as an older version wrote it: no digests (and a marker to match).
+    manifest_key = f"{root}/{layout.MANIFEST}"
+    doc = json.loads(await backend.read(manifest_key))
+    for item in doc["items"].values():
+        item.pop("digests")
+    data = json.dumps(doc).encode()
+    await backend.write(manifest_key, data)
+    marker = json.loads(await backend.read(layout.commit_key(1)))
+    from ckptstore.checkpoint.commit import digest
+
+    marker["manifest_digest"] = digest(data)
+    await backend.write(layout.commit_key(1), json.dumps(marker).encode())
+
+    assert_same(await ckptstore.restore(backend, 1), lora(1))
+    result = await ckptstore.save(backend, lora(1), step=2, base=1)
+    assert result.bytes_referenced == 0 and result.bytes_written == result.bytes
+    assert not (await load_committed(backend, 2)).references
+
+
+async def test_promotion_and_orbax_export_of_an_incremental_step_are_refused(
+    tmp_path: Path,
+) -> None:
+    """Neither copies the bytes a step references yet: both refuse, typed, before writing."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    await ckptstore.save(fast, lora(1), step=1)
+    await ckptstore.save(fast, lora(2), step=2, base=1)
+    tiers = ckptstore.Tiered(fast=fast, durable=durable)
+    with pytest.raises(UnsupportedOperationError):
+        await ckptstore.promote(tiers, 2)
+    with pytest.raises(UnsupportedOperationError):
+        await ckptstore.export_orbax(fast, tmp_path / "orbax", step=2)
+    assert not (durable / "2").exists() and not (tmp_path / "orbax").exists()
+    await ckptstore.promote(tiers, 1)  # a full step still is promoted
