@@ -273,7 +273,10 @@ async def save_prepared(
                 await check_packs(
                     backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
                 )
-            digests = await _digests(backend, where, name, reports)
+            # A host-local fast tier holds only process 0's store here: the others' digests
+            # stay on their hosts, and this step serves as a base for process 0's pieces only.
+            readable = reports if hooks.merge else reports[:1]
+            digests = await _digests(backend, where, name, readable)
             refs: dict[str, int] = {}
             for leaf in sorted(held):
                 assert based is not None
