@@ -38,6 +38,7 @@ from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
+from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.hostlocal import known_shared
 from ckptstore.tiers.promote import promote
@@ -124,11 +125,8 @@ class CheckpointManager:
         if self.tiered is not None:
             self.durable = open_target(self.tiered.durable)
             check_distinct(self.backend, self.durable)  # before anything is written
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="ckptstore-manager", daemon=True
-        )
-        self._thread.start()
+        self._loop = background_loop()  # the `_sync` twins' loop thread (`runtime.blocking`)
+        self._open = True
         self._stager = Stager(max_bytes=options.max_staging_bytes)
         self._inflight: SaveHandle | None = None
         self._retention: concurrent.futures.Future[None] | None = None  # after the last save
@@ -498,15 +496,13 @@ class CheckpointManager:
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
-        if self._loop.is_running():
+        if self._open:  # the loop is shared: only what this manager opened closes
+            self._open = False
             if self._owns_backend:
                 self._call(self.backend.close())
             if self.durable is not None and self.tiered is not None:
                 if not isinstance(self.tiered.durable, Backend):
                     self._call(self.durable.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
         self._stager.close()
 
     def __enter__(self) -> CheckpointManager:
@@ -532,8 +528,9 @@ class CheckpointManager:
         await asyncio.to_thread(self.close)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the manager's loop and wait for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run ``coro`` on the background loop and wait for it (Ctrl-C cancels it and
+        waits until it stopped, as in the `_sync` twins)."""
+        return run(coro)
 
 
 _warned_no_preemption_service = False

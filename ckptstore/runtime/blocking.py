@@ -30,7 +30,9 @@ _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 
 
-def _background_loop() -> asyncio.AbstractEventLoop:
+def background_loop() -> asyncio.AbstractEventLoop:
+    """The process's one background event loop (started on first use): the `_sync` twins'
+    and every `CheckpointManager`'s."""
     global _loop
     with _lock:
         if _loop is None:
@@ -64,7 +66,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     Interrupted while waiting (Ctrl-C), it cancels ``coro`` and waits for it to
     finish unwinding before re-raising, so no write outlives the call.
     """
-    loop = _background_loop()
+    loop = background_loop()
     done = threading.Event()
     started: list[asyncio.Task[T]] = []
 
