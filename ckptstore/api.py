@@ -128,12 +128,14 @@ async def partial_save(
     A multi-process session on host-local fast tiers is refused with
     `UnsupportedOperationError`."""
     tiers = as_tiered(target)
-    if tiers is not None:
-        return await tier_save.partial_save(
-            tiers, step, item=item, timeout=timeout, resume=resume, attempt=attempt
-        )
     return await PartialSave.open(
-        single(target), step, item=item, timeout=timeout, resume=resume, attempt=attempt
+        single(target) if tiers is None else tiers.fast,
+        step,
+        item=item,
+        timeout=timeout,
+        resume=resume,
+        attempt=attempt,
+        check=None if tiers is None else tier_save.refuse_host_local,
     )
 
 
@@ -428,7 +430,7 @@ async def import_orbax(
         fast = tiers
 
         def open_session(at: int, name: str) -> Any:
-            return tier_save.partial_save(fast, at, item=name)
+            return partial_save(fast, at, item=name)
 
     return await importer.import_orbax(
         source,

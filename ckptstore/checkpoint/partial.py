@@ -187,14 +187,14 @@ class PartialSave:
         timeout: float = distributed.DEFAULT_TIMEOUT,
         resume: bool = True,
         attempt: str | None = None,
-        check: Callable[[Backend], Awaitable[None]] | None = None,
+        check: Callable[[Backend, int, float], Awaitable[None]] | None = None,
     ) -> PartialSave:
         """Open the partial save of ``step``.
 
         By default the newest uncommitted session of this step and item is resumed,
         or a new one started; ``resume=False`` always starts a new one, and
         ``attempt`` resumes exactly that session (`CheckpointNotFoundError` if absent).
-        ``check(backend)``, if given, runs first (tiers refuse host-local fast tiers).
+        ``check(backend, step, timeout)``, if given, runs first (tiers: `refuse_host_local`).
         """
         step = layout.check_step(step)
         layout.check_item(item)
@@ -205,7 +205,7 @@ class PartialSave:
             session = cls(await owned.__aenter__(), step, item, timeout, owned)
         try:
             if check is not None:
-                await check(session.backend)
+                await check(session.backend, step, timeout)
             await session._start(resume, attempt)
         except BaseException:
             await session.close()

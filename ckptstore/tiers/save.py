@@ -1,5 +1,6 @@
 """Saving to a `Tiered` target: the save core (`ckptstore.checkpoint.save`) on the fast
-tier, with what tiers add to its phases (`TierHooks`), and partial saves on the fast tier.
+tier, with what tiers add to its phases (`TierHooks`); a partial save on tiers is a session
+on the fast tier that `refuse_host_local` checks first.
 
 What a save on tiers adds, by phase of the save protocol:
 
@@ -25,7 +26,6 @@ from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import Fate, ensure_uncommitted
-from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import (
     PreparedItem,
     SaveHooks,
@@ -130,33 +130,6 @@ class TierHooks(SaveHooks):
 def hooks(tiers: Tiered, durable: Backend) -> TierHooks:
     """The hooks of one save on ``tiers`` (``durable``: its durable tier, opened)."""
     return TierHooks(Room(durable, tiers.free_margin))
-
-
-async def partial_save(
-    tiers: Tiered,
-    step: int,
-    *,
-    item: str = layout.DEFAULT_ITEM,
-    timeout: float = distributed.DEFAULT_TIMEOUT,
-    resume: bool = True,
-    attempt: str | None = None,
-) -> PartialSave:
-    """A partial-save session on the fast tier (no free-space check: parts come one at a
-    time, their total is unknown up front); promote the step afterwards. A multi-process
-    session on host-local fast tiers is refused (`refuse_host_local`)."""
-
-    async def check(fast: Backend) -> None:
-        await refuse_host_local(fast, step, timeout)
-
-    return await PartialSave.open(
-        tiers.fast,
-        step,
-        item=item,
-        timeout=timeout,
-        resume=resume,
-        attempt=attempt,
-        check=check,
-    )
 
 
 async def refuse_host_local(fast: Backend, step: int, timeout: float) -> None:
