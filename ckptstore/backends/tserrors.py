@@ -8,8 +8,9 @@ attempts failed". So the code tells a failure of the *storage* (permission, an
 unreachable or overloaded server, a timeout, retries used up) from a failure of the
 *data* (bad bytes, a missing file): `storage_error` types the first kind and leaves
 the second to the caller, who knows whether it means a corrupt checkpoint
-(`read_error`) or a failed write (`write_error`). Texts are redacted (`redact_text`)
-and trimmed: a URL's password or a signed query never reaches a message.
+(`ckptstore.datapath.arrays.read_error` builds on it) or a failed write
+(`write_error`). Texts are redacted (`redact_text`) and trimmed: a URL's password or a
+signed query never reaches a message.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from ckptstore.backends._errors import redact_text
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import (
     CkptStoreError,
-    CorruptCheckpointError,
     InsufficientSpaceError,
     NotFoundError,
     PermissionDeniedError,
@@ -87,16 +87,6 @@ def storage_error(exc: BaseException, *, op: str) -> StorageError | None:
     if kind is TransientStorageError and _EXHAUSTED.search(str(exc)):
         kind = RetriesExhaustedError
     return kind(text)
-
-
-def read_error(exc: BaseException, leaf: str) -> CkptStoreError:
-    """A failed read of committed data: a typed storage error, else the data is corrupt."""
-    if isinstance(exc, CkptStoreError):
-        return exc
-    typed = storage_error(exc, op=f"reading leaf {leaf!r}")
-    if typed is not None:
-        return typed
-    return CorruptCheckpointError(f"cannot read stored data: {message(exc)}", leaf=leaf)
 
 
 def write_error(exc: BaseException, what: str) -> CkptStoreError:

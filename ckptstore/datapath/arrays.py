@@ -25,7 +25,7 @@ import tensorstore as ts
 
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.tsdeadline import bind, policy_of, within
-from ckptstore.backends.tserrors import read_error, write_error
+from ckptstore.backends.tserrors import message, storage_error, write_error
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.digests import PieceTable, digest, digest_off_loop, piece_key
@@ -441,7 +441,7 @@ async def open_leaf(store: dict[str, Any], context: ts.Context, info: LeafInfo) 
         opening = ts.open(spec, open=True, read=True, context=context)
         arr: ts.TensorStore = await within(opening, context, 0, f"opening leaf {info.name!r}")
     except Exception as exc:  # TensorStore raises ValueError for most failures
-        raise _read_error(exc, info.name) from exc
+        raise read_error(exc, info.name) from exc
     bind(arr, policy_of(context))  # its reads (`read_slice`) keep the deadline
     return arr
 
@@ -523,7 +523,7 @@ async def get_values(source: Chunks, keys: Sequence[str], leaf: str) -> Sequence
     except CkptStoreError:
         raise
     except Exception as exc:
-        raise _read_error(exc, leaf) from exc
+        raise read_error(exc, leaf) from exc
 
 
 async def read_slice(arr: ts.TensorStore, index: Index, name: str) -> np.ndarray[Any, Any]:
@@ -532,8 +532,14 @@ async def read_slice(arr: ts.TensorStore, index: Index, name: str) -> np.ndarray
     try:
         return np.asarray(await within(part.read(), arr, nbytes, f"reading leaf {name!r}"))
     except Exception as exc:
-        raise _read_error(exc, name) from exc
+        raise read_error(exc, name) from exc
 
 
-def _read_error(exc: Exception, name: str) -> CkptStoreError:
-    return read_error(exc, name)  # storage failures typed; anything else: corrupt data
+def read_error(exc: BaseException, leaf: str) -> CkptStoreError:
+    """A failed read of committed data: a typed storage error, else the data is corrupt."""
+    if isinstance(exc, CkptStoreError):
+        return exc
+    typed = storage_error(exc, op=f"reading leaf {leaf!r}")
+    if typed is not None:
+        return typed
+    return CorruptCheckpointError(f"cannot read stored data: {message(exc)}", leaf=leaf)

@@ -257,7 +257,8 @@ def test_redact_text() -> None:
     ],
 )
 def test_read_errors_by_status_code(text: str, kind: type[Exception]) -> None:
-    from ckptstore.backends.tserrors import read_error, write_error
+    from ckptstore.backends.tserrors import write_error
+    from ckptstore.datapath.arrays import read_error
 
     error = read_error(ValueError(text), "leaf")
     assert type(error) is kind
