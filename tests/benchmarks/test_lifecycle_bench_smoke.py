@@ -13,7 +13,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 ROWS = {
     "training_loop.py": ["pause per save", "save to durable", "loop time lost per save"],
-    "tiered.py": ["save return (tiered)", "promotion", "save to durable (tiered)"],
+    "tiered.py": [
+        "save return (tiered)",
+        "first save of a process (tiered)",
+        "promotion",
+        "save to durable (tiered)",
+    ],
 }
 
 
