@@ -61,9 +61,9 @@ async def save(
     ``base`` (a committed step; one backend only, for now): an incremental save. Each
     leaf whose content equals what ``base`` stored (same shape, dtype, chunking, pieces
     and 128-bit digests) is referenced, not written; restore, verify, `delete_step` and
-    `gc` follow and keep the reference (docs/incremental.md). `CheckpointNotFoundError`
-    if ``base`` is not committed, before anything is written, or no longer committed when
-    the save would commit (then nothing is committed).
+    `gc` follow and keep the reference (docs/incremental.md). `BaseStepGoneError` (a
+    `CheckpointNotFoundError`) if ``base`` is not committed, before anything is written,
+    or no longer committed when the save would commit (then nothing is committed).
 
     On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
     committed on the fast tier, after checking it has room; promotion to the durable tier

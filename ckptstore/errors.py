@@ -112,6 +112,13 @@ class CheckpointNotFoundError(NotFoundError):
     """No committed checkpoint matches the request (step, item or leaf)."""
 
 
+class BaseStepGoneError(CheckpointNotFoundError):
+    """The base step an incremental save names (``base=``) is not committed, or stopped
+    being committed (deleted or replaced) before the save could commit. Nothing was
+    committed and the save's own attempt is abandoned; a save without ``base`` (or with
+    another committed base) works. The manager's ``incremental=True`` retries once so."""
+
+
 class CorruptCheckpointError(CkptStoreError):
     """Stored bytes fail verification: a checksum mismatch, a truncated or missing file."""
 
@@ -204,6 +211,7 @@ def storage_failed(exc: BaseException) -> bool:
 #: Every error a public operation raises (re-exported as ``ckptstore.<name>``).
 __all__ = [
     "AlreadyExistsError",
+    "BaseStepGoneError",
     "CheckpointNotFoundError",
     "CkptStoreError",
     "ConfigError",

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend, ObjectInfo
@@ -157,6 +157,9 @@ class Removal:
     objects: int = 0
     bytes: int = 0
     kept_young: list[str] = field(default_factory=list)  # garbage left for being too recent
+    #: Attempts of a deleted step kept because another step references them (their
+    #: marker went; the bytes stay until the last referencing step goes, then `gc`).
+    kept_referenced: list[str] = field(default_factory=list)
 
     def add(self, key: str, objects: list[ObjectInfo]) -> None:
         self.entries.append(key)
@@ -167,6 +170,7 @@ class Removal:
         """Add what ``other`` removed on the backend at URL ``where`` (keys become URLs)."""
         self.entries += [f"{where}/{key}" for key in other.entries]
         self.kept_young += [f"{where}/{key}" for key in other.kept_young]
+        self.kept_referenced += [f"{where}/{key}" for key in other.kept_referenced]
         self.objects += other.objects
         self.bytes += other.bytes
 
@@ -179,13 +183,20 @@ async def _remove(backend: Backend, key: str, objects: list[ObjectInfo]) -> None
         await backend.delete_prefix(key)
 
 
-async def _referenced(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[int, str]]:
+async def _referenced(
+    backend: Backend, scans: Sequence[StepScan], ignore: Collection[int] = ()
+) -> set[tuple[int, str]]:
     """(step, attempt) pairs some committed attempt (as ``scans`` found them) or some
     save in flight references (besides its own). The saves in flight are looked for
-    after the markers in ``scans`` were read (docs/incremental.md: why that order)."""
+    after the markers in ``scans`` were read (docs/incremental.md: why that order).
+    The steps in ``ignore`` count as deleted: what they reference is not counted."""
     out: set[tuple[int, str]] = set()
     seen: set[tuple[int, str]] = set()
     for s in scans:
+        if s.step in ignore:
+            if s.marker is not None and s.marker.attempt is not None:
+                seen.add((s.step, s.marker.attempt))
+            continue
         if s.marker_error is not None:
             raise CorruptCheckpointError(
                 f"step {s.step}'s commit marker is unreadable ({s.marker_error}); "
@@ -234,6 +245,17 @@ async def _in_flight(backend: Backend, seen: set[tuple[int, str]]) -> set[tuple[
     return out
 
 
+async def referenced_elsewhere(
+    backend: Backend, step: int, *, deleted: Collection[int] = ()
+) -> set[tuple[int, str]]:
+    """The attempts that the committed steps other than ``step`` (and other than those in
+    ``deleted``, which a dry run takes as removed already) or saves in flight reference:
+    what a deletion of ``step`` keeps (`remove_step`, ``ckptstore rm --dry-run``)."""
+    others = [s for s in await committed_steps(backend) if s != step]
+    scans = await asyncio.gather(*(scan_marker(backend, s) for s in others))
+    return await _referenced(backend, scans, ignore=deleted)
+
+
 async def delete_step(target: Target, step: int) -> Removal:
     """Delete committed ``step``: its marker first, then the attempt it named.
 
@@ -262,16 +284,15 @@ async def remove_step(
         # Marked first, references read after: a save referencing this step that checked
         # it before the mark wrote its manifest before, and is found (docs/incremental.md).
         await mark_deleted(backend, scanned.marker.where, reason)
-        others = [s for s in await committed_steps(backend) if s != step]
-        keep = await _referenced(
-            backend, await asyncio.gather(*(scan_marker(backend, s) for s in others))
-        )
+        keep = await referenced_elsewhere(backend, step)
     removal = Removal()
     await backend.delete(layout.commit_key(step))  # from here on, the step is gone
     removal.entries.append(layout.commit_key(step))
     removal.objects += 1
     for entry in scanned.entries if scanned.marker is not None else []:
-        if entry.committed and (step, entry.name) not in keep:
+        if entry.committed and (step, entry.name) in keep:
+            removal.kept_referenced.append(entry.key)
+        elif entry.committed:
             if layout.is_attempt(entry.name):
                 where = layout.AttemptDir(step, entry.name)
                 await clear_attempt(backend, where, keep_fate=tombstone)

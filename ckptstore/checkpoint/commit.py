@@ -36,6 +36,7 @@ from typing import Any
 from ckptstore.backends.base import Backend
 from ckptstore.errors import (
     AlreadyExistsError,
+    BaseStepGoneError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FencedError,
@@ -285,7 +286,7 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
     if manifest.base is not None:  # after the manifest is visible: docs/incremental.md
         try:
             await check_base(backend, manifest.base)
-        except (FencedError, CheckpointNotFoundError):
+        except BaseStepGoneError:
             await _give_up(backend, where, fate)
             raise
     fate.check_fresh(where)
@@ -310,21 +311,21 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
 
 
 async def check_base(backend: Backend, base: dict[str, Any]) -> None:
-    """Raise unless the base an incremental save names is still committed: no
-    ``DELETED`` record in its attempt (read first), then its step's marker still naming
+    """`BaseStepGoneError` unless the base an incremental save names is still committed:
+    no ``DELETED`` record in its attempt (read first), then its step's marker still naming
     it. Called after the referencing manifest is written and before its marker: a
     deletion that had not begun by the first read sees that manifest when it looks for
     references, so it keeps what the manifest references (docs/incremental.md)."""
     where = AttemptDir(int(base["step"]), str(base["attempt"]))
     if await backend.exists(where.deleted):
-        raise FencedError(
+        raise BaseStepGoneError(
             f"base step {where.step} was deleted while this save referenced it; not committed",
             backend=backend.url,
             key=where.deleted,
         )
     marker = await read_marker(backend, where.step)
     if marker is None or marker.attempt != where.attempt:
-        raise CheckpointNotFoundError(
+        raise BaseStepGoneError(
             f"base step {where.step} (attempt {where.attempt}) is no longer committed; "
             "this save was not committed",
             backend=backend.url,

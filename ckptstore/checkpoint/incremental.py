@@ -24,6 +24,7 @@ from typing import Any
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.datapath.arrays import owned_slices
+from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError
 from ckptstore.format import layout
 from ckptstore.format.digests import PieceTable, matches, piece_table
 from ckptstore.format.leaves import LeafInfo, dtype_of
@@ -70,31 +71,48 @@ class Base:
 
 
 async def open_base(backend: Backend, step: int) -> Base:
-    """The base step ``step``: `CheckpointNotFoundError` unless it is committed."""
-    return Base(await load_committed(backend, layout.check_step(step)))
+    """The base step ``step``: `BaseStepGoneError` unless it is committed."""
+    try:
+        return Base(await load_committed(backend, layout.check_step(step)))
+    except BaseStepGoneError:
+        raise
+    except CheckpointNotFoundError as exc:
+        raise BaseStepGoneError(
+            f"base step {step} is not committed: {exc.message}; nothing was written",
+            backend=backend.url,
+        ) from exc
 
 
 @dataclass
 class Unchanged:
     """What `unchanged` found: per item, the leaves every process found unchanged (not
-    written), and this process's digests of the other candidates (not digested again
-    while they are written)."""
+    written), this process's digests of the other candidates (not digested again while
+    they are written), and the base read (None: a full save)."""
 
     leaves: dict[str, set[str]]
     digested: dict[str, dict[str, PieceTable]]
+    base: Base | None = None
 
 
 async def unchanged(
-    base: Base,
+    backend: Backend,
+    step: int,
     items: Mapping[str, tuple[Sequence[LeafInfo], Sequence[Any]]],
     handoff: Handoff,
 ) -> Unchanged:
-    """Every process: digest its pieces of each leaf ``base`` stored in the same form,
-    compare with the base's digests, and agree with the others on the leaves unchanged
-    everywhere. ``items``: per item, its leaves and their values."""
+    """Every process: read base ``step``, digest its pieces of each leaf the base stored
+    in the same form, compare with the base's digests, and agree with the others on the
+    leaves unchanged everywhere. ``items``: per item, its leaves and their values.
+
+    The base is read inside the processes' report round, so a base that one process
+    finds gone (`BaseStepGoneError`) fails the save with that type on every process,
+    rather than leaving the others waiting for it."""
     digested: dict[str, dict[str, PieceTable]] = {}
+    opened: list[Base] = []
 
     async def mine() -> dict[str, Any]:
+        base = await open_base(backend, step)
+        opened.append(base)
         same: dict[str, list[int]] = {}
         for name, (infos, values) in items.items():
             tables = digested.setdefault(name, {})
@@ -124,7 +142,7 @@ async def unchanged(
     for name, same in leaves.items():  # their digests are the base's: not kept twice
         for leaf in same:
             digested.get(name, {}).pop(leaf, None)
-    return Unchanged(leaves, digested)
+    return Unchanged(leaves, digested, opened[0])
 
 
 @dataclass

@@ -41,7 +41,7 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
-from ckptstore.checkpoint.incremental import Base, References, Unchanged, open_base, unchanged
+from ckptstore.checkpoint.incremental import Base, References, Unchanged, unchanged
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
@@ -189,12 +189,11 @@ async def save_prepared(
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
     await hooks.before_attempt(backend, items, step, handoff)
-    based: Base | None = None
     same = Unchanged({name: set() for name in items}, {})
     if base is not None:  # every process reads it: a base gone is typed, nothing written
-        based = await open_base(backend, base)
         pairs = {n: (i.leaves, [v for _, v in i.named]) for n, i in items.items()}
-        same = await unchanged(based, pairs, handoff)
+        same = await unchanged(backend, base, pairs, handoff)
+    based: Base | None = same.base
 
     async def fresh_attempt() -> str:
         return layout.new_attempt()

@@ -10,7 +10,7 @@ from typing import Any
 
 from ckptstore.api import delete_step, gc
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.cleanup import Removal, scan_step
+from ckptstore.checkpoint.cleanup import Removal, referenced_elsewhere, scan_step
 from ckptstore.cli.output import EXIT_OK, Output, error_json, exit_status, print_json
 from ckptstore.cli.steps import committed
 from ckptstore.cli.text import count, human
@@ -81,16 +81,25 @@ def steps_text(steps: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-async def _would_delete(target: Backend | Tiered, step: int) -> Removal:
-    """What `delete_step` would remove (a dry run), from the same scan it makes."""
+async def _would_delete(
+    target: Backend | Tiered, step: int, deleted: Sequence[int] = ()
+) -> Removal:
+    """What `delete_step` would remove (a dry run), from the same scan it makes: an
+    attempt another step references (one not in ``deleted``, the steps this dry run
+    removes before ``step``) or a save in flight does is kept, as `delete_step` keeps it."""
 
     async def on(backend: Backend) -> Removal | None:
         scanned = await scan_step(backend, step)
         if not scanned.committed:
             return None
         removal = Removal(entries=[layout.commit_key(step)], objects=1)
+        keep: set[tuple[int, str]] = set()
+        if scanned.marker is not None and scanned.marker.attempt is not None:
+            keep = await referenced_elsewhere(backend, step, deleted=deleted)
         for entry in scanned.entries if scanned.marker is not None else []:
-            if entry.committed:  # counted even where another step references it (then kept)
+            if entry.committed and (step, entry.name) in keep:
+                removal.kept_referenced.append(entry.key)
+            elif entry.committed:
                 removal.add(entry.key, entry.objects)
         return removal
 
@@ -123,7 +132,10 @@ async def cmd_rm(
     try:
         for step in steps:
             try:
-                removal = await (_would_delete if dry_run else delete_step)(target, step)
+                if dry_run:
+                    removal = await _would_delete(target, step, [s for s, _ in done])
+                else:
+                    removal = await delete_step(target, step)
             except CkptStoreError as exc:
                 failure = exc
                 break
@@ -136,7 +148,13 @@ async def cmd_rm(
         doc: dict[str, Any] = {
             "dry_run": dry_run,
             "steps": [
-                {"step": s, "entries": r.entries, "objects": r.objects, "bytes": r.bytes}
+                {
+                    "step": s,
+                    "entries": r.entries,
+                    "objects": r.objects,
+                    "bytes": r.bytes,
+                    "kept_referenced": r.kept_referenced,
+                }
                 for s, r in done
             ],
             "remaining": remaining,
@@ -151,6 +169,8 @@ async def cmd_rm(
     for _, removal in done:
         for key in removal.entries:
             print(f"{verb} {key}")
+        for key in removal.kept_referenced:
+            print(f"{'would keep' if dry_run else 'kept'} {key} (a committed step references it)")
     if done:
         removals = [r for _, r in done]
         print(

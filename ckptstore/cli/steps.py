@@ -5,6 +5,7 @@ returns its exit status (`ckptstore.cli.output`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -54,6 +55,8 @@ async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
                     "step": m.step,
                     "attempt": m.attempt,
                     "bytes": m.nbytes,
+                    **stored_bytes(m),
+                    "references": sorted({int(r["step"]) for r in m.references}),
                     "created": m.created,
                     "items": sorted(m.items),
                     "leaves": sum(len(i.leaves) for i in m.items.values()),
@@ -68,16 +71,34 @@ async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
     if not rows:
         print(f"no committed checkpoints in {shown}")
         return EXIT_OK
-    print(f"{'STEP':>10}  {'SIZE':>10}  {'LEAVES':>6}  {'CREATED':19}  ITEMS")
+    print(
+        f"{'STEP':>10}  {'SIZE':>10}  {'LEAVES':>6}  {'WRITTEN':>10}  {'REFERENCED':>10}  "
+        f"{'CREATED':19}  ITEMS"
+    )
     for r in rows:
         if "corrupt" in r:
             print(f"{r['step']:>10}  CORRUPT: {r['corrupt']}")
             continue
+        referenced = human(r["bytes_referenced"]) if r["references"] else "-"
+        held = f"  (references step {steps_list(r['references'])})" if r["references"] else ""
         print(
             f"{r['step']:>10}  {human(r['bytes']):>10}  {r['leaves']:>6}  "
-            f"{when(r['created'])}  {','.join(r['items'])}"
+            f"{human(r['bytes_written']):>10}  {referenced:>10}  "
+            f"{when(r['created'])}  {','.join(r['items'])}{held}"
         )
     return status
+
+
+def stored_bytes(manifest: Manifest) -> dict[str, int]:
+    """A step's payload bytes its own attempt holds (``bytes_written``) and those it
+    reads from the attempts in its ``references`` (``bytes_referenced``, incremental
+    saves: docs/incremental.md)."""
+    referenced = sum(item.referenced_bytes for item in manifest.items.values())
+    return {"bytes_written": manifest.nbytes - referenced, "bytes_referenced": referenced}
+
+
+def steps_list(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
 
 
 async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
@@ -144,6 +165,14 @@ def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
     print(f"step {manifest.step}, created {when(manifest.created)}, {human(manifest.nbytes)}")
     if manifest.attempt:
         print(f"  attempt {manifest.attempt}")
+    stored = stored_bytes(manifest)
+    print(
+        f"  written {human(stored['bytes_written'])}, "
+        f"referenced {human(stored['bytes_referenced'])}"
+        + (f" (base step {manifest.base['step']})" if manifest.base else "")
+    )
+    for ref in manifest.references:
+        print(f"  references step {ref['step']}, attempt {ref['attempt']}")
     if manifest.timings or after:
         phases = ", ".join(f"{k} {v:.3f} s" for k, v in {**manifest.timings, **after}.items())
         print(f"  timings: {phases}")
@@ -157,9 +186,11 @@ def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
         print(f"  {'LEAF':{width}}  {'DTYPE':>12}  {'SHAPE':>18}  {'BYTES':>10}  SHARDING")
         for leaf in sorted(item.leaves.values(), key=lambda i: i.name):
             shape = "x".join(map(str, leaf.shape)) or "scalar"
+            k = item.refs.get(leaf.name)
+            held = "" if k is None else f"  (in step {manifest.references[k]['step']})"
             print(
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
-                f"{human(leaf.nbytes):>10}  {_sharding_text(leaf.sharding)}"
+                f"{human(leaf.nbytes):>10}  {_sharding_text(leaf.sharding)}{held}"
             )
 
 
@@ -172,8 +203,9 @@ async def cmd_info(target: Backend | Tiered, step: int | None, as_json: bool) ->
             if (orbax := await cli_orbax.info(target, step, as_json)) is not None:
                 return orbax
         raise
-    if as_json:
-        print(manifest.to_bytes().decode())
+    if as_json:  # the manifest, and what its attempt holds vs reads from others
+        doc = {**json.loads(manifest.to_bytes()), **stored_bytes(manifest)}
+        print(json.dumps(doc, separators=(",", ":")))
     else:
         _print_info(manifest, await _after_manifest(target, manifest))
     return EXIT_OK

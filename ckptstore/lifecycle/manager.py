@@ -29,8 +29,15 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import load_profile
 from ckptstore.checkpoint.cleanup import delete_step, gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
+from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, open_target
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError, UnsupportedOperationError
+from ckptstore.errors import (
+    BaseStepGoneError,
+    CkptStoreError,
+    ConfigError,
+    CorruptCheckpointError,
+    UnsupportedOperationError,
+)
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.lifecycle import policies as P
@@ -63,6 +70,10 @@ class SaveStats:
     bytes: int  # payload of the whole step
     bytes_written: int  # by this process
     staged_bytes: int  # held for the save by this process: host copies, or views ("view")
+    #: Incremental saves (``ManagerOptions(incremental=True)``): payload bytes not written
+    #: because ``base`` holds them, and the step the save referenced (None: a full save).
+    bytes_referenced: int = 0
+    base: int | None = None
 
 
 class SaveHandle:
@@ -117,6 +128,13 @@ class CheckpointManager:
         #: With a `Tiered` target (or a profile with a [tiers] table), saves go to the fast
         #: tier and each committed step is promoted to the durable one in the background.
         self.tiered = as_tiered(target)
+        if options.incremental and self.tiered is not None:
+            raise ConfigError(
+                "ManagerOptions(incremental=True) needs one backend: incremental saves on "
+                "tiers (a Tiered target, or a profile with a [tiers] table) are not supported "
+                "yet, since promotion does not copy referenced bytes. Save to one backend, or "
+                "drop incremental=True"
+            )
         fast = self.tiered.fast if self.tiered is not None else target
         assert not isinstance(fast, Tiered)
         self._owns_backend = not isinstance(fast, Backend)
@@ -144,6 +162,10 @@ class CheckpointManager:
                 self._orbax_steps = self._call(self._find_orbax_steps())
             steps = committed or self._orbax_steps
             self._last_step: int | None = steps[-1] if steps else None
+            #: The base of the next incremental save: the last step committed (an Orbax
+            #: step never is one). Set on the loop thread once a save commits; read by
+            #: `save` after `_settle`, so after that save's future completed.
+            self._base: int | None = committed[-1] if committed else None
             if options.gc_on_start and self._me == 0:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
                 if removed.entries:
@@ -198,9 +220,17 @@ class CheckpointManager:
         arrays = {n: v for n, v in trees.items() if n not in configs}
         staged = self._stager.stage(arrays, self.options.staging, host_view=host_view)
         self._last_step, self._last_time = step, time.monotonic()
+        base = self._base if self.options.incremental else None
         future = asyncio.run_coroutine_threadsafe(
             self._write(
-                step, staged, configs, dict(metrics or {}), dict(metadata or {}), start, waited
+                step,
+                staged,
+                configs,
+                dict(metrics or {}),
+                dict(metadata or {}),
+                start,
+                waited,
+                base,
             ),
             self._loop,
         )
@@ -266,18 +296,34 @@ class CheckpointManager:
         metadata: dict[str, Any],
         start: float,
         waited: float,
+        base: int | None,
     ) -> SaveStats:
         target: Backend | Tiered = self.backend
         if self.durable is not None and self.tiered is not None:  # checks room on the fast tier
             target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
-        result = await save_items(
-            target,
-            {**staged.tree, **configs},
-            step=step,
-            metadata={**metadata, "metrics": metrics} if metrics else metadata,
-            timeout=self.options.timeout,
-            timings={"staging": staged.seconds},
-        )
+
+        async def save(base: int | None) -> SaveResult:
+            return await save_items(
+                target,
+                {**staged.tree, **configs},
+                step=step,
+                metadata={**metadata, "metrics": metrics} if metrics else metadata,
+                timeout=self.options.timeout,
+                timings={"staging": staged.seconds},
+                base=base,
+            )
+
+        try:
+            result = await save(base)
+        except BaseStepGoneError as exc:
+            # The base was deleted (by someone else: the keep policy never deletes the
+            # latest committed step) before or while this save referenced it. Nothing was
+            # committed and the attempt is abandoned: the staged copy is still intact, so
+            # the step is saved again in full, once. Every process gets this error type.
+            log.warning("ckptstore: step %d saved in full: %s", step, exc)
+            base = None
+            result = await save(None)
+        self._base = step
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
         # The step is committed: the handle completes now. The keep policy runs after it,
@@ -298,6 +344,8 @@ class CheckpointManager:
             bytes=result.bytes,
             bytes_written=result.bytes_written,
             staged_bytes=staged.nbytes,
+            bytes_referenced=result.bytes_referenced,
+            base=base if result.bytes_referenced else None,
         )
         self.stats.append(stats)
         return stats

@@ -19,6 +19,7 @@ max_staging_bytes = 68719476736
 timeout = "10m"                  # cross-process waits
 gc_on_start = true
 gc_grace = "10m"
+incremental = false              # true: each save references what the last step holds
 ```
 """
 
@@ -68,12 +69,18 @@ class ManagerOptions:
     gc_grace: float = 600.0
     item: str = layout.DEFAULT_ITEM
     handle_sigterm: bool = True
+    #: Each save after the first is incremental (``base=`` the last step this manager
+    #: committed, or the latest committed when it started): leaves unchanged since then
+    #: are referenced, not written (docs/incremental.md). One backend only, for now.
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.staging not in ("auto", "host", "view"):
             raise ConfigError(f"staging must be 'auto', 'host' or 'view', got {self.staging!r}")
+        if not isinstance(self.incremental, bool):
+            raise ConfigError(f"incremental must be True or False, got {self.incremental!r}")
         if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
             raise ConfigError("max_staging_bytes must be positive")
         layout.check_item(self.item)
@@ -125,7 +132,7 @@ class ManagerOptions:
         for key in ("if_busy", "item", "staging"):
             if (v := take(key)) is not None:
                 out[key] = _str(v, f"{source}.{key}")
-        for key in ("gc_on_start", "handle_sigterm"):
+        for key in ("gc_on_start", "handle_sigterm", "incremental"):
             if (v := take(key)) is not None:
                 out[key] = _bool(v, f"{source}.{key}")
         if (v := take("max_staging_bytes")) is not None:

@@ -28,6 +28,7 @@ T = TypeVar("T")
 #: so that, say, losing a commit race is `AlreadyExistsError` on every process.
 _TYPED = (
     errors.AlreadyExistsError,
+    errors.BaseStepGoneError,  # the manager's incremental saves retry on this one
     errors.CheckpointNotFoundError,
     errors.CorruptCheckpointError,
     errors.PermissionDeniedError,

@@ -1,12 +1,13 @@
 """The interleaving checker: the commit protocol's actors as coroutines on one event loop,
 paused before every backend operation, run under schedules chosen on purpose.
 
-Every actor (a save, a partial-save finalize, an abandon, gc, delete_step, a promotion,
-a restore, ...) talks to a `GatedBackend`: before each byte operation it waits at a gate
-until the scheduler lets it through. The scheduler waits until every live actor is paused
-at a gate (or done), then releases exactly one. A schedule is the sequence of actors
-released; replaying it gives the same run. What TensorStore does between two byte
-operations (writing chunks, a merge) is one step of the actor that runs it.
+Every actor (a save, an incremental save on a base, a partial-save finalize, an abandon,
+gc, delete_step, a promotion, a restore, ...) talks to a `GatedBackend`: before each byte
+operation it waits at a gate until the scheduler lets it through. The scheduler waits
+until every live actor is paused at a gate (or done), then releases exactly one. A
+schedule is the sequence of actors released; replaying it gives the same run. What
+TensorStore does between two byte operations (writing chunks, a merge) is one step of the
+actor that runs it.
 
 Schedules are explored two ways:
 
@@ -31,8 +32,10 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import functools
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -245,10 +248,10 @@ def gc_actor(tiered: bool = False) -> Actor:
     return act
 
 
-def delete_actor(tiered: bool = False) -> Actor:
+def delete_actor(tiered: bool = False, step: int = STEP) -> Actor:
     async def act(world: World) -> None:
-        await ckptstore.delete_step(world.tiers if tiered else world.fast, STEP)
-        world.deleted.add(STEP)
+        await ckptstore.delete_step(world.tiers if tiered else world.fast, step)
+        world.deleted.add(step)
 
     return act
 
@@ -270,6 +273,28 @@ async def verify_actor(world: World) -> None:
     report = await ckptstore.verify(world.fast, step=STEP)
     if not report.ok:
         world.outcomes["verify-report"] = f"problems {report.problems[:2]}"
+
+
+def incremental_actor(step: int, base: int, value: float, fallback: bool = False) -> Actor:
+    """An incremental save of ``step`` on ``base`` (its frozen leaves are referenced);
+    ``fallback``: as the manager does (`ManagerOptions(incremental=True)`), a base gone
+    (`BaseStepGoneError`) means the same tree is saved again in full, once."""
+
+    async def act(world: World) -> None:
+        want = inc_tree(value)
+        world.candidates.setdefault(step, []).append(want)
+        try:
+            result = await ckptstore.save(world.fast, want, step=step, base=base)
+        except ckptstore.BaseStepGoneError:
+            if not fallback:
+                raise
+            result = await ckptstore.save(world.fast, want, step=step)
+        else:
+            if result.bytes_referenced != frozen_bytes():
+                raise AssertionError(f"referenced {result.bytes_referenced} B, not the frozen")
+        world.told.append((_name(), step, want))
+
+    return act
 
 
 def _name() -> str:
@@ -304,6 +329,45 @@ async def session_twice(world: World) -> None:
         first,
         await ckptstore.partial_save(world.fast, STEP, attempt=first.attempt),
     ]
+
+
+@functools.cache
+def frozen() -> dict[str, Any]:
+    """The leaves an incremental save finds unchanged: a small one (packed) and, where
+    there are several devices, one sharded over them (chunks in the OCDBT store; `main`
+    asks for 8 CPU devices, as the test suite's conftest does)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("x",))
+    data = np.arange(2 * len(devices), dtype=np.float32)
+    sharded = jax.device_put(data, NamedSharding(mesh, PartitionSpec("x")))
+    return {"packed": np.arange(6, dtype=np.int32), "sharded": sharded}
+
+
+def frozen_bytes() -> int:
+    return sum(int(np.asarray(v).nbytes) for v in frozen().values())
+
+
+def inc_tree(value: float) -> dict[str, Any]:
+    """A LoRA-like tiny tree: the frozen leaves, and one that says who saved it."""
+    return {"frozen": frozen(), "w": np.full(4, value, np.float32)}
+
+
+async def based(world: World) -> None:
+    """Step 1 committed in full: the base (and holder) of an incremental save of step 2."""
+    want = inc_tree(1.0)
+    world.candidates[STEP] = [want]
+    await ckptstore.save(world.fast, want, step=STEP)
+
+
+async def chained(world: World) -> None:
+    """Step 1 in full, step 2 on base 1: step 1's attempt holds step 2's frozen leaves."""
+    await based(world)
+    want = inc_tree(2.0)
+    world.candidates[2] = [want]
+    await ckptstore.save(world.fast, want, step=2, base=STEP)
 
 
 # ---- invariants ----
@@ -348,6 +412,28 @@ async def stays_deleted(world: World) -> list[str]:
     for backend in (world.fast.inner, world.durable.inner):
         if STEP in await ckptstore.list_steps(backend):
             out.append(f"step {STEP} was deleted but is listed again on {backend.url}")
+    return out
+
+
+async def survives_gc(world: World) -> list[str]:
+    """After the schedule, a `gc` with no grace (ungated) keeps whatever a committed step
+    references: every listed step still restores bit-exact and verifies. And a save told
+    it committed references the attempt that first wrote the frozen leaves: no chains."""
+    await ckptstore.gc(world.fast.inner, older_than=0)
+    out = []
+    for step in await ckptstore.list_steps(world.fast.inner):
+        try:
+            got = await ckptstore.restore(world.fast.inner, step=step)
+        except ckptstore.CkptStoreError as exc:
+            out.append(f"after gc, step {step} does not restore: {exc!r}")
+            continue
+        if not any(_same(got, want) for want in world.candidates.get(step, [])):
+            out.append(f"after gc, step {step} holds a tree no one committed")
+        if not (await ckptstore.verify(world.fast.inner, step=step)).ok:
+            out.append(f"after gc, step {step} fails verify")
+        manifest = await ckptstore.read_manifest(world.fast.inner, step)
+        if any(int(r["step"]) != STEP for r in manifest.references):
+            out.append(f"step {step} references {manifest.references}, not step {STEP}'s holder")
     return out
 
 
@@ -461,6 +547,71 @@ TRIPLES = [
         "delete_step, restore and a save",
         committed,
         {"delete": delete_actor(), "restore": restore_actor(), "save": save_actor(2.0)},
+    ),
+]
+
+
+#: Incremental saves (docs/incremental.md, "Safety"): a save of step S on base B races
+#: `delete_step` of B (or of the attempt B references) and `gc`. Invariants besides
+#: `check_world`'s: after a `gc` with no grace every listed step still restores and
+#: verifies, and references name the original holder (`survives_gc`). The test suite runs
+#: the first `INCREMENTAL_BOUNDED` with one preemption, the others without.
+INCREMENTAL = [
+    Scenario(
+        "an incremental save races delete_step of its base",
+        based,
+        {"save": incremental_actor(2, STEP, 2.0), "delete": delete_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "an incremental save races gc",
+        based,
+        {"save": incremental_actor(2, STEP, 2.0), "gc": gc_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "delete_step of a step an incremental step references races gc",
+        chained,
+        {"delete": delete_actor(), "gc": gc_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "an incremental save falling back to a full one races delete_step of its base",
+        based,
+        {"save": incremental_actor(2, STEP, 2.0, fallback=True), "delete": delete_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "an incremental save on a referencing base races delete_step of the holder",
+        chained,
+        {"save": incremental_actor(3, 2, 3.0), "delete": delete_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "an incremental save on a referencing base races delete_step of that base",
+        chained,
+        {"save": incremental_actor(3, 2, 3.0), "delete": delete_actor(step=2)},
+        check=survives_gc,
+    ),
+]
+INCREMENTAL_BOUNDED = 3
+INCREMENTAL_TRIPLES = [
+    Scenario(
+        "an incremental save, delete_step of its base and gc",
+        based,
+        {"save": incremental_actor(2, STEP, 2.0), "delete": delete_actor(), "gc": gc_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "an incremental save, delete_step of its base and of the holder, and gc",
+        chained,
+        {
+            "save": incremental_actor(3, 2, 3.0),
+            "delete-base": delete_actor(step=2),
+            "delete-holder": delete_actor(),
+            "gc": gc_actor(),
+        },
+        check=survives_gc,
     ),
 ]
 
@@ -609,6 +760,7 @@ async def random_walks(scenario: Scenario, walks: int, seed: int, tally: Tally) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # `frozen`
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--bound", type=int, default=2, help="preemptions per pair schedule (-1: no bound)"
@@ -622,11 +774,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
 
     async def everything() -> None:
-        for scenario in SCENARIOS:
+        for scenario in [*SCENARIOS, *INCREMENTAL]:
             if args.only in scenario.name:
                 await explore_pairs(scenario, args.bound, tally)
                 _progress(scenario.name, tally, start)
-        for k, scenario in enumerate(TRIPLES):
+        for k, scenario in enumerate([*TRIPLES, *INCREMENTAL_TRIPLES]):
             if args.only in scenario.name:
                 await random_walks(scenario, args.walks, args.seed + k * 1_000_000, tally)
                 _progress(scenario.name, tally, start)

@@ -22,7 +22,16 @@ from ckptstore.backends import memory
 from ckptstore.checkpoint import commit
 from ckptstore.format import layout
 from tests.campaigns import interleave
-from tests.campaigns.interleave import SCENARIOS, TRIPLES, Scenario, Tally, World
+from tests.campaigns.interleave import (
+    INCREMENTAL,
+    INCREMENTAL_BOUNDED,
+    INCREMENTAL_TRIPLES,
+    SCENARIOS,
+    TRIPLES,
+    Scenario,
+    Tally,
+    World,
+)
 
 
 async def test_every_pair_with_one_preemption_and_random_triples_keep_committed_steps() -> None:
@@ -35,6 +44,24 @@ async def test_every_pair_with_one_preemption_and_random_triples_keep_committed_
     assert tally.failing == 0, "\n".join(failing)
     assert all(tally.per_scenario[s.name][0] >= 1 for s in SCENARIOS)
     assert tally.schedules > 300  # most pairs have many: one per preemption point
+
+
+async def test_incremental_saves_racing_delete_step_and_gc_keep_committed_steps() -> None:
+    """An incremental save against `delete_step` of its base (or of the attempt holding
+    its bytes) and `gc`: every step an actor was told is committed, and every listed one,
+    restores bit-exact and verifies, before and after a `gc` with no grace. Bounded: the
+    core races with one preemption, the rest without, a few walks of the triples
+    (`python -m tests.campaigns.interleave --only incremental` runs them all)."""
+    tally = Tally()
+    for k, scenario in enumerate(INCREMENTAL):
+        bound = 1 if k < INCREMENTAL_BOUNDED else 0
+        await interleave.explore_pairs(scenario, bound=bound, tally=tally)
+    for k, scenario in enumerate(INCREMENTAL_TRIPLES):
+        await interleave.random_walks(scenario, walks=5, seed=2000 * k, tally=tally)
+    failing = [f"{r.scenario}: {r.problems} (schedule {r.schedule})" for r in tally.examples]
+    assert tally.failing == 0, "\n".join(failing)
+    assert all(tally.per_scenario[s.name][0] >= 1 for s in INCREMENTAL + INCREMENTAL_TRIPLES)
+    assert tally.schedules > 70
 
 
 # ---- the checker can fail: a protocol that checks, then acts ----
@@ -73,6 +100,24 @@ async def test_the_checker_finds_a_check_then_act_race() -> None:
         interleave.check_world = original  # type: ignore[assignment]
     assert tally.failing >= 2  # a reads, b reads, then both write (either first)
     assert tally.schedules > tally.failing  # and the schedules without a preemption pass
+
+
+async def test_the_checker_finds_an_incremental_save_that_skips_its_base_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the commit's re-check of the base (docs/incremental.md, s2), a deletion of
+    the base that found no reference yet removes the bytes a committed step reads."""
+
+    async def no_check(backend: Any, base: Any) -> None:
+        return None
+
+    monkeypatch.setattr(commit, "check_base", no_check)
+    racy = INCREMENTAL[0]
+    assert racy.name == "an incremental save races delete_step of its base"
+    tally = Tally()
+    await interleave.explore_pairs(racy, bound=1, tally=tally)
+    assert tally.failing >= 1
+    assert any("does not restore" in p for r in tally.examples for p in r.problems)
 
 
 # ---- the fate record ----

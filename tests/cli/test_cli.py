@@ -34,7 +34,7 @@ def root(tmp_path: Path) -> str:
 def test_ls(root: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", root]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["STEP", "SIZE", "LEAVES"]
+    assert lines[0].split()[:5] == ["STEP", "SIZE", "LEAVES", "WRITTEN", "REFERENCED"]
     assert [line.split()[0] for line in lines[1:]] == ["7", "9"]
     assert "4.0 KiB" in lines[2]
 

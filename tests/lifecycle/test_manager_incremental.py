@@ -1,0 +1,257 @@
+"""`ManagerOptions(incremental=True)`: each save references what the last committed step
+holds; the keep policy deletes old steps and their referenced bytes stay; a base that
+goes is a full save; tiers are refused at construction; a run SIGKILLed mid-save resumes
+(`incremental_worker.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore import policies as pol
+from ckptstore.checkpoint.commit import load_committed
+from ckptstore.format import layout
+from ckptstore.runtime.blocking import run
+from tests.lifecycle.incremental_worker import FROZEN_SHAPE, advance, initial, like, state_at
+
+REPO = Path(__file__).resolve().parents[2]
+FROZEN = FROZEN_SHAPE[0] * FROZEN_SHAPE[1] * 4
+CHANGED = 3 * 1024 * 8 * 4  # lora a and b, opt mu: float32
+#: What a step's attempt holds besides its leaves' chunks: zarr.json files, OCDBT
+#: manifests and B-tree nodes, digests, the manifest and the marker.
+OVERHEAD = 64 << 10
+
+
+def options(**kw: Any) -> ckptstore.ManagerOptions:
+    return ckptstore.ManagerOptions(handle_sigterm=False, incremental=True, **kw)
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes of every file below ``path`` (0 if it does not exist)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def host(state: Any) -> Any:
+    return jax.tree.map(np.asarray, state)
+
+
+def assert_bit_exact(got: Any, want: Any) -> None:
+    flat_got, tree_got = jax.tree_util.tree_flatten(got)
+    flat_want, tree_want = jax.tree_util.tree_flatten(want)
+    assert tree_got == tree_want
+    for g, w in zip(flat_got, flat_want, strict=True):
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+
+
+@pytest.mark.parametrize("staging", ["host", "view"])
+def test_a_lora_loop_writes_the_changed_bytes_and_keeps_what_it_references(
+    tmp_path: Path, staging: str
+) -> None:
+    root = tmp_path / "run"
+    expected: dict[int, Any] = {}
+    keep = pol.KeepLatest(2)
+    with ckptstore.CheckpointManager(
+        str(root), keep_policy=keep, options=options(staging=staging)
+    ) as mgr:
+        state = initial()
+        for step in range(1, 7):
+            state = advance(state, jnp.int32(step))
+            expected[step] = host(state)
+            handle = mgr.save(step, state)
+            assert handle is not None
+            handle.wait()
+        mgr.wait_until_finished()
+        stats = list(mgr.stats)
+
+    first, later = stats[0], stats[1:]
+    assert first.base is None and first.bytes_referenced == 0
+    assert first.bytes_written == first.bytes == FROZEN + CHANGED
+    for s in later:  # exactly the changed bytes: the frozen base is referenced
+        assert (s.base, s.bytes_written, s.bytes_referenced) == (s.step - 1, CHANGED, FROZEN)
+
+    assert ckptstore.list_steps_sync(str(root)) == [5, 6]
+    step1 = run(load_committed(ckptstore.open_backend(str(root)), 5)).references
+    assert [r["step"] for r in step1] == [1]  # the original holder, never a chain
+    for step in (5, 6):
+        assert_bit_exact(ckptstore.restore_sync(str(root), step, like()), expected[step])
+        assert ckptstore.verify_sync(str(root), step).ok
+    # Step 1 left every listing, its bytes stayed: the kept steps read the base there.
+    assert not (root / layout.commit_key(1)).exists()
+    assert disk_usage(root / "1") >= FROZEN
+    # The whole run on disk: the base once, step 1's own adapters, the two kept steps'.
+    total = disk_usage(root)
+    assert FROZEN + 3 * CHANGED <= total <= FROZEN + 3 * CHANGED + 3 * OVERHEAD, total
+
+    ckptstore.gc_sync(str(root), older_than=0)  # referenced: kept, whatever the grace
+    assert disk_usage(root / "1") >= FROZEN
+    assert_bit_exact(ckptstore.restore_sync(str(root), 6, like()), expected[6])
+    for step in (5, 6):
+        ckptstore.delete_step_sync(str(root), step)
+    ckptstore.gc_sync(str(root), older_than=0)  # nothing references step 1 now: freed
+    assert disk_usage(root) < OVERHEAD
+
+
+def test_digests_are_of_the_staged_copy(tmp_path: Path) -> None:
+    """A numpy leaf changed in place once `save` returned is saved as it was at the call,
+    and the decision to reference it is made on that copy too."""
+    root = str(tmp_path / "run")
+    frozen = np.arange(1 << 20, dtype=np.float32)
+    at_call = frozen.copy()
+    with ckptstore.CheckpointManager(root, options=options(staging="host")) as mgr:
+        mgr.save(1, {"w": frozen, "k": np.int64(1)})
+        handle = mgr.save(2, {"w": frozen, "k": np.int64(2)})
+        assert handle is not None
+        frozen[:] = -1  # while step 2 is in flight
+        second = handle.wait()
+        third = mgr.save(3, {"w": frozen, "k": np.int64(3)})
+        assert third is not None
+        third_stats = third.wait()
+    assert second.bytes_referenced == frozen.nbytes and second.bytes_written == 8
+    assert third_stats.bytes_referenced == 0 and third_stats.bytes_written == frozen.nbytes + 8
+    np.testing.assert_array_equal(ckptstore.restore_sync(root, 2)["w"], at_call)
+    np.testing.assert_array_equal(ckptstore.restore_sync(root, 3)["w"], frozen)
+
+
+def tree(k: int) -> dict[str, Any]:
+    return {"w": np.arange(1 << 18, dtype=np.float32), "k": np.full(4, k, np.int32)}
+
+
+def test_a_base_deleted_by_someone_else_means_a_full_save(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        assert mgr.save(1, tree(1)) is not None
+        mgr.wait_until_finished()
+        ckptstore.delete_step_sync(root, 1)  # another job, or `ckptstore rm`
+        handle = mgr.save(2, tree(2))
+        assert handle is not None
+        stats = handle.wait()
+        assert stats.base is None and stats.bytes_written == stats.bytes
+        handle = mgr.save(3, tree(3))  # and the next one references step 2
+        assert handle is not None
+        assert handle.wait().base == 2
+    assert ckptstore.list_steps_sync(root) == [2, 3]
+    assert_bit_exact(ckptstore.restore_sync(root, 3), tree(3))
+
+
+def test_a_base_deleted_while_the_save_commits_falls_back_to_a_full_save_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The base goes after the save read it and before its manifest: the commit's
+    re-check refuses the incremental step (`BaseStepGoneError`), and the manager saves it
+    again in full from the same staged copy; the handle succeeds."""
+    root = str(tmp_path / "run")
+    backend = ckptstore.open_backend(root)
+    write = backend.write
+    deleted: list[int] = []
+
+    async def deleting_first(key: str, data: bytes) -> None:
+        if key.startswith("2/") and key.endswith(layout.MANIFEST) and not deleted:
+            deleted.append(1)
+            await ckptstore.delete_step(backend, 1)
+        await write(key, data)
+
+    with ckptstore.CheckpointManager(backend, options=options()) as mgr:
+        assert mgr.save(1, tree(1)) is not None
+        mgr.wait_until_finished()
+        monkeypatch.setattr(backend, "write", deleting_first)
+        handle = mgr.save(2, tree(2))
+        assert handle is not None
+        with caplog.at_level("WARNING", logger="ckptstore"):
+            stats = handle.wait()
+    assert deleted == [1]
+    assert stats.base is None and stats.bytes_written == stats.bytes
+    assert "step 2 saved in full" in caplog.text
+    assert ckptstore.list_steps_sync(root) == [2]
+    assert not run(load_committed(backend, 2)).references
+    assert_bit_exact(ckptstore.restore_sync(root, 2), tree(2))
+    assert ckptstore.verify_sync(root, 2).ok
+    run(backend.close())
+
+
+def test_tiers_are_refused_at_construction(tmp_path: Path) -> None:
+    tiers = ckptstore.Tiered(str(tmp_path / "fast"), str(tmp_path / "durable"))
+    with pytest.raises(ckptstore.ConfigError, match=r"incremental=True\) needs one backend"):
+        ckptstore.CheckpointManager(tiers, options=options())
+    assert not (tmp_path / "fast").exists() and not (tmp_path / "durable").exists()
+    profile = tmp_path / "tiers.toml"
+    profile.write_text(
+        f'[tiers]\nfast = "{tmp_path / "fast"}"\ndurable = "{tmp_path / "durable"}"\n'
+        "[manager]\nincremental = true\n"
+    )
+    with pytest.raises(ckptstore.ConfigError, match=r"incremental=True\) needs one backend"):
+        ckptstore.CheckpointManager(str(profile))
+
+
+def test_incremental_from_a_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "run.toml"
+    profile.write_text(
+        f'url = "{tmp_path / "run"}"\n[manager]\nincremental = true\nhandle_sigterm = false\n'
+    )
+    with ckptstore.CheckpointManager(str(profile)) as mgr:
+        assert mgr.options.incremental is True
+        for step in (1, 2):
+            handle = mgr.save(step, tree(step))
+            assert handle is not None
+            handle.wait()
+        assert mgr.stats[-1].base == 1
+    profile.write_text(f'url = "{tmp_path / "run"}"\n[manager]\nincremental = "yes"\n')
+    with pytest.raises(ckptstore.ConfigError, match="incremental"):
+        ckptstore.CheckpointManager(str(profile))
+    with pytest.raises(ckptstore.ConfigError, match="incremental"):
+        ckptstore.ManagerOptions(incremental="yes")  # type: ignore[arg-type]
+
+
+STEPS = 8
+
+
+def worker(root: Path, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+    module = "tests.lifecycle.incremental_worker"
+    proc = subprocess.run(
+        [sys.executable, "-m", module, str(root), str(STEPS), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"worker exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.returncode, lines
+
+
+def test_killed_mid_save_and_resumed(tmp_path: Path) -> None:
+    """SIGKILL right after ``save(5)`` returned (step 5 in flight); the resumed run starts
+    from the latest committed step, its first save is incremental on it, and every kept
+    step restores bit-exact, as does the end state of a run never killed."""
+    root = tmp_path / "run"
+    code, first = worker(root, "--die-at", "5")
+    assert code == -signal.SIGKILL
+    assert [line["step"] for line in first] == [1, 2, 3, 4]
+    assert all(line["written"] == CHANGED for line in first[1:])
+    code, second = worker(root)
+    assert code == 0
+    saves = [line for line in second if "step" in line]
+    resumed_from = saves[0]["step"] - 1
+    assert resumed_from in (4, 5)  # step 5 committed before the kill, or it did not
+    for line in saves:  # every save after the restart references the frozen base
+        assert line["base"] == line["step"] - 1
+        assert (line["written"], line["referenced"]) == (CHANGED, FROZEN)
+    assert ckptstore.list_steps_sync(str(root)) == [STEPS - 1, STEPS]
+    for step in (STEPS - 1, STEPS):
+        got = ckptstore.restore_sync(str(root), step, like())
+        assert_bit_exact(got, host(state_at(step)))
+        assert ckptstore.verify_sync(str(root), step).ok
+    code, whole = worker(tmp_path / "whole")
+    assert code == 0 and whole[-1]["digest"] == second[-1]["digest"]
