@@ -7,7 +7,7 @@ where no ckptstore step is) and hands it to the folder that owns it: `ckptstore.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -87,11 +87,14 @@ async def save_items(
     timeout: float = distributed.DEFAULT_TIMEOUT,
     timings: dict[str, float] | None = None,
     base: int | None = None,
+    same_objects: Mapping[str, Collection[str]] | None = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
     arrays and numbers but JSON (a dataclass config, a dict with strings) is kept as JSON
-    in the manifest and restored as JSON (or into the dataclass ``like`` gives)."""
+    in the manifest and restored as JSON (or into the dataclass ``like`` gives).
+    ``same_objects`` (with ``base``; the manager's): per item, leaves that are the very
+    `jax.Array` objects ``base`` was saved from, so not digested again."""
     step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
     if base is not None:
         base = layout.check_step(base)
@@ -108,7 +111,15 @@ async def save_items(
             )
     async with opened(single(target)) as backend:
         return await plain_save.save_prepared(
-            backend, prepared, step, metadata, timeout, timings or {}, configs=configs, base=base
+            backend,
+            prepared,
+            step,
+            metadata,
+            timeout,
+            timings or {},
+            configs=configs,
+            base=base,
+            same_objects=same_objects,
         )
 
 

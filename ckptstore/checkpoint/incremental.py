@@ -17,7 +17,7 @@ service), since a leaf is either written whole or referenced whole.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,7 @@ async def unchanged(
     step: int,
     items: Mapping[str, tuple[Sequence[LeafInfo], Sequence[Any]]],
     handoff: Handoff,
+    same_objects: Mapping[str, Collection[str]] | None = None,
 ) -> Unchanged:
     """Every process: read base ``step``, digest its pieces of each leaf the base stored
     in the same form, compare with the base's digests, and agree with the others on the
@@ -106,7 +107,11 @@ async def unchanged(
 
     The base is read inside the processes' report round, so a base that one process
     finds gone (`BaseStepGoneError`) fails the save with that type on every process,
-    rather than leaving the others waiting for it."""
+    rather than leaving the others waiting for it.
+
+    ``same_objects``: per item, leaves the caller vouches are the very objects the base
+    step saved from (the manager's previous save: a `jax.Array` never changes): compared
+    by form, not digested again."""
     digested: dict[str, dict[str, PieceTable]] = {}
     opened: list[Base] = []
 
@@ -119,6 +124,9 @@ async def unchanged(
             for k, (info, value) in enumerate(zip(infos, values, strict=True)):
                 recorded = base.table(name, info)
                 if recorded is None:
+                    continue
+                if info.name in (same_objects or {}).get(name, ()):
+                    same.setdefault(name, []).append(k)
                     continue
                 pieces = owned_slices(value, handoff.me)
                 itemsize = dtype_of(info.dtype).itemsize

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,11 +180,12 @@ async def save_prepared(
     hooks: SaveHooks = PLAIN,
     configs: dict[str, JsonItem] | None = None,
     base: int | None = None,
+    same_objects: Mapping[str, Collection[str]] | None = None,
 ) -> SaveResult:
     """The save of prepared ``items`` as ``step`` on ``backend``, every process taking
     part (the module docstring's protocol, with ``hooks``' additions). With ``base`` (a
     committed step), leaves unchanged since it are referenced, not written
-    (`ckptstore.checkpoint.incremental`)."""
+    (`ckptstore.checkpoint.incremental`; ``same_objects``: see `unchanged`)."""
     start = time.perf_counter()
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
@@ -192,7 +193,7 @@ async def save_prepared(
     same = Unchanged({name: set() for name in items}, {})
     if base is not None:  # every process reads it: a base gone is typed, nothing written
         pairs = {n: (i.leaves, [v for _, v in i.named]) for n, i in items.items()}
-        same = await unchanged(backend, base, pairs, handoff)
+        same = await unchanged(backend, base, pairs, handoff, same_objects)
     based: Base | None = same.base
 
     async def fresh_attempt() -> str:

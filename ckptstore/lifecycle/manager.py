@@ -19,10 +19,13 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Coroutine, Generator, Mapping
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
+
+import jax
 
 from ckptstore.api import restore, save_items
 from ckptstore.backends.base import Backend
@@ -40,6 +43,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
+from ckptstore.format.tree import flatten
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
@@ -166,6 +170,8 @@ class CheckpointManager:
             #: step never is one). Set on the loop thread once a save commits; read by
             #: `save` after `_settle`, so after that save's future completed.
             self._base: int | None = committed[-1] if committed else None
+            #: The arrays the base was saved from, by (item, leaf), weakly (`_same_objects`).
+            self._objects: dict[tuple[str, str], weakref.ref[Any]] = {}
             if options.gc_on_start and self._me == 0:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
                 if removed.entries:
@@ -218,6 +224,7 @@ class CheckpointManager:
         # Configuration items (a dataclass, a dict with strings) become JSON now, a copy.
         configs = {n: as_json_item(n, v) for n, v in trees.items() if not is_array_tree(v)}
         arrays = {n: v for n, v in trees.items() if n not in configs}
+        same, objects = self._same_objects(arrays) if self.options.incremental else ({}, {})
         staged = self._stager.stage(arrays, self.options.staging, host_view=host_view)
         self._last_step, self._last_time = step, time.monotonic()
         base = self._base if self.options.incremental else None
@@ -231,11 +238,32 @@ class CheckpointManager:
                 start,
                 waited,
                 base,
+                same,
+                objects,
             ),
             self._loop,
         )
         self._inflight = SaveHandle(step, future)
         return self._inflight
+
+    def _same_objects(
+        self, arrays: Mapping[str, Any]
+    ) -> tuple[dict[str, set[str]], dict[tuple[str, str], weakref.ref[Any]]]:
+        """Per item, the leaves that are the very `jax.Array` objects the previous save of
+        this manager (the base of this one) was made from: a jax array never changes, so
+        the base's digests hold for them and they are not digested again. And weak
+        references to this save's arrays, for the next one."""
+        same: dict[str, set[str]] = {}
+        seen: dict[tuple[str, str], weakref.ref[Any]] = {}
+        for item, tree in arrays.items():
+            for name, value in flatten(tree):
+                if not isinstance(value, jax.Array):
+                    continue
+                seen[(item, name)] = weakref.ref(value)
+                previous = self._objects.get((item, name))
+                if previous is not None and previous() is value:
+                    same.setdefault(item, set()).add(name)
+        return same, seen
 
     def _refuse_orbax_root(self) -> None:
         """`UnsupportedOperationError` on an Orbax root, before anything is written: its
@@ -297,6 +325,8 @@ class CheckpointManager:
         start: float,
         waited: float,
         base: int | None,
+        same: dict[str, set[str]],
+        objects: dict[tuple[str, str], weakref.ref[Any]],
     ) -> SaveStats:
         target: Backend | Tiered = self.backend
         if self.durable is not None and self.tiered is not None:  # checks room on the fast tier
@@ -311,6 +341,7 @@ class CheckpointManager:
                 timeout=self.options.timeout,
                 timings={"staging": staged.seconds},
                 base=base,
+                same_objects=same if base is not None else None,
             )
 
         try:
@@ -323,7 +354,7 @@ class CheckpointManager:
             log.warning("ckptstore: step %d saved in full: %s", step, exc)
             base = None
             result = await save(None)
-        self._base = step
+        self._base, self._objects = step, objects  # the next save's base, and its arrays
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
         # The step is committed: the handle completes now. The keep policy runs after it,

@@ -255,3 +255,38 @@ def test_killed_mid_save_and_resumed(tmp_path: Path) -> None:
         assert ckptstore.verify_sync(str(root), step).ok
     code, whole = worker(tmp_path / "whole")
     assert code == 0 and whole[-1]["digest"] == second[-1]["digest"]
+
+
+def test_the_very_arrays_of_the_last_save_are_not_digested_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `jax.Array` never changes: one the manager saved last time (the base) is referenced
+    without reading it again; a new array under the same name is digested, and written if
+    it differs."""
+    from ckptstore.checkpoint import incremental
+
+    digested: list[tuple[int, ...]] = []
+    real = incremental.piece_table
+
+    async def counting(pieces: Any, shape: Any, itemsize: int) -> Any:
+        digested.append(tuple(shape))
+        return await real(pieces, shape, itemsize)
+
+    monkeypatch.setattr(incremental, "piece_table", counting)
+    frozen = jax.device_put(np.arange(64 * 48, dtype=np.float32).reshape(64, 48))
+    with ckptstore.CheckpointManager(tmp_path, options=options()) as mgr:
+        mgr.save(1, {"frozen": frozen, "x": jnp.ones(5)}).wait()
+        digested.clear()
+        second = mgr.save(2, {"frozen": frozen, "x": jnp.ones(5) * 2}).wait()
+        assert (64, 48) not in digested and (5,) in digested
+        assert second.bytes_referenced == frozen.nbytes
+        same_values = frozen + 0  # another object, the same content: digested, referenced
+        third = mgr.save(3, {"frozen": same_values, "x": jnp.ones(5) * 3}).wait()
+        assert (64, 48) in digested and third.bytes_referenced == frozen.nbytes
+        digested.clear()
+        changed = frozen + 1
+        fourth = mgr.save(4, {"frozen": changed, "x": jnp.ones(5) * 4}).wait()
+        assert (64, 48) in digested and fourth.bytes_referenced == 0
+        for step, want in ((2, frozen), (3, frozen), (4, changed)):
+            got = mgr.restore(step)
+            np.testing.assert_array_equal(got["frozen"], np.asarray(want))
