@@ -317,17 +317,12 @@ async def test_a_step_saved_without_digests_is_a_base_for_nothing(backend: Backe
     assert not (await load_committed(backend, 2)).references
 
 
-async def test_promotion_and_orbax_export_of_an_incremental_step_are_refused(
-    tmp_path: Path,
-) -> None:
-    """Neither copies the bytes a step references yet: both refuse, typed, before writing."""
-    fast, durable = tmp_path / "fast", tmp_path / "durable"
+async def test_orbax_export_of_an_incremental_step_is_refused(tmp_path: Path) -> None:
+    """The export does not materialize referenced leaves yet: refused, typed, before writing.
+    (Promotion of incremental steps: tests/tiers/test_incremental_tiers.py.)"""
+    fast = tmp_path / "fast"
     await ckptstore.save(fast, lora(1), step=1)
     await ckptstore.save(fast, lora(2), step=2, base=1)
-    tiers = ckptstore.Tiered(fast=fast, durable=durable)
-    with pytest.raises(UnsupportedOperationError):
-        await ckptstore.promote(tiers, 2)
     with pytest.raises(UnsupportedOperationError):
         await ckptstore.export_orbax(fast, tmp_path / "orbax", step=2)
-    assert not (durable / "2").exists() and not (tmp_path / "orbax").exists()
-    await ckptstore.promote(tiers, 1)  # a full step still is promoted
+    assert not (tmp_path / "orbax").exists()
