@@ -209,10 +209,6 @@ async def test_a_missing_base_is_typed_and_nothing_is_written(backend: Backend) 
     with pytest.raises(CheckpointNotFoundError):
         await ckptstore.save(backend, lora(1), step=1, base=7)
     assert [o async for o in backend.list("1")] == []
-    await ckptstore.save(backend, lora(1), step=1)
-    tiers = ckptstore.Tiered(fast=backend, durable=backend)
-    with pytest.raises(UnsupportedOperationError):
-        await ckptstore.save(tiers, lora(2), step=2, base=1)
 
 
 async def test_base_deleted_before_the_commit_fails_typed(

@@ -6,6 +6,7 @@ Local disk fast tier, moto S3 durable tier."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import shutil
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,9 +25,11 @@ from ckptstore.checkpoint.commit import COLLECT, claim, load_committed
 from ckptstore.checkpoint.target import open_target
 from ckptstore.format import layout
 from ckptstore.testing.faults import FaultyBackend
+from ckptstore.tiers import save as tier_save
 from tests.checkpoint.test_incremental import FROZEN, assert_same, lora
 from tests.checkpoint.test_partial import shared_target
-from tests.paths import a_day_later, committed_root
+from tests.paths import a_day_later, committed_root, largest_data_file
+from tests.tiers.test_room import SmallDisk
 
 CHANGED = 64 * 16 * 4 * 2 + 8  # lora(k)'s adapters and step counter: what changes per step
 
@@ -371,3 +375,118 @@ async def test_a_base_kept_dead_on_the_durable_tier_is_never_named_again(
         assert await ckptstore.list_steps(durable) == [1, 2]
         shutil.rmtree(tiered.fast)
         assert_same(await ckptstore.restore(durable, step=2), lora(2))
+
+
+# ---- saves on tiers with base= ----
+
+
+async def test_a_save_on_tiers_references_its_base_on_the_fast_tier(
+    tiered: ckptstore.Tiered, caplog: pytest.LogCaptureFixture
+) -> None:
+    await ckptstore.save(tiered, lora(1), step=1)
+    result = await ckptstore.save(tiered, lora(2), step=2, base=1)
+    assert result.bytes_written == CHANGED and result.bytes_referenced > FROZEN.nbytes
+    fast = ckptstore.open_backend(tiered.fast)
+    base_attempt = (await committed_root(fast, 1)).split("/")[1]
+    assert await references(fast, 2) == {(1, base_attempt)}
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        assert_same(await ckptstore.restore(tiered, step=2), lora(2))
+    assert "step 2 read from the fast tier" in caplog.text
+    assert (await ckptstore.verify(tiered, step=2)).tier == "fast"
+    await ckptstore.promote(tiered)
+    shutil.rmtree(tiered.fast)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        assert_same(await ckptstore.restore(tiered), lora(2))
+    assert "step 2 read from the durable tier" in caplog.text
+    report = await ckptstore.verify(tiered, step=2)
+    assert report.ok and report.tier == "durable"
+
+
+async def test_a_base_missing_on_the_fast_tier_is_typed(tiered: ckptstore.Tiered) -> None:
+    """The base must be committed on the fast tier: the save reads its manifest there."""
+    await ckptstore.save(tiered.durable, lora(1), step=1)
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        await ckptstore.save(tiered, lora(2), step=2, base=1)
+    assert await ckptstore.list_steps(tiered) == [1]
+
+
+async def test_a_damaged_base_on_the_fast_tier_falls_back_to_the_durable_copy(
+    tiered: ckptstore.Tiered, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flipped byte in step 1's fast data, which step 2 reads: restoring step 2 on tiers
+    reads the durable copy (which references the durable base), with a warning."""
+    await ckptstore.save(tiered, lora(1), step=1)
+    await ckptstore.save(tiered, lora(2), step=2, base=1)
+    await ckptstore.promote(tiered)
+    fast = ckptstore.open_backend(tiered.fast)
+    data = largest_data_file(Path(tiered.fast, await committed_root(fast, 1), "state"))
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    data.write_bytes(bytes(blob))
+    with pytest.raises(ckptstore.CorruptCheckpointError):
+        await ckptstore.restore(fast, step=2)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert_same(await ckptstore.restore(tiered, step=2), lora(2))
+    assert "fast copy of step 2 is damaged" in caplog.text
+    report = await ckptstore.verify(tiered, step=2)
+    assert report.ok and report.tier == "durable" and report.skipped
+
+
+async def test_keep_fast_trims_bases_but_keeps_the_bytes_later_steps_read(
+    tiered: ckptstore.Tiered, caplog: pytest.LogCaptureFixture
+) -> None:
+    trimmed = ckptstore.Tiered(tiered.fast, tiered.durable, keep_fast=1)
+    await ckptstore.save(trimmed, lora(1), step=1)
+    for step in (2, 3):
+        await ckptstore.save(trimmed, lora(step), step=step, base=step - 1)
+    await ckptstore.promote(trimmed)
+    fast = ckptstore.open_backend(trimmed.fast)
+    assert await ckptstore.list_steps(fast) == [3]
+    assert await attempt_bytes(fast, "1/") > FROZEN.nbytes  # step 3 reads its frozen leaves
+    await ckptstore.gc(trimmed, older_than=0)
+    assert await attempt_bytes(fast, "1/") > FROZEN.nbytes
+    with caplog.at_level(logging.INFO, logger="ckptstore"):
+        assert_same(await ckptstore.restore(trimmed, step=3), lora(3))
+        assert_same(await ckptstore.restore(trimmed, step=1), lora(1))
+    assert "step 3 read from the fast tier" in caplog.text
+    assert "step 1 read from the durable tier" in caplog.text
+    await ckptstore.save(trimmed, lora(4), step=4)  # a full save: 3's frozen bytes not needed
+    await ckptstore.promote(trimmed)
+    await ckptstore.gc(trimmed, older_than=0)
+    assert await ckptstore.list_steps(fast) == [4]
+    left = {o.key.rsplit("/", 1)[1] async for o in fast.list("1/")}
+    assert left <= set(layout.TOMBSTONES)  # freed once no fast step reads from it
+    assert await ckptstore.list_steps(trimmed.durable) == [1, 2, 3, 4]
+
+
+async def test_eviction_for_room_skips_a_base_later_steps_read(tmp_path: Path) -> None:
+    """A save that needs room evicts promoted steps, but not step 1, which step 2 reads
+    (trimming it would free nothing and only unlist it): here no eviction can make room,
+    so the save fails typed and the fast tier still lists both steps."""
+    fast = SmallDisk(tmp_path / "nvme", 1 << 40)
+    tiers = ckptstore.Tiered(fast, str(tmp_path / "bucket"), free_margin=4096)
+    await ckptstore.save(tiers, lora(1), step=1)
+    await ckptstore.save(tiers, lora(2), step=2, base=1)
+    await ckptstore.promote(tiers)
+    fast.capacity = sum(p.stat().st_size for p in fast.root.rglob("*") if p.is_file()) + (1 << 20)
+    with pytest.raises(ckptstore.InsufficientSpaceError):
+        await ckptstore.save(tiers, lora(3), step=3)  # a full save: 8 MiB more
+    assert await ckptstore.list_steps(fast) == [1, 2]
+    assert_same(await ckptstore.restore(fast, step=2), lora(2))
+
+
+async def test_host_local_fast_tiers_refuse_an_incremental_save(
+    tiered: ckptstore.Tiered, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the fast tier is each host's own (measured by a probe in a multi-host job;
+    its answer given here), a save with base= is refused before anything is written."""
+    await ckptstore.save(tiered, lora(1), step=1)
+
+    async def host_local(fast: Backend, handoff: Any) -> bool:
+        return False
+
+    monkeypatch.setattr(tier_save, "fast_is_shared", host_local)
+    with pytest.raises(ckptstore.UnsupportedOperationError, match="host-local"):
+        await ckptstore.save(tiered, lora(2), step=2, base=1)
+    assert [o async for o in ckptstore.open_backend(tiered.fast).list("2/")] == []
