@@ -23,7 +23,6 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FencedError,
-    UnsupportedOperationError,
 )
 from ckptstore.format import layout
 from ckptstore.format.packs import entry_size
@@ -311,14 +310,3 @@ async def test_a_step_saved_without_digests_is_a_base_for_nothing(backend: Backe
     result = await ckptstore.save(backend, lora(1), step=2, base=1)
     assert result.bytes_referenced == 0 and result.bytes_written == result.bytes
     assert not (await load_committed(backend, 2)).references
-
-
-async def test_orbax_export_of_an_incremental_step_is_refused(tmp_path: Path) -> None:
-    """The export does not materialize referenced leaves yet: refused, typed, before writing.
-    (Promotion of incremental steps: tests/tiers/test_incremental_tiers.py.)"""
-    fast = tmp_path / "fast"
-    await ckptstore.save(fast, lora(1), step=1)
-    await ckptstore.save(fast, lora(2), step=2, base=1)
-    with pytest.raises(UnsupportedOperationError):
-        await ckptstore.export_orbax(fast, tmp_path / "orbax", step=2)
-    assert not (tmp_path / "orbax").exists()

@@ -490,3 +490,27 @@ async def test_host_local_fast_tiers_refuse_an_incremental_save(
     with pytest.raises(ckptstore.UnsupportedOperationError, match="host-local"):
         await ckptstore.save(tiered, lora(2), step=2, base=1)
     assert [o async for o in ckptstore.open_backend(tiered.fast).list("2/")] == []
+
+
+async def test_export_orbax_of_a_promoted_incremental_step_from_the_durable_tier(
+    tiered: ckptstore.Tiered, tmp_path: Path
+) -> None:
+    """Step 2's base was deleted before promotion: the durable tier holds the base's
+    attempt without a marker; an export from there (the fast tier gone) reads the holder's
+    manifest and stores and Orbax restores the step bit-exact."""
+    import orbax.checkpoint as ocp
+
+    fast = ckptstore.open_backend(tiered.fast)
+    await ckptstore.save(fast, lora(1), step=1)
+    await ckptstore.save(fast, lora(2), step=2, base=1)
+    await ckptstore.delete_step(fast, 1)
+    await ckptstore.promote(tiered)
+    shutil.rmtree(tiered.fast)
+    result = await ckptstore.export_orbax(tiered, tmp_path / "out", step=2)
+    assert result.copied_bytes >= FROZEN.nbytes
+    got = await asyncio.to_thread(ocp.StandardCheckpointer().restore, tmp_path / "out")
+    assert_same(
+        {k: v for k, v in got.items() if k != "step"},
+        {k: v for k, v in lora(2).items() if k != "step"},
+    )
+    assert int(got["step"]) == 2
