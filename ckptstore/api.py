@@ -24,7 +24,7 @@ from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
-from ckptstore.errors import CheckpointNotFoundError, UnsupportedOperationError
+from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
@@ -58,12 +58,14 @@ async def save(
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
 
-    ``base`` (a committed step; one backend only, for now): an incremental save. Each
-    leaf whose content equals what ``base`` stored (same shape, dtype, chunking, pieces
-    and 128-bit digests) is referenced, not written; restore, verify, `delete_step` and
-    `gc` follow and keep the reference (docs/incremental.md). `BaseStepGoneError` (a
-    `CheckpointNotFoundError`) if ``base`` is not committed, before anything is written,
-    or no longer committed when the save would commit (then nothing is committed).
+    ``base`` (a committed step): an incremental save. Each leaf whose content equals what
+    ``base`` stored (same shape, dtype, chunking, pieces and 128-bit digests) is
+    referenced, not written; restore, verify, `delete_step`, `gc` and `promote` follow
+    and keep the reference (docs/incremental.md). `BaseStepGoneError` (a
+    `CheckpointNotFoundError`) if ``base`` is not committed (on tiers: on the fast tier),
+    before anything is written, or no longer committed when the save would commit (then
+    nothing is committed). Host-local fast tiers of a multi-host job refuse it
+    (`UnsupportedOperationError`).
 
     On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
     committed on the fast tier, after checking it has room; promotion to the durable tier
@@ -99,15 +101,20 @@ async def save_items(
     if base is not None:
         base = layout.check_step(base)
     tiers = as_tiered(target)
-    if tiers is not None and base is not None:
-        raise UnsupportedOperationError(
-            "incremental saves (base=) work on one backend; not yet on tiers"
-        )
     if tiers is not None:  # committed (or staged, on host-local fast tiers) on the fast tier
         async with tiers.opened() as (fast, durable):
-            hooks = tier_save.hooks(tiers, durable)
+            hooks = tier_save.hooks(tiers, durable, incremental=base is not None)
             return await plain_save.save_prepared(
-                fast, prepared, step, metadata, timeout, timings or {}, hooks, configs
+                fast,
+                prepared,
+                step,
+                metadata,
+                timeout,
+                timings or {},
+                hooks,
+                configs,
+                base,
+                same_objects,
             )
     async with opened(single(target)) as backend:
         return await plain_save.save_prepared(

@@ -13,6 +13,8 @@ new directory and never touches the source:
 DST/                                   (or DST/<step>/default/ with manager=True)
   ckptstore.<item>/                    the step's stores, hard-linked (local disk,
                                        same filesystem) or copied object by object
+  ckptstore.<item>.held-<k>/           an incremental step's: the stores of each
+                                       attempt holding leaves it references, the same way
   manifest.ocdbt, d/                   an OCDBT store keyed by Orbax's names: B-tree
                                        references to the data above, no data
   _METADATA, _CHECKPOINT_METADATA      what Orbax needs to rebuild the tree
@@ -50,11 +52,11 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    UnsupportedOperationError,
+    NotFoundError,
 )
 from ckptstore.format import chunks, layout
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.format.manifest import ItemManifest
+from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import read_packed
 from ckptstore.orbax.inspect import read_all
 from ckptstore.orbax.keys import ARRAY_METADATAS
@@ -104,23 +106,26 @@ async def export(
             backend=src.url,
         )
     saved = manifest.items[item]
-    if saved.refs:  # the view would lack the leaves other steps hold
-        raise UnsupportedOperationError(
-            f"step {manifest.step} is an incremental save (it references other steps' "
-            "data): exporting such steps to Orbax is not supported yet"
-        )
     found = entries(saved.structure, saved.leaves)  # refuse before writing anything
-    where = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
-    objects = await _objects_to_copy(src, where, saved)
+    sources = await _sources(src, manifest, item)
+    copies = [(source, await _objects_to_copy(src, source)) for source in sources]
     out = await _Destination.open(destination, manifest.step, manager)
     try:
-        bar = Progress.make(progress, len(objects), sum(o.size for o in objects), "objects")
+        total = sum(len(objects) for _, objects in copies)
+        nbytes = sum(o.size for _, objects in copies for o in objects)
+        bar = Progress.make(progress, total, nbytes, "objects")
         dst, item_dir, step_dir = out.backend, out.item_dir, out.step_dir
-        mirror = _join(item_dir, f"ckptstore.{item}")
-        counts = await _mirror(src, where, objects, dst, mirror, link=link, bar=bar)
+        counts = [0, 0, 0]
+        for source, objects in copies:
+            mirror = _join(item_dir, source.mirror)
+            done = await _mirror(src, source.where, objects, dst, mirror, link=link, bar=bar)
+            counts = [a + b for a, b in zip(counts, done, strict=True)]
         bar.close()
-        packed_bytes = await _write_packed(src, where, dst, item_dir, found, saved)
-        await _build_view(dst, mirror, item_dir, [e for e in found if e.leaf not in saved.packed])
+        where_of = {leaf: s.where for s in sources for leaf in s.leaves}
+        mirror_of = {leaf: _join(item_dir, s.mirror) for s in sources for leaf in s.leaves}
+        packed_bytes = await _write_packed(src, where_of, dst, item_dir, found, saved)
+        unpacked = [e for e in found if e.leaf not in saved.packed]
+        await _build_view(dst, mirror_of, item_dir, unpacked)
         if verify:
             await _read_back(dst, item_dir, found, saved.leaves)
         keys = array_metadatas(found, saved.leaves)
@@ -155,41 +160,107 @@ def _success(final: str) -> bytes:
     return f"Checkpoint commit was successful to {final}".encode()
 
 
-async def _objects_to_copy(src: Backend, where: str, saved: ItemManifest) -> list[ObjectInfo]:
+@dataclass(frozen=True)
+class _Source:
+    """One item directory the export reads leaves from: the step's own, or (an incremental
+    step, docs/incremental.md) the same item of an attempt the step references."""
+
+    where: str  # the item directory
+    mirror: str  # where its stores go in the export, relative to the view
+    leaves: frozenset[str]  # the step's leaves it holds
+    parts: list[str]  # the stores its merged store merged (none: format version 1)
+    packs: frozenset[str]  # its pack objects (never copied: `_write_packed`)
+    store: bool  # some leaf is read from its merged store (not packed)
+
+
+async def _sources(src: Backend, manifest: Manifest, item: str) -> list[_Source]:
+    """The step's own item directory, and that of each attempt holding leaves it references
+    (their parts and packs from the holder's own manifest)."""
+    saved = manifest.items[item]
+    where = layout.AttemptDir(manifest.step, manifest.attempt).item(item)
+    own = frozenset(saved.leaves) - frozenset(saved.refs)
+    out = [
+        _Source(
+            where,
+            f"ckptstore.{item}",
+            own,
+            saved.parts,
+            frozenset(f"{where}/{saved.packed[n].key}" for n in own if n in saved.packed),
+            any(n not in saved.packed for n in own),
+        )
+    ]
+    for k in sorted(set(saved.refs.values())):
+        ref = manifest.references[k]
+        holder = layout.AttemptDir(int(ref["step"]), str(ref["attempt"]))
+        key = holder.manifest
+        try:
+            theirs = Manifest.from_bytes(await src.read(key), where=f"{src.url}/{key}")
+        except NotFoundError as exc:
+            raise CorruptCheckpointError(
+                f"step {manifest.step} references attempt {holder.root}, which is missing "
+                f"from {src.url}"
+            ) from exc
+        if (theirs.step, theirs.attempt) != (holder.step, holder.attempt) or item not in (
+            theirs.items
+        ):
+            raise CorruptCheckpointError(
+                f"{src.url}/{key} does not describe the item {item!r} of attempt {holder.root}"
+            )
+        held = frozenset(n for n, i in saved.refs.items() if i == k)
+        there = theirs.items[item]
+        out.append(
+            _Source(
+                holder.item(item),
+                f"ckptstore.{item}.held-{k}",
+                held,
+                there.parts,
+                frozenset(f"{holder.item(item)}/{r.key}" for r in there.packed.values()),
+                any(n not in saved.packed for n in held),
+            )
+        )
+    return out
+
+
+async def _objects_to_copy(src: Backend, source: _Source) -> list[ObjectInfo]:
     """The merged store's own objects and those of every store it merged; nothing else
     (packs neither: their leaves are written into the view, see `_write_packed`).
 
     A format-version-1 step records no parts: all of its item directory is committed."""
     out = []
-    parts = saved.parts
+    where, parts, packs = source.where, source.parts, source.packs
     stores = tuple(f"{where}/{p}/" for p in parts) if parts else (f"{where}/",)
-    packs = {f"{where}/{ref.key}" for ref in saved.packed.values()}
     async for info in src.list(where):
         rel = info.key[len(where) + 1 :]
         if info.key in packs:
             continue
         if rel == "manifest.ocdbt" or rel.startswith("d/") or info.key.startswith(stores):
             out.append(info)
-    in_store = len(saved.leaves) > len(saved.packed)
-    if in_store and not any(o.key == f"{where}/manifest.ocdbt" for o in out):
+    if source.store and not any(o.key == f"{where}/manifest.ocdbt" for o in out):
         raise CorruptCheckpointError(f"{src.url}/{where} has no merged store (manifest.ocdbt)")
     return out
 
 
 async def _write_packed(
     src: Backend,
-    where: str,
+    where_of: dict[str, str],
     dst: Backend,
     item_dir: str,
     found: list[OrbaxEntry],
     saved: ItemManifest,
 ) -> int:
     """Packed leaves (`ckptstore.format.packs`) are small: each is read from its pack (checksum
-    checked) and written into the view as the zarr3 array Orbax reads, a batch at a time.
-    Returns their bytes."""
+    checked; ``where_of``: the item directory holding each leaf) and written into the view
+    as the zarr3 array Orbax reads, a batch at a time. Returns their bytes."""
     view = await ts.KvStore.open(ocdbt_spec(dst.kvstore_spec(item_dir)), context=dst.ts_context)
     packed = [(e, saved.leaves[e.leaf]) for e in found if e.leaf in saved.packed]
-    for group in chunks.groups([(info, e) for e, info in packed], _PACKED_BATCH):
+    batches = [
+        (where, group)
+        for where in sorted({where_of[e.leaf] for e, _ in packed if e.leaf is not None})
+        for group in chunks.groups(
+            [(info, e) for e, info in packed if where_of[info.name] == where], _PACKED_BATCH
+        )
+    ]
+    for where, group in batches:
         refs = [(info, saved.packed[info.name]) for info, _ in group]
         arrays = await read_packed(src, where, refs)
 
@@ -349,28 +420,36 @@ async def _mirror(
     return linked, copied, copied_bytes
 
 
-async def _build_view(dst: Backend, mirror: str, item_dir: str, found: list[OrbaxEntry]) -> None:
+async def _build_view(
+    dst: Backend, mirror_of: dict[str, str], item_dir: str, found: list[OrbaxEntry]
+) -> None:
     """One atomic OCDBT transaction: every leaf's keys copied by reference from the
-    mirrored store (``name/...``) to Orbax's names (``param/...``), then checked."""
+    mirrored store holding it (``mirror_of``; ``name/...``) to Orbax's names
+    (``param/...``), then checked."""
     ctx = dst.ts_context
-    source = ocdbt_spec(dst.kvstore_spec(mirror))
+    source = {m: ocdbt_spec(dst.kvstore_spec(m)) for m in sorted(set(mirror_of.values()))}
     view = ocdbt_spec(dst.kvstore_spec(item_dir))
     leaves = [e for e in found if e.leaf is not None]
     txn = ts.Transaction(atomic=True)
     copies = []
     for e in leaves:
-        child = await ts.KvStore.open({**source, "path": f"{e.leaf}/"}, context=ctx)
+        assert e.leaf is not None
+        spec = source[mirror_of[e.leaf]]
+        child = await ts.KvStore.open({**spec, "path": f"{e.leaf}/"}, context=ctx)
         dest = await ts.KvStore.open({**view, "path": f"{e.param}/"}, context=ctx)
         copies.append(child.experimental_copy_range_to(dest.with_transaction(txn)))
     await asyncio.gather(*copies)
     await txn.commit_async()
     # The view must hold exactly the source's keys, renamed: nothing lost, nothing extra.
-    src_keys = await (await ts.KvStore.open(source, context=ctx)).list()
+    used = {mirror_of[e.leaf] for e in leaves if e.leaf is not None}
+    src_keys = {m: await (await ts.KvStore.open(source[m], context=ctx)).list() for m in used}
     got = set(await (await ts.KvStore.open(view, context=ctx)).list())
     problems = {}
     for e in leaves:
+        assert e.leaf is not None
         head, into = f"{e.leaf}/".encode(), f"{e.param}/".encode()
-        want = {into + k[len(head) :] for k in src_keys if k.startswith(head)}
+        keys = src_keys[mirror_of[e.leaf]]
+        want = {into + k[len(head) :] for k in keys if k.startswith(head)}
         have = {k for k in got if k.startswith(into)}
         if not want or want != have:
             problems[e.leaf or e.param] = (

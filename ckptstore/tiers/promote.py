@@ -7,6 +7,9 @@ and then creates the durable tier's ``COMMITTED`` with the very bytes of the fas
 marker, last: the durable tier never lists a step that is not fully there. Objects
 already on the durable tier with the right size are not copied again, so an interrupted
 promotion resumes where it stopped (each object write is atomic on every backend).
+
+An incremental step (saved with ``base=``) first makes durable the attempts it reads
+from, once each, and commits only while they stay protected (`ckptstore.tiers.holders`).
 """
 
 from __future__ import annotations
@@ -41,11 +44,11 @@ from ckptstore.errors import (
     FencedError,
     NotFoundError,
     StorageError,
-    UnsupportedOperationError,
 )
 from ckptstore.format import layout
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.holders import make_durable
 from ckptstore.tiers.hostlocal import (
     drop_staged,
     fast_is_shared,
@@ -73,6 +76,12 @@ class Promotion:
     bytes: int = 0  # bytes copied now
     seconds: float = 0.0
     already: bool = False  # the durable tier had the step committed already
+    #: An incremental step (docs/incremental.md): steps promoted first because it reads
+    #: from them (its base, a holder's own step), and the objects and bytes copied of
+    #: attempts it reads from whose step is gone (`ckptstore.tiers.holders`).
+    bases: list[Promotion] = field(default_factory=list)
+    held_objects: int = 0
+    held_bytes: int = 0
 
 
 @dataclass
@@ -314,11 +323,7 @@ async def promote_step(
             f"step {step} is not committed on the fast tier", backend=fast.url, key=key
         ) from exc
     marker = Marker.from_bytes(marker_bytes, step=step, where=f"{fast.url}/{key}")
-    if (await load_manifest(fast, marker)).references:  # its copy would lack their bytes
-        raise UnsupportedOperationError(
-            f"step {step} is an incremental save (it references other steps' data): "
-            "promoting such steps is not supported yet"
-        )
+    manifest = await load_manifest(fast, marker)
     result = Promotion(step=step, attempt=marker.attempt)
     if await _same_marker(durable, key, marker_bytes):
         result.already = True
@@ -328,6 +333,24 @@ async def promote_step(
     if marker.attempt is not None:
         owner = "promote-" + digest(marker_bytes).removeprefix("sha256:")[:32]
         fate = await claim(durable, marker.where, COMMIT, owner)
+        await refuse_dead(durable, marker.where)
+    held = None
+    if manifest.references:  # an incremental step: the attempts it reads from, first
+
+        async def promote_first(at: int) -> Promotion:
+            return await promote_step(fast, durable, at, max_bytes_in_flight, progress)
+
+        async def copy_held(objects: list[ObjectInfo], root: str) -> tuple[int, int]:
+            scratch = Promotion(step=step, attempt=marker.attempt)
+            await copy_objects(fast, durable, objects, root, scratch, max_bytes_in_flight)
+            return scratch.copied, scratch.bytes
+
+        held = await make_durable(fast, durable, manifest, promote_first, copy_held)
+        result.bases, result.held_objects, result.held_bytes = (
+            held.promoted,
+            held.objects,
+            held.bytes,
+        )
     objects = await _attempt_objects(fast, marker)
     await copy_objects(
         fast, durable, objects, marker.where.root, result, max_bytes_in_flight, progress
@@ -335,11 +358,15 @@ async def promote_step(
     await load_manifest(durable, marker)  # the durable copy's manifest checks out
     if fate is not None:
         fate.check_fresh(marker.where)
+    if held is not None:  # after its manifest landed: what it references is still kept
+        await held.check(durable)
     try:
         await durable.create(key, marker_bytes)
     except AlreadyExistsError:
         if not await _same_marker(durable, key, marker_bytes):
             raise  # the durable tier committed another attempt of this step
+    if held is not None:
+        await held.release(durable)
     if marker.attempt is not None and await deleted_by_user(fast, marker.where):
         await _take_back(durable, step, marker_bytes)
         raise FencedError(
@@ -349,6 +376,20 @@ async def promote_step(
         )
     result.seconds = time.perf_counter() - start
     return result
+
+
+async def refuse_dead(durable: Backend, where: layout.AttemptDir) -> None:
+    """`FencedError` if the durable copy of the attempt was deleted there (its data kept
+    only while other steps reference it): a `gc` may be freeing it right now (a dead
+    attempt's data is collected without a claim), so no marker may name it again."""
+    if await durable.exists(where.deleted):
+        raise FencedError(
+            f"step {where.step} was deleted on the durable tier (attempt {where.attempt} is "
+            "kept there only for steps that reference it); not promoted again. Once no step "
+            "references it, gc frees it (its records a day later); then promote again",
+            backend=durable.url,
+            key=where.deleted,
+        )
 
 
 async def _check_fast_copy(fast: Backend, step: int) -> None:

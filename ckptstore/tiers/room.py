@@ -8,6 +8,8 @@ tier's margin, steps already promoted (committed on the durable tier with the sa
 (or, on host-local fast tiers, this host's parts of steps committed on the durable tier)
 leave the fast tier, oldest first, only as many as needed; if even evicting all of them
 would not make room, nothing is evicted and the save fails with `InsufficientSpaceError`.
+A step another committed step reads from (an incremental save's base) is not evicted: its
+bytes would stay for the step that reads them, so evicting it frees nothing.
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ import jax
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.cleanup import trim_step
-from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
-from ckptstore.errors import CheckpointNotFoundError, InsufficientSpaceError, NotFoundError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InsufficientSpaceError,
+    NotFoundError,
+)
 from ckptstore.format import layout
 from ckptstore.format.leaves import HostShards, LeafInfo
 from ckptstore.tiers.hostlocal import drop_staged, is_promoted
@@ -89,6 +96,27 @@ async def _evict(fast: Backend, step: int) -> None:
         pass
 
 
+async def _freeing(fast: Backend, steps: list[int]) -> list[int]:
+    """Those of ``steps`` whose eviction frees their bytes: not a step whose committed
+    attempt another committed step reads from (an incremental save's base: `trim_step`
+    keeps that attempt, so evicting it would free nothing and only unlist it)."""
+    referenced: set[tuple[int, str]] = set()
+    for step in await committed_steps(fast):
+        try:
+            manifest = await load_committed(fast, step)
+        except (CheckpointNotFoundError, CorruptCheckpointError):  # gone or damaged meanwhile
+            continue
+        referenced |= {(int(r["step"]), str(r["attempt"])) for r in manifest.references}
+    if not referenced:
+        return steps
+    out = []
+    for step in steps:
+        marker = await read_marker(fast, step)  # None: a staged part (never referenced)
+        if marker is None or (step, marker.attempt) not in referenced:
+            out.append(step)
+    return out
+
+
 async def _step_bytes(backend: Backend, step: int) -> int:
     return sum([info.size async for info in backend.list(layout.step_dir(step))])
 
@@ -104,7 +132,7 @@ async def ensure_room(fast: Backend, room: Room, nbytes: int) -> list[int]:
     needed = nbytes + room.margin
     if free is None or free >= needed:
         return []
-    candidates = await promoted_steps(fast, room.durable)
+    candidates = await _freeing(fast, await promoted_steps(fast, room.durable))
     sizes = await asyncio.gather(*(_step_bytes(fast, s) for s in candidates))
     if free + sum(sizes) < needed:
         raise InsufficientSpaceError(

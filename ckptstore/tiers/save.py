@@ -16,8 +16,9 @@ What a save on tiers adds, by phase of the save protocol:
    tier) and stages the step instead of committing it (`hostlocal.stage`);
 4. there, every other process stages its part; the save returns once all have.
 
-On a shared fast tier only the room check differs from a plain save. Promotion to the
-durable tier is separate (`ckptstore.tiers.promote`).
+On a shared fast tier only the room check differs from a plain save; an incremental save
+(``base=``) references its base's attempt on the fast tier (host-local fast tiers refuse
+one in phase 1). Promotion to the durable tier is separate (`ckptstore.tiers.promote`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from ckptstore.tiers.target import Tiered
 class TierHooks(SaveHooks):
     """A save's additions on tiers (the module docstring, phase by phase); one per save."""
 
-    def __init__(self, room: Room):
+    def __init__(self, room: Room, incremental: bool = False):
         self.room = room
+        self.incremental = incremental  # the save names a base (docs/incremental.md)
         self.host_local = False  # the fast tier is each host's own (measured in phase 1)
         self.host_view = False  # this process writes this host's own copy
 
@@ -59,6 +61,14 @@ class TierHooks(SaveHooks):
         self, backend: Backend, items: dict[str, PreparedItem], step: int, handoff: Handoff
     ) -> None:
         self.host_local = not await fast_is_shared(backend, handoff)
+        if self.host_local and self.incremental:  # every process measured the same
+            raise UnsupportedOperationError(
+                f"incremental save (base=) of step {step}: the fast tier {backend.url} is "
+                "host-local (each host's own disk), where a step is staged per host and "
+                "merged on the durable tier by promotion, and a base is read from one "
+                "committed copy. Save it without base=, or to a fast tier every process "
+                "shares"
+            )
         values = [value for item in items.values() for _, value in item.named]
         if self.host_local:
             await ensure_uncommitted(self.room.durable, step)
@@ -127,9 +137,10 @@ class TierHooks(SaveHooks):
         await handoff.primary(handoff.reports)
 
 
-def hooks(tiers: Tiered, durable: Backend) -> TierHooks:
-    """The hooks of one save on ``tiers`` (``durable``: its durable tier, opened)."""
-    return TierHooks(Room(durable, tiers.free_margin))
+def hooks(tiers: Tiered, durable: Backend, *, incremental: bool = False) -> TierHooks:
+    """The hooks of one save on ``tiers`` (``durable``: its durable tier, opened;
+    ``incremental``: the save names a base)."""
+    return TierHooks(Room(durable, tiers.free_margin), incremental)
 
 
 async def refuse_host_local(fast: Backend, step: int, timeout: float) -> None:

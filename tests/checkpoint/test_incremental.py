@@ -22,7 +22,6 @@ from ckptstore.checkpoint.commit import load_committed
 from ckptstore.errors import (
     BaseStepGoneError,
     CorruptCheckpointError,
-    UnsupportedOperationError,
 )
 from ckptstore.format import layout
 from ckptstore.format.packs import entry_size
@@ -208,10 +207,6 @@ async def test_a_missing_base_is_typed_and_nothing_is_written(backend: Backend) 
     with pytest.raises(BaseStepGoneError):
         await ckptstore.save(backend, lora(1), step=1, base=7)
     assert [o async for o in backend.list("1")] == []
-    await ckptstore.save(backend, lora(1), step=1)
-    tiers = ckptstore.Tiered(fast=backend, durable=backend)
-    with pytest.raises(UnsupportedOperationError):
-        await ckptstore.save(tiers, lora(2), step=2, base=1)
 
 
 async def test_base_deleted_before_the_commit_fails_typed(
@@ -314,19 +309,3 @@ async def test_a_step_saved_without_digests_is_a_base_for_nothing(backend: Backe
     result = await ckptstore.save(backend, lora(1), step=2, base=1)
     assert result.bytes_referenced == 0 and result.bytes_written == result.bytes
     assert not (await load_committed(backend, 2)).references
-
-
-async def test_promotion_and_orbax_export_of_an_incremental_step_are_refused(
-    tmp_path: Path,
-) -> None:
-    """Neither copies the bytes a step references yet: both refuse, typed, before writing."""
-    fast, durable = tmp_path / "fast", tmp_path / "durable"
-    await ckptstore.save(fast, lora(1), step=1)
-    await ckptstore.save(fast, lora(2), step=2, base=1)
-    tiers = ckptstore.Tiered(fast=fast, durable=durable)
-    with pytest.raises(UnsupportedOperationError):
-        await ckptstore.promote(tiers, 2)
-    with pytest.raises(UnsupportedOperationError):
-        await ckptstore.export_orbax(fast, tmp_path / "orbax", step=2)
-    assert not (durable / "2").exists() and not (tmp_path / "orbax").exists()
-    await ckptstore.promote(tiers, 1)  # a full step still is promoted

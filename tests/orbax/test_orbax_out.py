@@ -186,6 +186,56 @@ async def test_export_from_and_to_object_storage(
         check(await ckptstore.restore(tmp_path / "imported"), saved_form(tree))
 
 
+def lora_for_orbax(k: int) -> dict[str, Any]:
+    """A frozen base (a sharded matrix, a small leaf packed with others) and adapters that
+    change with k: an incremental save of step k references the base."""
+    frozen = np.arange(256 * 64, dtype=np.float32).reshape(256, 64) / 3
+    return {
+        "base": {"w": sharded(frozen, P("x", "y")), "norm": np.linspace(0, 1, 7, np.float32)},
+        "adapter": {"a": np.full((64, 8), k, np.float32), "b": jnp.full((8,), -k, jnp.bfloat16)},
+        "step": k,
+    }
+
+
+def test_an_incremental_step_exports_materialized(tmp_path: Path) -> None:
+    """Step 2 references step 1's base (deleted meanwhile: its bytes stay for step 2): the
+    export hard-links the holder's stores beside the step's own and Orbax restores it
+    bit-exact, on its own and as a CheckpointManager step next to step 1."""
+    ckptstore.save_sync(tmp_path / "cs", lora_for_orbax(1), step=1)
+    saved = ckptstore.save_sync(tmp_path / "cs", lora_for_orbax(2), step=2, base=1)
+    assert saved.bytes_referenced >= 256 * 64 * 4
+    asyncio.run(ckptstore.export_orbax(tmp_path / "cs", tmp_path / "run", step=1, manager=True))
+    ckptstore.delete_step_sync(tmp_path / "cs", 1)
+    before = snapshot(tmp_path / "cs")
+    result = asyncio.run(ckptstore.export_orbax(tmp_path / "cs", tmp_path / "out", step=2))
+    assert result.linked > 0 and result.copied == 0  # the holder's files too: links only
+    assert sorted(p.name for p in (tmp_path / "out").glob("ckptstore.*")) == [
+        "ckptstore.state",
+        "ckptstore.state.held-0",
+    ]
+    exported = ocp.StandardCheckpointer().restore(tmp_path / "out")
+    check(as_numpy(exported), saved_form(lora_for_orbax(2)))
+    assert snapshot(tmp_path / "cs") == before  # the source is untouched
+    asyncio.run(ckptstore.export_orbax(tmp_path / "cs", tmp_path / "run", step=2, manager=True))
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        assert manager.all_steps() == [1, 2]
+        for step in (1, 2):
+            check(as_numpy(manager.restore(step)), saved_form(lora_for_orbax(step)))
+
+
+async def test_an_incremental_step_on_object_storage_exports_by_copy(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """From S3: the holder's objects are copied (once each) beside the step's own."""
+    async with await make_backend("s3", request, tmp_path) as s3:
+        await ckptstore.save(s3, lora_for_orbax(1), step=1)
+        await ckptstore.save(s3, lora_for_orbax(2), step=2, base=1)
+        r = await ckptstore.export_orbax(s3, tmp_path / "out", step=2)
+        assert r.linked == 0 and r.copied_bytes >= 256 * 64 * 4
+        got = await asyncio.to_thread(ocp.StandardCheckpointer().restore, tmp_path / "out")
+        check(as_numpy(got), saved_form(lora_for_orbax(2)))
+
+
 # ---- Orbax -> ckptstore ----
 
 
