@@ -7,7 +7,7 @@ where no ckptstore step is) and hands it to the folder that owns it: `ckptstore.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -442,24 +442,19 @@ async def import_orbax(
     to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is a
     partial save (a killed import resumes); on tiers, on the fast tier.
     """
-    tiers = as_tiered(target)
-    open_session: Callable[[int, str], Any] | None = None
-    if tiers is not None:
-        fast = tiers
 
-        def open_session(at: int, name: str) -> Any:
-            return partial_save(fast, at, item=name)
+    async def open_session(at: int, name: str) -> PartialSave:
+        return await partial_save(target, at, item=name)  # on tiers: on the fast tier
 
     return await importer.import_orbax(
         source,
-        tiers.fast if tiers is not None else single(target),
+        open_session,
         step=step,
         item=item,
         as_step=as_step,
         as_item=as_item,
         batch_bytes=batch_bytes,
         progress=progress,
-        open_session=open_session,
     )
 
 

@@ -98,7 +98,7 @@ async def _load(stored: StoredItem, info: LeafInfo) -> Any:
 
 async def import_orbax(
     source: Target,
-    target: Target,
+    open_session: Callable[[int, str], Awaitable[PartialSave]],
     *,
     step: int | None = None,
     item: str | None = None,
@@ -106,26 +106,14 @@ async def import_orbax(
     as_item: str = layout.DEFAULT_ITEM,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: bool | Progress = False,
-    open_session: Callable[[int, str], Awaitable[PartialSave]] | None = None,
 ) -> OrbaxImportResult:
-    """Import an Orbax checkpoint into ``target`` as committed step ``as_step``.
-
-    ``step`` picks a `CheckpointManager` step (default: the latest finalized one) and
-    ``item`` one of its items (needed only when it has several). ``as_step`` defaults
-    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is a
-    partial save of ``target`` (resumable), or of the session ``open_session(as_step,
-    as_item)`` opens (tiers: `ckptstore.api`).
-    """
+    """`ckptstore.import_orbax` (`ckptstore.api`): the import is a partial save, the
+    session ``open_session(as_step, as_item)`` opens (a killed import resumes)."""
     async with opened(source) as src:
         where, stored = await open_orbax(src, step, item)
         written = as_step if as_step is not None else (layout.parse_step(where) or 0)
         place = f"{src.url}/{where}" if where else src.url
-        opening = (
-            open_session(written, as_item)
-            if open_session is not None
-            else PartialSave.open(target, written, item=as_item)
-        )
-        async with await opening as session:
+        async with await open_session(written, as_item) as session:
             done = set(session.leaves)
             todo = [info for name, info in stored.leaves.items() if name not in done]
             bar = Progress.make(progress, len(todo), sum(i.nbytes for i in todo), "leaves")
