@@ -60,21 +60,20 @@ TRANSIENT_CODES = frozenset(
 TRANSIENT_STATUSES = frozenset({408, 429})
 
 
-def _client_errors() -> tuple[type[BaseException], ...]:
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of the HTTP stack that mean "the request may not have happened": retry.
+
+    A function, called by the object-store backends when they load, so that a save to
+    local disk never imports aiohttp (a third of a second of a process's first save).
+    """
+    client: tuple[type[BaseException], ...] = ()
     try:  # only the object stores' extras install aiohttp; local use needs none of it
         import aiohttp
+
+        client = (aiohttp.ClientError,)
     except ImportError:
-        return ()
-    return (aiohttp.ClientError,)
-
-
-#: Exceptions of the HTTP stack that mean "the request may not have happened": retry.
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
-    *_client_errors(),
-    asyncio.TimeoutError,
-    ConnectionError,
-    TimeoutError,
-)
+        pass
+    return (*client, asyncio.TimeoutError, ConnectionError, TimeoutError)
 
 
 def error_for(

@@ -32,12 +32,12 @@ import google.auth.exceptions
 from gcsfs.retry import HttpError, NonRetryableError
 
 from ckptstore.backends._errors import (
-    TRANSPORT_ERRORS,
     already_exists,
     error_for,
     gather_first_error,
     redact_url,
     transport_error,
+    transport_errors,
 )
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.endpoints import check_endpoint
@@ -62,7 +62,7 @@ GCS_ENDPOINT = "https://storage.googleapis.com"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 TENSORSTORE_ENV = "TENSORSTORE_GCS_HTTP_URL"
 _TRANSIENT: tuple[type[BaseException], ...] = (
-    *TRANSPORT_ERRORS,
+    *transport_errors(),
     google.auth.exceptions.TransportError,  # a token refresh that could not reach the server
 )
 

@@ -33,12 +33,12 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from ckptstore.backends._errors import (
-    TRANSPORT_ERRORS,
     already_exists,
     error_for,
     gather_first_error,
     redact_url,
     transport_error,
+    transport_errors,
 )
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.endpoints import check_endpoint
@@ -75,6 +75,7 @@ _TS_CREDENTIALS = {
     "anonymous": {"type": "anonymous"},
 }
 _TRANSIENT_BOTO = (BotoConnectionError, HTTPClientError, IncompleteReadError)
+_TRANSPORT = transport_errors()  # the HTTP stack's "the request may not have happened"
 
 
 def _no_expect_continue(params: dict[str, Any], **_: Any) -> None:
@@ -326,7 +327,7 @@ class S3Backend(ObjectStoreBackend):
     def _other_error(self, exc: Exception, op: str, key: str | None) -> StorageError:
         if isinstance(exc, StorageError):
             return exc
-        if isinstance(exc, _TRANSIENT_BOTO + TRANSPORT_ERRORS):
+        if isinstance(exc, _TRANSIENT_BOTO + _TRANSPORT):
             return transport_error(exc, op=op, backend=self.url, key=key)
         if isinstance(exc, NoCredentialsError | PartialCredentialsError):
             hint = {

@@ -171,18 +171,31 @@ async def write_leaves(
         if not pieces and not write_metadata:
             return
         what = f"opening leaf {info.name!r}"
-        if write_metadata:
+        meta: list[Any] = []
+        if write_metadata and not chunks.known(info):  # TensorStore writes the zarr.json
             opening = ts.open(zarr_spec(store, info), create=True, context=context)
             arr = await finish_first(within(opening, context, 0, what))
-        else:  # the metadata comes from process 0; only chunks are written here
+        else:
+            # The metadata comes from process 0, which writes it as one more key beside the
+            # chunks: one OCDBT commit takes both, where `create=True` would commit the
+            # zarr.json alone first (a serial commit per save, ~10-30 ms) before any chunk.
             opening = ts.open(
                 zarr_spec(store, info), open=True, assume_metadata=True, context=context
             )
             arr = await within(opening, context, 0, what)
+            if write_metadata:
+                encoded = chunks.encode_metadata(info)
+                meta.append(_metadata_written(kv, chunks.metadata_key(info), encoded))
         if pieces:
             stats.leaves.append(info.name)
         table = _table_for(info)
-        await gather_first_error(write_piece(arr, *piece, table=table) for piece in pieces)
+        writes = (write_piece(arr, *piece, table=table) for piece in pieces)
+        await gather_first_error([*meta, *writes])
+
+    async def _metadata_written(kv: ts.KvStore, key: str, encoded: bytes) -> None:
+        await finish_first(
+            within(kv.write(key, encoded), context, len(encoded), "writing metadata")
+        )
 
     async def small_leaves(group: list[tuple[LeafInfo, Any]]) -> None:
         # Each is one chunk, so at most one piece (the whole array); no TensorStore opens.
