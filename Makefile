@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/small_leaves.py
 	$(PY) benchmarks/partial.py
 	$(PY) benchmarks/training_loop.py
+	$(PY) benchmarks/training_loop.py --mib 192
 	$(PY) benchmarks/tiered.py
 	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/async_restore.py

@@ -23,9 +23,11 @@ Per repetition, for each library (the first one alternates):
   next measurement, so no library's deletion runs beside another's save; "save to
   finished" (commit plus deleting the old step) is reported too.
 
-Floors: pause <= Orbax's pause, pause <= 1.2x a host copy, durable <= 0.5x Orbax's.
+Floors: pause <= Orbax's pause, pause <= 1.2x a host copy, durable <= 0.5x Orbax's, on
+the 1 GiB state and on a 192 MiB one (``--mib 192``; `make bench` runs both).
 
     python benchmarks/training_loop.py           # ~1 GiB, 5 reps
+    python benchmarks/training_loop.py --mib 192 # a small state, where fixed costs show
     python benchmarks/training_loop.py --quick   # 64 MiB, 2 reps (smoke test)
     python benchmarks/training_loop.py --mib 256 --reps 3 --no-write-results  # while iterating
 """
@@ -188,8 +190,15 @@ def main() -> int:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--mib", type=int, help="state size in MiB (default 1024; --quick 64)")
     parser.add_argument("--no-write-results", action="store_true")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="results file (default results/training_loop.json for 1 GiB, "
+        "results/training_loop_<MiB>mib.json for other sizes)",
+    )
     args = parser.parse_args()
-    nbytes = (args.mib or (64 if args.quick else 1024)) * MiB
+    mib = args.mib or (64 if args.quick else 1024)
+    nbytes = mib * MiB
     reps = args.reps or (2 if args.quick else 5)
 
     # Orbax's save() warns that "waiting for the previous save" took long: it counts the
@@ -298,7 +307,8 @@ def main() -> int:
     print("floors:", "all pass" if not floors else "FAILED: " + ", ".join(floors))
     if not args.no_write_results:
         write_results(
-            RESULTS / "training_loop.json",
+            args.output
+            or RESULTS / ("training_loop.json" if mib == 1024 else f"training_loop_{mib}mib.json"),
             {
                 "benchmark": "training_loop",
                 "when": utc_timestamp(),

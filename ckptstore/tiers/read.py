@@ -146,7 +146,7 @@ async def restore(
     item: str = layout.DEFAULT_ITEM,
     partial: bool = False,
     cast: bool = False,
-    max_inflight_bytes: int = plain.MAX_INFLIGHT_BYTES,
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
 ) -> Any:
     """Restore a committed step (the latest by default) from the nearest tier with a good
     copy; the parameters are `ckptstore.checkpoint.restore.restore`'s."""

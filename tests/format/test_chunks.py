@@ -206,7 +206,8 @@ def _mixed_tree() -> dict[str, Any]:
 
 async def test_restore_reads_within_its_budget_and_bit_exact(tmp_path: Any) -> None:
     from ckptstore.backends.registry import open_backend
-    from ckptstore.checkpoint.restore import open_stored, restore_stored
+    from ckptstore.checkpoint.assemble import restore_stored
+    from ckptstore.checkpoint.restore import open_stored
 
     tree = _mixed_tree()
     await ckptstore.save(str(tmp_path), tree, step=1)
