@@ -8,7 +8,7 @@ attempts failed". So the code tells a failure of the *storage* (permission, an
 unreachable or overloaded server, a timeout, retries used up) from a failure of the
 *data* (bad bytes, a missing file): `storage_error` types the first kind and leaves
 the second to the caller, who knows whether it means a corrupt checkpoint
-(`ckptstore.datapath.arrays.read_error` builds on it) or a failed write
+(`ckptstore.datapath.reads.read_error` builds on it) or a failed write
 (`write_error`). Texts are redacted (`redact_text`) and trimmed: a URL's password or a
 signed query never reaches a message.
 """

@@ -23,7 +23,8 @@ from ckptstore.datapath import placement
 
 # A restore reads at most this many bytes ahead of handing them to the devices (or the
 # caller): it needs about this plus its largest shard over the restored state.
-from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ByteBudget, read_slice
+from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
+from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CorruptCheckpointError, TreeMismatchError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import (
@@ -35,6 +36,7 @@ from ckptstore.format.leaves import (
     key_impl_name,
 )
 from ckptstore.format.tree import path_name, rebuild
+from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.membudget import check_fits
 
 

@@ -29,20 +29,15 @@ from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import item_dir, leaf_dir
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.datapath.arrays import (
-    MAX_INFLIGHT_BYTES,
-    ByteBudget,
-    KvChunks,
-    ocdbt_spec,
-    open_leaf,
-    read_slice,
-)
+from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.rawleaf import RawLeaf
+from ckptstore.datapath.reads import KvChunks, open_leaf, read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.format import layout
 from ckptstore.format.leaves import Index, LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import read_packed
+from ckptstore.runtime.bytebudget import ByteBudget
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
 READ_BYTES = 64 << 20

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptstore.datapath.arrays import Chunks, get_values
+from ckptstore.datapath.reads import Chunks, get_values
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of

@@ -46,7 +46,7 @@ from ckptstore.backends.local import LocalBackend, fsync_dir
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import Target, open_target
-from ckptstore.datapath.arrays import ByteBudget, ocdbt_spec
+from ckptstore.datapath.arrays import ocdbt_spec
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -69,6 +69,7 @@ from ckptstore.orbax.metadata import (
     tree_metadata,
 )
 from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.progress import Progress
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).

@@ -25,7 +25,7 @@ from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.datapath.arrays import read_slice
+from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo

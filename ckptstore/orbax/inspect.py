@@ -16,7 +16,7 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.stored import StoredItem
-from ckptstore.datapath.arrays import read_slice
+from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo

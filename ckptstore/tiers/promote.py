@@ -35,7 +35,6 @@ from ckptstore.checkpoint.commit import (
 )
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.checkpoint.verify import verify_step
-from ckptstore.datapath.arrays import ByteBudget
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -47,6 +46,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.runtime import distributed
+from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.holders import make_durable
 from ckptstore.tiers.hostlocal import (

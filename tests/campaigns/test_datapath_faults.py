@@ -29,7 +29,7 @@ from ckptstore.backends.gcs import GcsBackend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.cli import main
-from ckptstore.datapath.arrays import open_leaf
+from ckptstore.datapath.reads import open_leaf
 from ckptstore.errors import (
     AlreadyExistsError,
     CorruptCheckpointError,
@@ -258,7 +258,7 @@ def test_redact_text() -> None:
 )
 def test_read_errors_by_status_code(text: str, kind: type[Exception]) -> None:
     from ckptstore.backends.tserrors import write_error
-    from ckptstore.datapath.arrays import read_error
+    from ckptstore.datapath.reads import read_error
 
     error = read_error(ValueError(text), "leaf")
     assert type(error) is kind

@@ -27,7 +27,7 @@ from ckptstore.backends.gcs import GcsBackend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.backends.tserrors import write_error
-from ckptstore.datapath.arrays import read_error
+from ckptstore.datapath.reads import read_error
 from ckptstore.errors import CkptStoreError
 
 POLICY = RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05)

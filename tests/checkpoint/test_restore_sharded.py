@@ -176,7 +176,7 @@ def test_a_replicated_leaf_is_one_piece_written_from_its_first_buffer() -> None:
 
 def _count_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """Every chunk key the restore's readers fetch, counted (the real readers still read)."""
-    from ckptstore.datapath.arrays import KvChunks
+    from ckptstore.datapath.reads import KvChunks
     from ckptstore.format.ocdbt_index import DirectChunks
 
     fetched: collections.Counter[str] = collections.Counter()
@@ -268,7 +268,7 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
     import tensorstore as ts
 
     from ckptstore.checkpoint.restore import item_store
-    from ckptstore.datapath.arrays import KvChunks
+    from ckptstore.datapath.reads import KvChunks
     from ckptstore.format.ocdbt_index import DirectChunks
 
     tree = sharded_tree()

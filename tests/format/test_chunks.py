@@ -11,10 +11,11 @@ import pytest
 import tensorstore as ts
 
 import ckptstore
-from ckptstore.datapath.arrays import ByteBudget, open_leaf, read_slice
+from ckptstore.datapath.reads import open_leaf, read_slice
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo, describe_leaf, zarr_spec
+from ckptstore.runtime.bytebudget import ByteBudget
 
 DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "bool", "complex64", "int8", "uint64"]
 SHAPES = [(), (3,), (2, 5), (1, 1, 7)]
@@ -271,8 +272,8 @@ async def _stored_leaf(info: LeafInfo, value: np.ndarray[Any, Any]) -> ts.KvStor
 
 @pytest.mark.parametrize("chunk_shape", [(10, 12), (5, 4), (3, 5), (1, 12)])
 async def test_raw_regions_equal_numpy_slices(chunk_shape: tuple[int, int]) -> None:
-    from ckptstore.datapath.arrays import KvChunks
     from ckptstore.datapath.rawleaf import RawLeaf
+    from ckptstore.datapath.reads import KvChunks
 
     value = np.arange(120, dtype=np.int32).reshape(10, 12)
     info = LeafInfo("w", (10, 12), "int32", chunk_shape, "numpy")
@@ -290,8 +291,8 @@ async def test_raw_regions_equal_numpy_slices(chunk_shape: tuple[int, int]) -> N
 
 
 async def test_raw_reads_refuse_what_they_cannot_trust() -> None:
-    from ckptstore.datapath.arrays import KvChunks
     from ckptstore.datapath.rawleaf import RawLeaf
+    from ckptstore.datapath.reads import KvChunks
 
     value = np.arange(120, dtype=np.float32).reshape(10, 12)
     info = LeafInfo("w", (10, 12), "float32", (5, 12), "numpy")
