@@ -260,6 +260,15 @@ async def promote_actor(world: World) -> None:
     await ckptstore.promote(world.tiers, step=STEP)
 
 
+def promote_step_actor(step: int) -> Actor:
+    """A promotion of ``step`` (an incremental step: its holders go first)."""
+
+    async def act(world: World) -> None:
+        await ckptstore.promote(world.tiers, step=step)
+
+    return act
+
+
 def restore_actor(tiered: bool = False) -> Actor:
     async def act(world: World) -> None:
         got = await ckptstore.restore(world.tiers if tiered else world.fast, step=STEP)
@@ -437,6 +446,27 @@ async def survives_gc(world: World) -> list[str]:
     return out
 
 
+async def survives_gc_on_tiers(world: World) -> list[str]:
+    """After the schedule, a `gc` of both tiers with no grace keeps whatever a committed
+    step on either tier references: each tier's listed steps restore bit-exact from that
+    tier alone and verify there (a promoted incremental step reads its holder's durable
+    copy, never the fast tier's)."""
+    await ckptstore.gc(world.tiers, older_than=0)
+    out = []
+    for backend in (world.fast.inner, world.durable.inner):
+        for step in await ckptstore.list_steps(backend):
+            try:
+                got = await ckptstore.restore(backend, step=step)
+            except ckptstore.CkptStoreError as exc:
+                out.append(f"after gc, step {step} does not restore on {backend.url}: {exc!r}")
+                continue
+            if not any(_same(got, want) for want in world.candidates.get(step, [])):
+                out.append(f"after gc, step {step} on {backend.url} holds a tree no one saved")
+            if not (await ckptstore.verify(backend, step=step)).ok:
+                out.append(f"after gc, step {step} fails verify on {backend.url}")
+    return out
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
@@ -594,8 +624,42 @@ INCREMENTAL = [
         check=survives_gc,
     ),
 ]
+INCREMENTAL += [
+    Scenario(
+        "promoting an incremental step races delete_step of its base on both tiers",
+        chained,
+        {"promote": promote_step_actor(2), "delete": delete_actor(tiered=True)},
+        check=survives_gc_on_tiers,
+        tiered=True,
+    ),
+    Scenario(
+        "promoting an incremental step races gc of both tiers",
+        chained,
+        {"promote": promote_step_actor(2), "gc": gc_actor(tiered=True)},
+        check=survives_gc_on_tiers,
+        tiered=True,
+    ),
+    Scenario(
+        "promoting an incremental step races promoting its base",
+        chained,
+        {"promote-step": promote_step_actor(2), "promote-base": promote_actor},
+        check=survives_gc_on_tiers,
+        tiered=True,
+    ),
+]
 INCREMENTAL_BOUNDED = 3
 INCREMENTAL_TRIPLES = [
+    Scenario(
+        "promoting an incremental step, delete_step of its base on both tiers and gc",
+        chained,
+        {
+            "promote": promote_step_actor(2),
+            "delete": delete_actor(tiered=True),
+            "gc": gc_actor(tiered=True),
+        },
+        check=survives_gc_on_tiers,
+        tiered=True,
+    ),
     Scenario(
         "an incremental save, delete_step of its base and gc",
         based,
