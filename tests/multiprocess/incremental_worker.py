@@ -4,11 +4,13 @@ jax.distributed.
 
 Usage: incremental_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT
 
-Saves `tree` three times: step 1 in full; step 2 with ``base=1`` and the same values
+Saves `tree` four times: step 1 in full; step 2 with ``base=1`` and the same values
 (every leaf unchanged); step 3 with ``base=2`` where one element of the LAST process's
 shard of "w" changed, on that process only (the others build the very same values as
-before). Prints one JSON line per save: its step, the bytes this process wrote, and the
-bytes referenced.
+before); step 4 as a partial save with ``base=3``, one part per leaf, where one element of
+process 0's shard of "m" changed, on process 0 only. Prints one JSON line per save: its
+step, the bytes this process wrote, and the bytes referenced (and for step 4, the leaves
+each part referenced).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from tests.multiprocess.scale_worker import expected as scale_expected
 HOST = np.arange(30, dtype=np.int64).reshape(5, 6) * 7
 #: The element of "w" step 3 changes: in the last row, which the last process holds.
 CHANGED = (47, 3)
+#: The element of "m" step 4 changes: in the first column, which process 0 holds.
+CHANGED_M = (2, 0)
 
 
 def expected(name: str, step: int) -> np.ndarray:
@@ -37,6 +41,8 @@ def expected(name: str, step: int) -> np.ndarray:
     value = scale_expected(name).copy()
     if name == "w" and step >= 3:
         value[CHANGED] = np.float32(-1.5)
+    if name == "m" and step >= 4:
+        value[CHANGED_M] = np.float32(2.5)
     return value
 
 
@@ -86,7 +92,16 @@ def main() -> None:
                 flush=True,
             )
 
+    async def partial() -> None:
+        session = await ckptstore.partial_save(root, step=4, base=3, timeout=120)
+        parts = [sorted((await session.add({k: v})).refs) for k, v in tree(4).items()]
+        result = await session.finalize()
+        report = {"written": result.bytes_written, "referenced": result.bytes_referenced}
+        print(json.dumps({"step": 4, **report, "bytes": result.bytes, "parts": parts}))
+
     asyncio.run(run())
+    asyncio.run(partial())
+    sys.stdout.flush()
     jax.distributed.shutdown()
 
 

@@ -1,6 +1,7 @@
 """Incremental saves by real JAX processes (one CPU device each, jax.distributed): each
 process decides for the pieces it owns, and one agreement round makes a leaf referenced
-whole or written whole (tests/multiprocess/incremental_worker.py, docs/incremental.md).
+whole or written whole, in a save and in a partial save's parts
+(tests/multiprocess/incremental_worker.py, docs/incremental.md).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from tests.multiprocess.incremental_worker import CHANGED, DTYPES, SHAPES, expected
+from tests.multiprocess.incremental_worker import CHANGED, CHANGED_M, DTYPES, SHAPES, expected
 from tests.multiprocess.test_multiprocess import free_port
 
 WORKER = "tests.multiprocess.incremental_worker"
@@ -77,7 +78,7 @@ def test_processes_reference_unchanged_leaves_and_write_a_leaf_changed_on_one_wh
 ) -> None:
     root = tmp_path / "ckpt"
     reports = run_job(root, num)
-    assert [[r["step"] for r in mine] for mine in reports] == [[1, 2, 3]] * num
+    assert [[r["step"] for r in mine] for mine in reports] == [[1, 2, 3, 4]] * num
     payload = sum(expected(k, 1).nbytes for k in LEAVES)
     w_bytes = expected("w", 1).nbytes
 
@@ -114,9 +115,28 @@ def test_processes_reference_unchanged_leaves_and_write_a_leaf_changed_on_one_wh
     assert differ == [f"{CHANGED[0] // (48 // num) * (48 // num)}:48,0:20"]
     assert 0 < data_bytes(root, 3) < payload
 
+    # Step 4, a partial save on base 3, one part per leaf, one element of process 0's
+    # shard of "m" changed there only: "m" is written whole, the rest referenced, each to
+    # the attempt that wrote it ("w" to step 3's, the others to step 1's).
+    m_bytes = expected("m", 1).nbytes
+    assert [mine[3]["parts"] for mine in reports] == [
+        [["w"], [], ["steps"], ["bias"], ["host"]]
+    ] * num
+    assert all(mine[3]["written"] == m_bytes for mine in reports)  # the parts' total
+    assert all(mine[3]["referenced"] == payload - m_bytes for mine in reports)
+    fourth = manifest(root, 4)
+    refs = fourth["items"]["state"]["refs"]
+    assert sorted(refs) == [k for k in LEAVES if k != "m"]
+    held = {k: fourth["references"][i] for k, i in refs.items()}
+    assert held["w"] == {"step": 3, "attempt": third["attempt"]}
+    assert all(held[k] == holder for k in held if k != "w")
+    old, new = first["items"]["state"]["digests"]["m"], fourth["items"]["state"]["digests"]["m"]
+    assert [bounds for bounds in new if new[bounds] != old[bounds]] == [f"0:6,0:{96 // num}"]
+    assert CHANGED_M[1] < 96 // num
+
     # Another process count restores bit for bit: one process, whole numpy values, and
     # the sharded leaves onto this process's 8 devices.
-    for step in (2, 3):
+    for step in (2, 3, 4):
         whole = ckptstore.restore_sync(str(root), step)
         for k in LEAVES:
             assert whole[k].dtype == expected(k, step).dtype
@@ -129,7 +149,8 @@ def test_processes_reference_unchanged_leaves_and_write_a_leaf_changed_on_one_wh
         )
         for k, spec in {"w": ("d",), "m": (None, "d"), "steps": ("d",), "bias": ()}.items()
     }
-    like["host"] = expected("host", 3)
-    out = ckptstore.restore_sync(str(root), 3, like=like)
-    for k in LEAVES:
-        assert np.asarray(out[k]).tobytes() == expected(k, 3).tobytes(), k
+    like["host"] = expected("host", 4)
+    for step in (3, 4):
+        out = ckptstore.restore_sync(str(root), step, like=like)
+        for k in LEAVES:
+            assert np.asarray(out[k]).tobytes() == expected(k, step).tobytes(), (step, k)
