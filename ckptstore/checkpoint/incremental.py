@@ -186,11 +186,18 @@ class References:
         return self.holders.index(key)
 
 
-async def write_digests(backend: Backend, store: str, digests: dict[str, PieceTable]) -> None:
-    """Write one writer's piece digests beside its store (`DIGESTS`)."""
+async def write_digests(backend: Backend, store: str, digests: dict[str, PieceTable]) -> int:
+    """Write one writer's piece digests beside its store (`DIGESTS`); how many leaves it
+    wrote them for. A leaf of which this process wrote no piece may have an empty table
+    (it is left out), and with no table left nothing is written (a process that wrote
+    nothing of a part creates nothing below it)."""
     with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
-        data = json.dumps(digests, separators=(",", ":")).encode()
+        tables = {leaf: table for leaf, table in digests.items() if table}
+        if not tables:
+            return 0
+        data = json.dumps(tables, separators=(",", ":")).encode()
     await backend.write(f"{store}/{DIGESTS}", data)
+    return len(tables)
 
 
 async def read_digests(backend: Backend, stores: Sequence[str]) -> dict[str, PieceTable]:

@@ -316,9 +316,8 @@ class PartialSave:
                     write_metadata=handoff.me == 0,
                     digests=digests,
                 )
-            if digests:
-                await write_digests(self.backend, store, digests)
-            return {**stats.to_json(), _DIGESTED: len(digests)}
+            digested = await write_digests(self.backend, store, digests)
+            return {**stats.to_json(), _DIGESTED: digested}
 
         await handoff.everyone(write_mine)
         refs: dict[str, dict[str, Any]] = {}

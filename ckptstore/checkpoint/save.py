@@ -235,10 +235,8 @@ async def save_prepared(
                 total[key] += stats.to_json()[key]
             if stats.packed:
                 await write_index(backend, store, stats.packed)
-            if digests:
-                await write_digests(backend, store, digests)
             packed[name] = len(stats.packed)
-            digested[name] = len(digests)
+            digested[name] = await write_digests(backend, store, digests)
         total[_PACKED] = packed
         total[_DIGESTED] = digested
         await hooks.after_write(backend, where, items, handoff)
