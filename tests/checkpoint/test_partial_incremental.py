@@ -203,3 +203,20 @@ async def test_replacing_a_leaf_between_written_and_referenced(tmp_path: Path) -
     )
     assert set(manifest["items"]["state"]["refs"]) == {"base/norm"}
     assert (await ckptstore.verify(root, 3)).ok
+
+
+async def test_on_tiers_a_session_references_the_fast_base_and_promotes(tmp_path: Path) -> None:
+    tiered = ckptstore.Tiered(fast=str(tmp_path / "nvme"), durable=str(tmp_path / "durable"))
+    await ckptstore.save(tiered, lora(1), step=1)
+    await ckptstore.promote(tiered, step=1)
+    session = await ckptstore.partial_save(tiered, step=3, base=1)  # on the fast tier
+    frozen = await session.add({"base": lora(3)["base"]})
+    assert set(frozen.refs) == {"base/w", "base/norm"}
+    await session.add({"adapter": lora(3)["adapter"], "step": 3})
+    result = await session.finalize()
+    assert result.bytes_written == CHANGED and result.bytes_referenced == HELD
+    (promoted,) = await ckptstore.promote(tiered, step=3)
+    assert CHANGED <= promoted.bytes < CHANGED + (64 << 10)  # the base was durable already
+    durable = str(tmp_path / "durable")
+    assert_same(await ckptstore.restore(durable, 3), lora(3))  # the durable tier alone
+    assert (await ckptstore.verify(durable, 3)).ok
