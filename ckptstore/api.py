@@ -138,8 +138,11 @@ async def partial_save(
     timeout: float = distributed.DEFAULT_TIMEOUT,
     resume: bool = True,
     attempt: str | None = None,
+    base: int | None = None,
 ) -> PartialSave:
     """Open (or resume) a partial-save session for ``step``: see `PartialSave.open`.
+    With ``base`` (a committed step) the session is incremental: each part references
+    the leaves unchanged since ``base`` rather than write them (docs/incremental.md).
 
     On a `Tiered` target the session lives on the fast tier (no free-space check: parts
     come one at a time, their total is unknown up front); promote the step afterwards.
@@ -154,6 +157,7 @@ async def partial_save(
         resume=resume,
         attempt=attempt,
         check=None if tiers is None else tier_save.refuse_host_local,
+        base=base,
     )
 
 

@@ -24,13 +24,17 @@ from typing import Any
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.datapath.arrays import owned_slices
-from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError
+from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
-from ckptstore.format.digests import PieceTable, matches, piece_table
+from ckptstore.format.digests import PieceTable, check_table, matches, piece_table
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.packs import PackRef
+from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
+
+#: A writer's digests of its pieces, beside its store: ``{leaf: {bounds: digest}}``.
+DIGESTS = "digests.json"
 
 
 @dataclass(frozen=True)
@@ -69,11 +73,17 @@ class Base:
         """Where in its holder's item the leaf is packed, if it is."""
         return self.manifest.items[item].packed.get(leaf)
 
+    def digests(self, item: str, leaf: str) -> PieceTable:
+        """The piece digests the base recorded for ``leaf`` (a referenced leaf's own)."""
+        return dict(self.manifest.items[item].digests[leaf])
 
-async def open_base(backend: Backend, step: int) -> Base:
-    """The base step ``step``: `BaseStepGoneError` unless it is committed."""
+
+async def open_base(backend: Backend, step: int, attempt: str | None = None) -> Base:
+    """The base step ``step``: `BaseStepGoneError` unless it is committed (and, given
+    ``attempt``, still committed as that attempt: a partial save's session names its base
+    once, and every part must reference what that base holds)."""
     try:
-        return Base(await load_committed(backend, layout.check_step(step)))
+        base = Base(await load_committed(backend, layout.check_step(step)))
     except BaseStepGoneError:
         raise
     except CheckpointNotFoundError as exc:
@@ -81,6 +91,14 @@ async def open_base(backend: Backend, step: int) -> Base:
             f"base step {step} is not committed: {exc.message}; nothing was written",
             backend=backend.url,
         ) from exc
+    if attempt is not None and base.manifest.attempt != attempt:
+        raise BaseStepGoneError(
+            f"base step {step} is no longer committed as attempt {attempt} (now "
+            f"{base.manifest.attempt}); nothing was written",
+            backend=backend.url,
+            key=layout.commit_key(step),
+        )
+    return base
 
 
 @dataclass
@@ -100,6 +118,7 @@ async def unchanged(
     items: Mapping[str, tuple[Sequence[LeafInfo], Sequence[Any]]],
     handoff: Handoff,
     same_objects: Mapping[str, Collection[str]] | None = None,
+    attempt: str | None = None,
 ) -> Unchanged:
     """Every process: read base ``step``, digest its pieces of each leaf the base stored
     in the same form, compare with the base's digests, and agree with the others on the
@@ -111,12 +130,13 @@ async def unchanged(
 
     ``same_objects``: per item, leaves the caller vouches are the very objects the base
     step saved from (the manager's previous save: a `jax.Array` never changes): compared
-    by form, not digested again."""
+    by form, not digested again. ``attempt``: the base must still be that attempt
+    (`open_base`)."""
     digested: dict[str, dict[str, PieceTable]] = {}
     opened: list[Base] = []
 
     async def mine() -> dict[str, Any]:
-        base = await open_base(backend, step)
+        base = await open_base(backend, step, attempt)
         opened.append(base)
         same: dict[str, list[int]] = {}
         for name, (infos, values) in items.items():
@@ -164,3 +184,35 @@ class References:
         if key not in self.holders:
             self.holders.append(key)
         return self.holders.index(key)
+
+
+async def write_digests(backend: Backend, store: str, digests: dict[str, PieceTable]) -> int:
+    """Write one writer's piece digests beside its store (`DIGESTS`); how many leaves it
+    wrote them for. A leaf of which this process wrote no piece may have an empty table
+    (it is left out), and with no table left nothing is written (a process that wrote
+    nothing of a part creates nothing below it)."""
+    with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
+        tables = {leaf: table for leaf, table in digests.items() if table}
+        if not tables:
+            return 0
+        data = json.dumps(tables, separators=(",", ":")).encode()
+    await backend.write(f"{store}/{DIGESTS}", data)
+    return len(tables)
+
+
+async def read_digests(backend: Backend, stores: Sequence[str]) -> dict[str, PieceTable]:
+    """The piece digests written beside each of ``stores`` (`write_digests`), joined per
+    leaf; `CkptStoreError` if one is unreadable."""
+    out: dict[str, PieceTable] = {}
+    for store in stores:
+        key = f"{store}/{DIGESTS}"
+        try:
+            with gc_paused():
+                doc = json.loads(await backend.read(key))
+                if not isinstance(doc, dict):
+                    raise ValueError("not a JSON object")
+                for leaf, table in doc.items():
+                    out.setdefault(leaf, {}).update(check_table(leaf, table))
+        except ValueError as exc:
+            raise CkptStoreError(f"unreadable digests {key}: {exc}") from exc
+    return out

@@ -21,16 +21,21 @@ abandon, gc). `finalize` and `abandon` first claim the attempt's fate
 `FencedError` before it writes anything, so a committed session is never rebuilt or
 deleted under its readers. A finalize killed after its claim leaves the session
 decided: resuming starts a new session (its parts go to gc).
+
+Every part records the piece digests of what it wrote, so a finalized step can serve as a
+later save's base. A session opened with ``base=B`` (a committed step, named once in
+``SESSION.json``) is incremental like ``save(..., base=B)``: each `add` references the
+leaves unchanged since B instead of writing them (`ckptstore.checkpoint.incremental`,
+one agreement round per part), and `finalize` commits only if B is still committed
+(`ckptstore.checkpoint.commit.check_base`; docs/incremental.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -45,7 +50,17 @@ from ckptstore.checkpoint.commit import (
     new_owner,
     read_fate,
 )
+from ckptstore.checkpoint.incremental import (
+    References,
+    Unchanged,
+    open_base,
+    read_digests,
+    unchanged,
+    write_digests,
+)
 from ckptstore.checkpoint.merge import merge
+from ckptstore.checkpoint.parts import Part as Part  # its old home re-exports it
+from ckptstore.checkpoint.parts import created, join, nesting_conflicts, session_base
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
@@ -62,95 +77,14 @@ from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old hom
 from ckptstore.format import layout
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
-from ckptstore.format.manifest import ItemManifest, Manifest, parse_leaf
-from ckptstore.format.tree import check_leaf_paths, check_structure, describe, flatten
+from ckptstore.format.manifest import Manifest
+from ckptstore.format.packs import PackRef
+from ckptstore.format.tree import check_structure, describe, flatten
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 
-_PART_DIR = re.compile(r"pending_([0-9]+)-[0-9a-f]{8}")
-
-
-@dataclass(frozen=True, repr=False)
-class Part:
-    """One completed part of a partial save (its repr is one short line: the leaves and
-    structure it carries can be thousands of entries)."""
-
-    index: int
-    dir: str  # the part's directory below the item, ``pending_<index>-<token>``
-    leaves: dict[str, LeafInfo]
-    structure: dict[str, Any]
-    replace: bool
-    processes: list[dict[str, Any]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(info.nbytes for info in self.leaves.values())
-
-    def __repr__(self) -> str:
-        leaves = (
-            f"{len(self.leaves)} leaf" if len(self.leaves) == 1 else f"{len(self.leaves)} leaves"
-        )
-        replace = ", replace" if self.replace else ""
-        return f"<Part {self.index} {self.dir}: {leaves}, {self.nbytes} bytes{replace}>"
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "index": self.index,
-                "dir": self.dir,
-                "replace": self.replace,
-                "structure": self.structure,
-                "processes": self.processes,
-                "leaves": {n: info.to_json() for n, info in self.leaves.items()},
-            }
-        ).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> Part:
-        """A part record, checked as strictly as a manifest (its leaves and structure go
-        into one when the session is finalized)."""
-        try:
-            doc = json.loads(data)
-            index, name = doc["index"], doc["dir"]
-            match = _PART_DIR.fullmatch(name) if isinstance(name, str) else None
-            if type(index) is not int or match is None or int(match[1]) != index:
-                raise ValueError(f"part {index!r} names directory {name!r}")
-            leaves = {n: parse_leaf(n, d) for n, d in doc["leaves"].items()}
-            if check_structure(doc["structure"]) != set(leaves):
-                raise ValueError("its structure and its leaves name different leaves")
-            check_leaf_paths(doc["structure"])
-            processes = doc["processes"]
-            if not isinstance(processes, list) or any(
-                not isinstance(p, dict) or p.get("process") != i for i, p in enumerate(processes)
-            ):
-                raise ValueError("its processes are not the reports of processes 0, 1, ...")
-            return cls(
-                index=index,
-                dir=name,
-                leaves=leaves,
-                structure=doc["structure"],
-                replace=bool(doc["replace"]),
-                processes=processes,
-            )
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise CorruptCheckpointError(f"unreadable part record {where}: {exc}") from exc
-
-
-def merge_structures(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Overlay one tree description on another: dicts merge key by key, else ``extra`` wins."""
-    if base.get("t") != "dict" or extra.get("t") != "dict":
-        return extra
-    keys = [tuple(k) for k in base["keys"]]
-    items = list(base["items"])
-    for key, item in zip(extra["keys"], extra["items"], strict=True):
-        key = tuple(key)
-        if key in keys:
-            i = keys.index(key)
-            items[i] = merge_structures(items[i], item)
-        else:
-            keys.append(key)
-            items.append(item)
-    return {"t": "dict", "keys": [list(k) for k in keys], "items": items}
+#: A process's report of a part: how many leaves it digested (`DIGESTS` beside its store).
+_DIGESTED = "digested"
 
 
 class PartialSave:
@@ -169,6 +103,8 @@ class PartialSave:
         self._done = ""  # "finalized" or "abandoned" once the session is over
         self._owner = new_owner()  # this session object's name in the attempt's fate record
         self._ending = ""  # "finalize" or "abandon" while one runs: the other is refused
+        #: The session's base step as ``{"step", "attempt"}`` (None: not incremental).
+        self.base: dict[str, Any] | None = None
 
     @property
     def attempt(self) -> str:
@@ -188,6 +124,7 @@ class PartialSave:
         resume: bool = True,
         attempt: str | None = None,
         check: Callable[[Backend, int, float], Awaitable[None]] | None = None,
+        base: int | None = None,
     ) -> PartialSave:
         """Open the partial save of ``step``.
 
@@ -195,8 +132,15 @@ class PartialSave:
         or a new one started; ``resume=False`` always starts a new one, and
         ``attempt`` resumes exactly that session (`CheckpointNotFoundError` if absent).
         ``check(backend, step, timeout)``, if given, runs first (tiers: `refuse_host_local`).
+
+        ``base`` (a committed step): parts reference the leaves unchanged since it rather
+        than write them (the module docstring). A new session reads it at once
+        (`BaseStepGoneError` if it is not committed) and records it; a resumed session
+        must have been opened with the same base (`ConfigError` otherwise).
         """
         step = layout.check_step(step)
+        if base is not None:
+            base = layout.check_step(base)
         layout.check_item(item)
         if isinstance(target, Backend):
             session = cls(target, step, item, timeout)
@@ -206,7 +150,7 @@ class PartialSave:
         try:
             if check is not None:
                 await check(session.backend, step, timeout)
-            await session._start(resume, attempt)
+            await session._start(resume, attempt, base)
         except BaseException:
             await session.close()
             raise
@@ -229,44 +173,50 @@ class PartialSave:
     ) -> None:
         await self.close()
 
-    async def _start(self, resume: bool, attempt: str | None) -> None:
+    async def _start(self, resume: bool, attempt: str | None, base: int | None) -> None:
         await ensure_uncommitted(self.backend, self.step)
         handoff = Handoff(f"partial/{self.step}/open", self.timeout)
-        chosen = await handoff.agree(lambda: self._choose(resume, attempt))
-        self.where = AttemptDir(self.step, chosen)
+        chosen = json.loads(await handoff.agree(lambda: self._choose(resume, attempt, base)))
+        self.where = AttemptDir(self.step, chosen["attempt"])
+        self.base = chosen["base"]
         self.parts = await self._load_parts()
 
-    async def _choose(self, resume: bool, attempt: str | None) -> str:
-        """On process 0: the attempt this session writes below."""
+    async def _choose(self, resume: bool, attempt: str | None, base: int | None) -> str:
+        """On process 0: the attempt this session writes below, and its base (JSON)."""
         if attempt is not None:
-            if not layout.is_attempt(attempt) or await self._session_created(attempt) is None:
+            record = await self._session(attempt) if layout.is_attempt(attempt) else None
+            if record is None:
                 raise CheckpointNotFoundError(
                     f"no partial-save session {attempt!r} of item {self.item!r}",
                     backend=self.backend.url,
                     key=layout.step_dir(self.step),
                 )
             await self._check_undecided(AttemptDir(self.step, attempt))
-            return attempt
+            return json.dumps(session_base(record, AttemptDir(self.step, attempt), base))
         if resume:
             names = await self.backend.list_dir(layout.step_dir(self.step))
-            found = [(await self._session_created(n), n) for n in names if layout.is_attempt(n)]
+            found = [(await self._session(n), n) for n in names if layout.is_attempt(n)]
             sessions = [
-                (created, n)
-                for created, n in found
-                if created is not None and await self._undecided(n)
+                (created(record), n, record)
+                for record, n in found
+                if record is not None and await self._undecided(n)
             ]
             if sessions:
-                return max(sessions)[1]  # the newest
+                _, newest, record = max(sessions, key=lambda s: (s[0], s[1]))
+                return json.dumps(session_base(record, AttemptDir(self.step, newest), base))
+        based = (await open_base(self.backend, base)).ref if base is not None else None
         fresh = layout.new_attempt()
         record = {"step": self.step, "attempt": fresh, "item": self.item, "created": time.time()}
+        if based is not None:
+            record["base"] = based
         await self.backend.create(AttemptDir(self.step, fresh).session, json.dumps(record).encode())
-        return fresh
+        return json.dumps({"attempt": fresh, "base": based})
 
     async def _undecided(self, attempt: str) -> bool:
         return await read_fate(self.backend, AttemptDir(self.step, attempt)) is None
 
-    async def _session_created(self, attempt: str) -> float | None:
-        """When the session of this item recorded for ``attempt`` began; None if there is none."""
+    async def _session(self, attempt: str) -> dict[str, Any] | None:
+        """The session record of this item for ``attempt``; None if there is none."""
         key = AttemptDir(self.step, attempt).session
         try:
             record = json.loads(await self.backend.read(key))
@@ -276,8 +226,7 @@ class PartialSave:
             raise CorruptCheckpointError(f"unreadable session record {key}: {exc}") from exc
         if not isinstance(record, dict) or record.get("item") != self.item:
             return None
-        created = record.get("created")
-        return float(created) if isinstance(created, (int, float)) else 0.0
+        return record
 
     async def _load_parts(self) -> list[Part]:
         prefix = self.where.parts(self.item)
@@ -322,6 +271,9 @@ class PartialSave:
 
         Refused before anything is written: a leaf an earlier part holds (unless
         ``replace``), and a leaf that lies under, or above, a leaf of an earlier part.
+        In a session with a base, a leaf unchanged since the base is referenced, not
+        written (`Part.refs`); `BaseStepGoneError`, nothing written, if the base is no
+        longer committed as the attempt the session recorded.
         """
         self._check_open()
         named = flatten(subtree)
@@ -329,7 +281,7 @@ class PartialSave:
         if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
             named = [(name, storable(value)) for name, value in named]
         saved = self.leaves
-        nested = _nesting_conflicts(set(saved), [info.name for info in infos])
+        nested = nesting_conflicts(set(saved), [info.name for info in infos])
         if nested:
             raise TreeError("a part cannot nest leaves inside earlier ones: " + "; ".join(nested))
         if not replace:
@@ -339,6 +291,13 @@ class PartialSave:
         index = self.parts[-1].index + 1 if self.parts else 0  # same on every process
         handoff = Handoff(f"partial/{self.step}/add/{index}", self.timeout)
         await self._check_undecided()
+        values = [value for _, value in named]
+        same = Unchanged({self.item: set()}, {})
+        if self.base is not None:  # every process: its pieces, then one agreement round
+            step, attempt = int(self.base["step"]), str(self.base["attempt"])
+            pairs = {self.item: (infos, values)}
+            same = await unchanged(self.backend, step, pairs, handoff, attempt=attempt)
+        held = same.leaves[self.item]
 
         async def name_part() -> str:
             return layout.new_part_name(index)
@@ -347,17 +306,28 @@ class PartialSave:
 
         async def write_mine() -> dict[str, Any]:
             store = self.where.part_store(self.item, part_dir, handoff.me)
+            digests = dict(same.digested.get(self.item, {}))
             with self.backend.write_behind(store):
                 stats = await write_leaves(
                     ocdbt_spec(self.backend.kvstore_spec(store)),
                     self.backend.ts_context,
-                    list(zip(infos, (value for _, value in named), strict=True)),
+                    [(i, v) for i, v in zip(infos, values, strict=True) if i.name not in held],
                     process=handoff.me,
                     write_metadata=handoff.me == 0,
+                    digests=digests,
                 )
-            return stats.to_json()
+            digested = await write_digests(self.backend, store, digests)
+            return {**stats.to_json(), _DIGESTED: digested}
 
         await handoff.everyone(write_mine)
+        refs: dict[str, dict[str, Any]] = {}
+        packed: dict[str, PackRef] = {}
+        for leaf in sorted(held):  # always the holder of the bytes: no chains
+            assert same.base is not None
+            holder = same.base.holder(self.item, leaf)
+            refs[leaf] = {"step": int(holder["step"]), "attempt": str(holder["attempt"])}
+            if (ref := same.base.packed(self.item, leaf)) is not None:
+                packed[leaf] = ref
         part = Part(
             index=index,
             dir=part_dir,
@@ -365,10 +335,26 @@ class PartialSave:
             structure=describe(subtree),
             replace=replace,
             processes=[],
+            refs=refs,
+            packed=packed,
         )
 
         async def record() -> Part:
-            recorded = dataclasses.replace(part, processes=await handoff.reports())
+            reports = await handoff.reports()
+            stores = [
+                self.where.part_store(self.item, part_dir, i)
+                for i, report in enumerate(reports)
+                if report.get(_DIGESTED)
+            ]
+            digests = await read_digests(self.backend, stores)
+            for leaf in held:  # a referenced leaf's digests are the base's
+                assert same.base is not None
+                digests[leaf] = same.base.digests(self.item, leaf)
+            recorded = dataclasses.replace(
+                part,
+                processes=[{k: v for k, v in r.items() if k != _DIGESTED} for r in reports],
+                digests={leaf: digests[leaf] for leaf in part.leaves if leaf in digests},
+            )
             key = self.where.part_record(self.item, index)
             try:
                 await self.backend.create(key, recorded.to_bytes())
@@ -439,7 +425,9 @@ class PartialSave:
         ``structure`` (`ckptstore.format.tree` format) replaces the one the parts'
         subtrees describe, so lists and tuples can span parts (the parts merge as
         dicts); it must name exactly the session's leaves. Raises `AlreadyExistsError`
-        if another attempt committed the step meanwhile.
+        if another attempt committed the step meanwhile; in a session with a base,
+        `BaseStepGoneError` (nothing committed) if a leaf it kept is referenced and the
+        base is no longer committed (`ckptstore.checkpoint.commit.check_base`).
         """
         self._check_open()
         if not self.parts:
@@ -456,71 +444,42 @@ class PartialSave:
         finally:
             self._ending = ""
         self._done = "finalized"
-        leaves = self.leaves
+        leaves, held = self.leaves, self._held()
         await self.close()
         return SaveResult(
             step=self.step,
             attempt=self.attempt,
             bytes=sum(info.nbytes for info in leaves.values()),
-            bytes_written=sum(part.nbytes for part in self.parts),
+            bytes_written=sum(part.bytes_written for part in self.parts),
             seconds=time.perf_counter() - start,
             merge_seconds=merge_seconds or 0.0,
+            bytes_referenced=sum(leaves[leaf].nbytes for leaf in held),
         )
+
+    def _held(self) -> dict[str, dict[str, Any]]:
+        """The leaves the step keeps by reference (`Joined.held`)."""
+        return join(self.parts, self.where, self.item).held
 
     async def _merge_and_commit(
         self, metadata: dict[str, Any] | None, given: dict[str, Any] | None
     ) -> float:
         await ensure_uncommitted(self.backend, self.step)
         fate = await claim(self.backend, self.where, COMMIT, self._owner)
-        item, where = self.item, self.where
-        stores: list[str] = []
-        clear: dict[str, list[str]] = {}
-        seen: set[str] = set()
-        structure: dict[str, Any] = {"t": "dict", "keys": [], "items": []}
-        processes: list[dict[str, Any]] = []
-        for part in self.parts:
-            replaced = sorted(seen & set(part.leaves))
-            part_stores = [where.part_store(item, part.dir, p) for p in range(_writers(part))]
-            if replaced:
-                clear[part_stores[0]] = replaced
-            stores += part_stores
-            seen |= set(part.leaves)
-            structure = merge_structures(structure, part.structure)
-            processes += [{"part": part.index, **p} for p in part.processes]
-        structure = given or structure
-        leaves = self.leaves
-        merged = await merge(self.backend, where.item(item), stores, list(leaves.values()), clear)
+        joined = join(self.parts, self.where, self.item)
+        joined.structure = given or joined.structure
+        prefix = self.where.item(self.item)
+        merged = await merge(self.backend, prefix, joined.stores, joined.written, joined.clear)
+        references = References([])
         manifest = Manifest(
             step=self.step,
-            attempt=where.attempt,
-            items={
-                item: ItemManifest(
-                    structure=structure,
-                    leaves=leaves,
-                    parts=[s.removeprefix(where.item(item) + "/") for s in stores],
-                )
-            },
-            processes=processes,
+            attempt=self.where.attempt,
+            items={self.item: joined.item(prefix, references)},
+            processes=joined.processes,
             metadata=metadata or {},
+            references=references.holders,
+            # The commit re-checks the base before its marker (`commit.check_base`).
+            base=self.base if references.holders else None,
+            format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
         )
         await commit(self.backend, manifest, fate)
         return merged.seconds
-
-
-def _nesting_conflicts(saved: set[str], new: list[str]) -> list[str]:
-    """New leaf names that lie under a saved leaf, or above one (a saved leaf lies under them)."""
-    above = {name.rsplit("/", i)[0] for name in saved for i in range(1, name.count("/") + 1)}
-    problems = []
-    for name in new:
-        parents = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
-        under = [p for p in parents if p in saved]
-        if under:
-            problems.append(f"{name!r} lies under the saved leaf {under[0]!r}")
-        elif name in above:
-            problems.append(f"{name!r} holds leaves an earlier part saved below it")
-    return problems
-
-
-def _writers(part: Part) -> int:
-    """How many processes wrote ``part`` (each has its own store)."""
-    return max(1, len(part.processes))

@@ -23,7 +23,6 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -41,12 +40,19 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
-from ckptstore.checkpoint.incremental import Base, References, Unchanged, unchanged
+from ckptstore.checkpoint.incremental import (
+    Base,
+    References,
+    Unchanged,
+    read_digests,
+    unchanged,
+    write_digests,
+)
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format import layout
-from ckptstore.format.digests import PieceTable, check_table
+from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.format.manifest import ItemManifest, Manifest
@@ -229,10 +235,8 @@ async def save_prepared(
                 total[key] += stats.to_json()[key]
             if stats.packed:
                 await write_index(backend, store, stats.packed)
-            if digests:
-                await _write_digests(backend, store, digests)
             packed[name] = len(stats.packed)
-            digested[name] = len(digests)
+            digested[name] = await write_digests(backend, store, digests)
         total[_PACKED] = packed
         total[_DIGESTED] = digested
         await hooks.after_write(backend, where, items, handoff)
@@ -281,7 +285,7 @@ async def save_prepared(
             for leaf in sorted(held):
                 assert based is not None
                 refs[leaf] = references.index(based.holder(name, leaf))
-                digests[leaf] = dict(based.manifest.items[name].digests[leaf])
+                digests[leaf] = based.digests(name, leaf)
                 ref = based.packed(name, leaf)
                 if ref is not None:  # in its holder's pack, which the reference names
                     packed[leaf] = ref
@@ -345,8 +349,6 @@ async def save_prepared(
 
 _PACKED = "packed"  # a process's report: per item, how many leaves it packed
 _DIGESTED = "digested"  # ... and how many leaves it digested (`DIGESTS` beside its store)
-#: A writer's digests of its pieces, beside its store: ``{leaf: {bounds: digest}}``.
-DIGESTS = "digests.json"
 #: How long process 0 of a failed save waits for the others to stop writing (each reports
 #: when its writes end) before it removes the attempt; past it, `gc` removes it later.
 DISCARD_WAIT = 60.0
@@ -376,31 +378,16 @@ async def _packed(
     return out
 
 
-async def _write_digests(backend: Backend, store: str, digests: dict[str, PieceTable]) -> None:
-    with gc_paused():  # an object per leaf: see `ckptstore.runtime.gcpause`
-        data = json.dumps(digests, separators=(",", ":")).encode()
-    await backend.write(f"{store}/{DIGESTS}", data)
-
-
 async def _digests(
     backend: Backend, where: layout.AttemptDir, item: str, reports: Sequence[dict[str, Any]]
 ) -> dict[str, PieceTable]:
     """Every process's piece digests of ``item``, joined per leaf."""
-    out: dict[str, PieceTable] = {}
-    for i, report in enumerate(reports):
-        if not report.get(_DIGESTED, {}).get(item):
-            continue
-        key = f"{where.process_store(item, i)}/{DIGESTS}"
-        try:
-            with gc_paused():
-                doc = json.loads(await backend.read(key))
-                if not isinstance(doc, dict):
-                    raise ValueError("not a JSON object")
-                for leaf, table in doc.items():
-                    out.setdefault(leaf, {}).update(check_table(leaf, table))
-        except ValueError as exc:
-            raise CkptStoreError(f"unreadable digests {key}: {exc}") from exc
-    return out
+    stores = [
+        where.process_store(item, i)
+        for i, report in enumerate(reports)
+        if report.get(_DIGESTED, {}).get(item)
+    ]
+    return await read_digests(backend, stores)
 
 
 async def _root_missing(backend: Backend) -> NotFoundError | None:

@@ -157,9 +157,9 @@ def _parse(doc: Any) -> Manifest:
         _expect(isinstance(doc.get(name, []), list), f"{name} is not a list")
     references = doc.get("references", [])
     for ref in references:  # gc and delete_step keep what these name
-        _expect(_is_attempt_ref(ref), f"bad reference {str(ref)[:80]}")
+        _expect(is_attempt_ref(ref), f"bad reference {str(ref)[:80]}")
     base = doc.get("base")
-    _expect(base is None or _is_attempt_ref(base), f"bad base {str(base)[:80]}")
+    _expect(base is None or is_attempt_ref(base), f"bad base {str(base)[:80]}")
     timings = doc.get("timings", {})
     _expect(
         isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values()),
@@ -188,7 +188,9 @@ def _parse(doc: Any) -> Manifest:
     )
 
 
-def _is_attempt_ref(ref: Any) -> bool:
+def is_attempt_ref(ref: Any) -> bool:
+    """Whether ``ref`` names an attempt as ``references`` and ``base`` do:
+    ``{"step": s, "attempt": a}``."""
     return (
         isinstance(ref, dict)
         and _is_int(ref.get("step"))
