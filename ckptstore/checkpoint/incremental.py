@@ -26,7 +26,7 @@ from ckptstore.checkpoint.commit import load_committed
 from ckptstore.datapath.arrays import owned_slices
 from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
-from ckptstore.format.digests import PieceTable, check_table, matches, piece_table
+from ckptstore.format.digests import ALGORITHM, PieceTable, check_table, matches, piece_table
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.packs import PackRef
@@ -52,7 +52,7 @@ class Base:
         """The base's piece digests of ``info``'s leaf, if it stored that leaf in the same
         form (else None: the leaf is written)."""
         saved = self.manifest.items.get(item)
-        if saved is None or self.manifest.attempt is None:
+        if saved is None or self.manifest.attempt is None or saved.digest_algorithm != ALGORITHM:
             return None
         old = saved.leaves.get(info.name)
         if old is None or (old.shape, old.dtype, old.chunk_shape) != (

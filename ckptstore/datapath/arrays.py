@@ -188,7 +188,7 @@ async def write_leaves(
                 meta.append(_metadata_written(kv, chunks.metadata_key(info), encoded))
         if pieces:
             stats.leaves.append(info.name)
-        table = _table_for(info)
+        table = _table_for(info) if pieces else None  # no empty tables
         writes = (write_piece(arr, *piece, table=table) for piece in pieces)
         await gather_first_error([*meta, *writes])
 
@@ -214,7 +214,7 @@ async def write_leaves(
                         if write_metadata:
                             key = chunks.metadata_key(info)
                             writes.append(kv.write(key, chunks.encode_metadata(info)))
-                        table = _table_for(info)
+                        table = _table_for(info) if pieces else None  # no empty tables
                         for index, data, _ in pieces:
                             host = np.asarray(data)
                             chunk = chunks.encode_chunk(info, host)

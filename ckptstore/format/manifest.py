@@ -18,7 +18,7 @@ from typing import Any
 from ckptstore.backends.keys import validate_key
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks, layout
-from ckptstore.format.digests import PieceTable, check_table
+from ckptstore.format.digests import ALGORITHM, LEGACY, PieceTable, check_table
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.packs import PackRef
@@ -44,6 +44,10 @@ class ItemManifest:
     #: Each leaf's piece digests (`ckptstore.format.digests`): what lets a later save use
     #: this step as its base. Absent for leaves saved before digests were recorded.
     digests: dict[str, PieceTable] = field(default_factory=dict)
+    #: The algorithm of ``digests`` (written as the item's ``digest``; `LEGACY` when a
+    #: manifest has digests but no such field). Tables of another algorithm than this
+    #: version's (`ckptstore.format.digests.ALGORITHM`) are never compared.
+    digest_algorithm: str = ALGORITHM
     #: Leaves whose bytes another attempt holds (an incremental save): leaf -> index into
     #: `Manifest.references`. Such a leaf is read from the same item of that attempt (its
     #: merged store, or its pack where ``packed`` names one), not from this attempt's.
@@ -113,7 +117,11 @@ class Manifest:
                     "parts": item.parts,
                     "leaves": {n: info.to_json() for n, info in item.leaves.items()},
                     "packed": {n: ref.to_json() for n, ref in item.packed.items()},
-                    **({"digests": item.digests} if item.digests else {}),
+                    **(
+                        {"digest": item.digest_algorithm, "digests": item.digests}
+                        if item.digests
+                        else {}
+                    ),
                     **({"refs": item.refs} if item.refs else {}),
                 }
                 for name, item in self.items.items()
@@ -231,6 +239,8 @@ def _parse_item(name: str, item: Any, references: int = 0) -> ItemManifest:
     digests_doc = item.get("digests", {})
     _expect(isinstance(digests_doc, dict), f"item {name!r}: digests is not an object")
     digests = {n: check_table(n, t) for n, t in digests_doc.items()}
+    algorithm = item.get("digest", LEGACY)
+    _expect(isinstance(algorithm, str) and len(algorithm) < 64, f"item {name!r}: bad digest")
     refs_doc = item.get("refs", {})
     _expect(isinstance(refs_doc, dict), f"item {name!r}: refs is not an object")
     for leaf, k in refs_doc.items():  # an index into the manifest's references
@@ -243,6 +253,7 @@ def _parse_item(name: str, item: Any, references: int = 0) -> ItemManifest:
         parts=list(parts),
         packed=packed,
         digests=digests,
+        digest_algorithm=algorithm,
         refs=dict(refs_doc),
     )
 

@@ -24,6 +24,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
 )
 from ckptstore.format import layout
+from ckptstore.format.digests import ALGORITHM, LEGACY, digest
 from ckptstore.format.packs import entry_size
 from tests.conftest import make_backend
 from tests.paths import committed_root
@@ -287,25 +288,70 @@ async def test_sharded_leaves_referenced_and_restored_onto_another_mesh(backend:
     assert float(got["lr"]) == np.float32(2e-3)
 
 
+async def _rewrite_manifest(backend: Backend, step: int, edit: Any) -> None:
+    """Rewrite committed ``step``'s manifest with ``edit(item)`` applied to each item, as
+    an earlier version would have written it (and its commit marker to match)."""
+    from ckptstore.checkpoint.commit import digest
+
+    root = await committed_root(backend, step)
+    manifest_key = f"{root}/{layout.MANIFEST}"
+    doc = json.loads(await backend.read(manifest_key))
+    for item in doc["items"].values():
+        edit(item)
+    data = json.dumps(doc).encode()
+    await backend.write(manifest_key, data)
+    marker = json.loads(await backend.read(layout.commit_key(step)))
+    marker["manifest_digest"] = digest(data)
+    await backend.write(layout.commit_key(step), json.dumps(marker).encode())
+
+
 async def test_a_step_saved_without_digests_is_a_base_for_nothing(backend: Backend) -> None:
     """Steps written before digests were recorded restore as ever, and as a base they
     reference nothing: every leaf is written."""
     await ckptstore.save(backend, lora(1), step=1)
-    root = await committed_root(backend, 1)
-    # Rewrite step 1 as an older version wrote it: no digests (and a marker to match).
-    manifest_key = f"{root}/{layout.MANIFEST}"
-    doc = json.loads(await backend.read(manifest_key))
-    for item in doc["items"].values():
+
+    def no_digests(item: dict[str, Any]) -> None:
         item.pop("digests")
-    data = json.dumps(doc).encode()
-    await backend.write(manifest_key, data)
-    marker = json.loads(await backend.read(layout.commit_key(1)))
-    from ckptstore.checkpoint.commit import digest
+        item.pop("digest")
 
-    marker["manifest_digest"] = digest(data)
-    await backend.write(layout.commit_key(1), json.dumps(marker).encode())
-
+    await _rewrite_manifest(backend, 1, no_digests)
     assert_same(await ckptstore.restore(backend, 1), lora(1))
     result = await ckptstore.save(backend, lora(1), step=2, base=1)
     assert result.bytes_referenced == 0 and result.bytes_written == result.bytes
     assert not (await load_committed(backend, 2)).references
+
+
+async def test_digests_of_another_algorithm_are_never_compared(backend: Backend) -> None:
+    """A step whose digests an earlier version recorded (BLAKE2b, no ``digest`` field)
+    restores as ever but references nothing as a base, although its digests are valid
+    hex: the next save writes every leaf and records BLAKE3, which the one after uses."""
+    await ckptstore.save(backend, lora(1), step=1)
+    legacy = {}
+
+    def as_blake2b(item: dict[str, Any]) -> None:
+        assert item.pop("digest") == ALGORITHM == "blake3-128"
+        legacy.update(item["digests"])
+
+    await _rewrite_manifest(backend, 1, as_blake2b)
+    manifest = await ckptstore.read_manifest(backend, 1)
+    assert manifest.items["state"].digest_algorithm == LEGACY
+    assert manifest.items["state"].digests == legacy  # parsed, kept, not used
+
+    assert_same(await ckptstore.restore(backend, 1), lora(1))
+    second = await ckptstore.save(backend, lora(1), step=2, base=1)
+    assert second.bytes_referenced == 0 and second.bytes_written == second.bytes
+    assert (await ckptstore.read_manifest(backend, 2)).items["state"].digest_algorithm == ALGORITHM
+    third = await ckptstore.save(backend, lora(1), step=3, base=2)
+    assert (
+        third.bytes_referenced > 0 and third.bytes_referenced == third.bytes - third.bytes_written
+    )
+
+
+def test_the_digest_is_blake3_of_the_little_endian_bytes() -> None:
+    """The documented algorithm, over the documented bytes (C order, little-endian)."""
+    import blake3
+
+    data = np.arange(12, dtype=">f4").reshape(3, 4)[:, 1:3]  # big-endian, not contiguous
+    want = blake3.blake3(np.ascontiguousarray(data, dtype="<f4").tobytes()).hexdigest(16)
+    assert digest(data) == want
+    assert digest(data.astype("<f4")) == want
