@@ -1,13 +1,17 @@
-"""`make demo`: train, get preempted, restart, resume bit-exact, finish; then the figures.
+"""`make demo`: train, get preempted, restart, resume bit-exact, finish; fine-tune adapters
+over a frozen base with incremental saves; then the figures.
 
-    python demo/run.py [--s3] [--steps N] [--save-every N] [--preempt-at N]
+    python demo/run.py [--s3] [--steps N] [--save-every N] [--preempt-at N] [--adapter-steps N]
 
 Runs demo/train.py (an MLP on scikit-learn's digits, saving asynchronously with a
 `ckptstore.CheckpointManager`, keeping the latest 3 plus the best by validation accuracy)
 against a temporary local directory, or with ``--s3`` against an embedded moto S3 server.
 Once the job passes ``--preempt-at`` it gets SIGTERM, saves that step and exits; a
 restarted job resumes from the latest committed step, checks the restored state is
-bit-exact, and finishes. Exits non-zero if anything did not happen as it should.
+bit-exact, and finishes. Then demo/adapters.py (the adapter phase) saves a LoRA-like state
+every step with ``ManagerOptions(incremental=True)`` to the same storage and shows the
+bytes each save wrote against the state's size. Exits non-zero if anything did not happen
+as it should.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 TRAIN = Path(__file__).with_name("train.py")
+ADAPTERS = Path(__file__).with_name("adapters.py")
 
 
 def run_job(target: str, args: argparse.Namespace, preempt_at: int | None) -> list[dict[str, Any]]:
@@ -87,6 +92,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--preempt-at", type=int, help="default: 40%% of the steps")
+    parser.add_argument("--adapter-steps", type=int, default=5, help="saves of the adapter phase")
     args = parser.parse_args()
     preempt_at = args.preempt_at or int(args.steps * 0.4) + 3
 
@@ -105,14 +111,22 @@ def main() -> int:
             os.environ.setdefault("AWS_ACCESS_KEY_ID", MOTO_KEY)
             os.environ.setdefault("AWS_SECRET_ACCESS_KEY", MOTO_KEY)
             where = f"s3://{bucket}/demo on moto at {server.endpoint}"
+            adapters = str(tmp / "adapters.toml")
+            Path(adapters).write_text(
+                Path(target).read_text().replace(f"s3://{bucket}/demo", f"s3://{bucket}/adapters")
+            )
         else:
             target = str(tmp / "run")
             where = target
+            adapters = str(tmp / "adapters")
         print(f"ckptstore demo: {args.steps} steps, saving every {args.save_every} to {where}")
         print(f"run 1 (will be preempted after step {preempt_at}):", flush=True)
         first = run_job(target, args, preempt_at)
         print("run 2 (restarted):", flush=True)
         second = run_job(target, args, None)
+        print("adapter phase (LoRA fine-tuning over a frozen base):", flush=True)
+        cmd = [sys.executable, str(ADAPTERS), adapters, "--steps", str(args.adapter_steps)]
+        adapter_ok = subprocess.run(cmd).returncode == 0
 
     preempted = [e for e in first if e["event"] == "preempted"]
     resumed = [e for e in second if e["event"] == "resumed"]
@@ -131,6 +145,8 @@ def main() -> int:
         problems.append("the restored state differs from the saved one")
     if not done or done[0]["step"] != args.steps:
         problems.append("the second run did not finish")
+    if not adapter_ok:
+        problems.append("the adapter phase failed")
 
     print()
     print(f"{'saves':34} {len(saves)}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +107,11 @@ async def verify_step(
     *,
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     progress: ProgressFn | None = None,
+    held_by: Collection[str] | None = None,
 ) -> VerifyReport:
+    """`verify` on an opened backend. ``held_by`` (attempt roots, ``<step>/<attempt>``):
+    check only the leaves whose bytes those attempts hold (an incremental step's own
+    attempt, or one it references); None: every leaf."""
     report = VerifyReport(step=step)
     budget = ByteBudget(max_inflight_bytes)
     try:
@@ -134,8 +138,9 @@ async def verify_step(
         if progress is not None:
             progress(done, manifest.nbytes)
 
+    only = None if held_by is None else {root.rstrip("/") + "/" for root in held_by}
     for name in manifest.items:
-        await _verify_item(backend, manifest, name, report, budget, checked)
+        await _verify_item(backend, manifest, name, report, budget, checked, only)
     return report
 
 
@@ -146,15 +151,18 @@ async def _verify_item(
     report: VerifyReport,
     budget: ByteBudget,
     checked: Callable[[int], None],
+    roots: set[str] | None = None,
 ) -> None:
     item = manifest.items[name]
     groups: dict[str, list[LeafInfo]] = {}  # per directory holding them (incremental saves)
     for info in item.leaves.values():
         groups.setdefault(leaf_dir(manifest, name, info.name), []).append(info)
     for prefix, infos in groups.items():
+        if roots is not None and not any(prefix.startswith(r) for r in roots):
+            continue  # held by an attempt not asked for
         shown = name if prefix == item_dir(manifest, name) else prefix
         await _verify_leaves(backend, item, prefix, shown, infos, report, budget, checked)
-    report.leaves += len(item.leaves)
+        report.leaves += len(infos)
 
 
 async def _verify_leaves(

@@ -51,7 +51,7 @@ from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.hostlocal import known_shared
+from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
 from ckptstore.tiers.promote import promote
 from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
@@ -131,14 +131,9 @@ class CheckpointManager:
         self._me, self._count = distributed.process_index(), distributed.process_count()
         #: With a `Tiered` target (or a profile with a [tiers] table), saves go to the fast
         #: tier and each committed step is promoted to the durable one in the background.
+        #: With ``incremental=True`` each save references the last committed step on the
+        #: fast tier, and promotion copies what a step references once (`tiers.holders`).
         self.tiered = as_tiered(target)
-        if options.incremental and self.tiered is not None:
-            raise ConfigError(
-                "ManagerOptions(incremental=True) needs one backend: incremental saves on "
-                "tiers (a Tiered target, or a profile with a [tiers] table) are not supported "
-                "yet, since promotion does not copy referenced bytes. Save to one backend, or "
-                "drop incremental=True"
-            )
         fast = self.tiered.fast if self.tiered is not None else target
         assert not isinstance(fast, Tiered)
         self._owns_backend = not isinstance(fast, Backend)
@@ -169,9 +164,15 @@ class CheckpointManager:
             #: The base of the next incremental save: the last step committed (an Orbax
             #: step never is one). Set on the loop thread once a save commits; read by
             #: `save` after `_settle`, so after that save's future completed.
+            #: On tiers, the last committed on the fast tier: the save reads its base there.
             self._base: int | None = committed[-1] if committed else None
+            if self.durable is not None and committed:
+                on_fast = self._call(committed_steps(self.backend))
+                self._base = on_fast[-1] if on_fast else None
             #: The arrays the base was saved from, by (item, leaf), weakly (`_same_objects`).
             self._objects: dict[tuple[str, str], weakref.ref[Any]] = {}
+            if options.incremental and self.tiered is not None and self._count > 1:
+                self._call(self._refuse_host_local(options.timeout))
             if options.gc_on_start and self._me == 0:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
                 if removed.entries:
@@ -181,6 +182,23 @@ class CheckpointManager:
             raise
         if options.handle_sigterm:
             self._install_sigterm()
+
+    async def _refuse_host_local(self, timeout: float) -> None:
+        """`ConfigError` where the fast tier is each host's own disk (measured by every
+        process, at construction: collective): there a step is staged per host and merged
+        on the durable tier by promotion, so no fast-tier copy can serve as a base, and
+        every incremental save would be refused (`tiers.save`)."""
+        shared = known_shared(self.backend, self._count)
+        if shared is None:
+            shared = await fast_is_shared(self.backend, Handoff("manager/fast-tier", timeout))
+        if not shared:
+            raise ConfigError(
+                "ManagerOptions(incremental=True) on tiers needs a fast tier every process "
+                f"shares; {self.backend.url} is host-local (each host's own disk), where a "
+                "step is staged per host and merged on the durable tier by promotion, and an "
+                "incremental save reads its base from one committed copy on the fast tier. "
+                "Drop incremental=True, or use a shared fast tier"
+            )
 
     # ---- saving ----
 
@@ -348,7 +366,8 @@ class CheckpointManager:
             result = await save(base)
         except BaseStepGoneError as exc:
             # The base was deleted (by someone else: the keep policy never deletes the
-            # latest committed step) before or while this save referenced it. Nothing was
+            # latest committed step), or on tiers evicted from the fast tier for room,
+            # before or while this save referenced it. Nothing was
             # committed and the attempt is abandoned: the staged copy is still intact, so
             # the step is saved again in full, once. Every process gets this error type.
             log.warning("ckptstore: step %d saved in full: %s", step, exc)

@@ -328,7 +328,9 @@ async def promote_step(
     if await _same_marker(durable, key, marker_bytes):
         result.already = True
         return result
-    await _check_fast_copy(fast, step)  # only a verified checkpoint is promoted
+    # Only a verified copy is promoted; of an incremental step, its own leaves here, and
+    # those it references as they are copied (`copy_held`) or promoted (their own step).
+    await _check_fast_copy(fast, step, [marker.where.root] if manifest.references else None)
     fate = None
     if marker.attempt is not None:
         owner = "promote-" + digest(marker_bytes).removeprefix("sha256:")[:32]
@@ -341,6 +343,7 @@ async def promote_step(
             return await promote_step(fast, durable, at, max_bytes_in_flight, progress)
 
         async def copy_held(objects: list[ObjectInfo], root: str) -> tuple[int, int]:
+            await _check_fast_copy(fast, step, [root])  # the leaves this step reads there
             scratch = Promotion(step=step, attempt=marker.attempt)
             await copy_objects(fast, durable, objects, root, scratch, max_bytes_in_flight)
             return scratch.copied, scratch.bytes
@@ -392,10 +395,13 @@ async def refuse_dead(durable: Backend, where: layout.AttemptDir) -> None:
         )
 
 
-async def _check_fast_copy(fast: Backend, step: int) -> None:
+async def _check_fast_copy(fast: Backend, step: int, held_by: list[str] | None = None) -> None:
     """Every chunk's crc32c and every pack's record, as `verify` checks them: a damaged fast
-    copy is never made durable (nor, without a durable copy, trimmed by ``keep_fast``)."""
-    report = await verify_step(fast, step)
+    copy is never made durable (nor, without a durable copy, trimmed by ``keep_fast``).
+    ``held_by``: only the leaves those attempts hold (an incremental step's leaves held by
+    an attempt durable already were checked when it was made durable; a full read again
+    would cost each later step of a LoRA run a full step's read)."""
+    report = await verify_step(fast, step, held_by=held_by)
     if report.problems:
         what, why = next(iter(report.problems.items()))
         raise CorruptCheckpointError(

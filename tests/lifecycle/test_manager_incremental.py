@@ -1,7 +1,7 @@
 """`ManagerOptions(incremental=True)`: each save references what the last committed step
 holds; the keep policy deletes old steps and their referenced bytes stay; a base that
-goes is a full save; tiers are refused at construction; a run SIGKILLed mid-save resumes
-(`incremental_worker.py`)."""
+goes is a full save; a run SIGKILLed mid-save resumes (`incremental_worker.py`). On tiers:
+tests/tiers/test_manager_incremental_tiers.py."""
 
 from __future__ import annotations
 
@@ -178,20 +178,6 @@ def test_a_base_deleted_while_the_save_commits_falls_back_to_a_full_save_once(
     assert_bit_exact(ckptstore.restore_sync(root, 2), tree(2))
     assert ckptstore.verify_sync(root, 2).ok
     run(backend.close())
-
-
-def test_tiers_are_refused_at_construction(tmp_path: Path) -> None:
-    tiers = ckptstore.Tiered(str(tmp_path / "fast"), str(tmp_path / "durable"))
-    with pytest.raises(ckptstore.ConfigError, match=r"incremental=True\) needs one backend"):
-        ckptstore.CheckpointManager(tiers, options=options())
-    assert not (tmp_path / "fast").exists() and not (tmp_path / "durable").exists()
-    profile = tmp_path / "tiers.toml"
-    profile.write_text(
-        f'[tiers]\nfast = "{tmp_path / "fast"}"\ndurable = "{tmp_path / "durable"}"\n'
-        "[manager]\nincremental = true\n"
-    )
-    with pytest.raises(ckptstore.ConfigError, match=r"incremental=True\) needs one backend"):
-        ckptstore.CheckpointManager(str(profile))
 
 
 def test_incremental_from_a_profile(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ Orbax checkpoint at ROOT with Orbax onto the transposed mesh and checks every sh
 Tiers (a 6th argument, DURABLE, names the durable tier; each process's fast tier is its own
 ROOT/fast<PROCESS_ID>, or with a 7th argument "shared" one ROOT/fast for both):
 "tiered-save" saves the "save" tree as step 1 on the tiers, then promotes it (every process),
-then (host-local) tries a partial save of step 2;
+then (host-local) tries a partial save of step 2 and an incremental manager;
 "tiered-restore" restores the latest step from the tiers on the transposed mesh and checks
 every shard, then the whole tree as numpy arrays, and prints where each read its step;
 "tiered-promote" promotes what is staged; "tiered-manager" runs "manager" on the tiers
@@ -170,6 +170,11 @@ def main() -> None:
                 asyncio.run(ckptstore.partial_save(tiers, step=2, timeout=60))
             except ckptstore.UnsupportedOperationError as exc:
                 print(f"partial refused: {exc}", flush=True)
+            try:  # nor can a manager save incrementally there: refused at construction
+                options = ckptstore.ManagerOptions(incremental=True, handle_sigterm=False)
+                ckptstore.CheckpointManager(tiers, options=options).close()
+            except ckptstore.ConfigError as exc:
+                print(f"manager refused: {exc}", flush=True)
         print(
             f"tiered saved {saved.bytes_written} listed {listed} promoted {promoted} now {now}",
             flush=True,

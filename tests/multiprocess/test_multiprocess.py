@@ -237,9 +237,11 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
     durable = shared_target(kind, request, tmp_path, "durable")
     outputs = run_job(tmp_path, "tiered-save", 2, durable)
     for out in outputs:
-        refused, saved = out.splitlines()
+        refused, manager, saved = out.splitlines()
         assert refused.startswith("partial refused: partial_save of step 2: the fast tier")
         assert "is host-local" in refused and "ckptstore.save" in refused
+        assert manager.startswith("manager refused: ManagerOptions(incremental=True) on tiers")
+        assert "is host-local" in manager
         assert saved.startswith("tiered saved")
         assert saved.endswith("listed [] promoted [(1, True)] now [1]")
     for i in (0, 1):  # nothing of step 2 was written
