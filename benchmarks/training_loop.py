@@ -23,6 +23,9 @@ Per repetition, for each library (the first one alternates):
   next measurement, so no library's deletion runs beside another's save; "save to
   finished" (commit plus deleting the old step) is reported too.
 
+Each repetition also times ``dd bs=16M oflag=direct conv=fsync`` of as many bytes (the
+disk's durable write speed, reported beside the saves: the least any durable save takes).
+
 Floors: pause <= Orbax's pause, pause <= 1.2x a host copy, durable <= 0.5x Orbax's, on
 the 1 GiB state and on a 192 MiB one (``--mib 192``; `make bench` runs both).
 
@@ -38,6 +41,7 @@ import argparse
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -165,6 +169,13 @@ class Contender:
         self.mgr.close()
 
 
+def _dd(source: Path, target: Path) -> None:
+    """``dd`` of ``source`` to ``target`` with O_DIRECT and an fsync, then ``target`` goes."""
+    cmd = ["dd", f"if={source}", f"of={target}", "bs=16M", "oflag=direct", "conv=fsync"]
+    subprocess.run([*cmd, "status=none"], check=True)
+    target.unlink()
+
+
 def _median(value: Stats | float) -> float:
     return value.median if isinstance(value, Stats) else value
 
@@ -216,8 +227,12 @@ def main() -> int:
         }
         for n in names
     }
+    dd = Stats()  # the disk's own speed for as many bytes, durably: what a save can reach
     with scratch_dir("ckptstore-bench-loop-") as scratch:
         print(f"scratch directory: {scratch}")
+        source = scratch / "dd_source.bin"
+        with open(source, "wb") as f:
+            f.write(np.random.default_rng(0).bytes(nbytes))
         contenders = {n: Contender(n, scratch / n) for n in names}
         try:
             for c in contenders.values():  # first-save costs (compilation, imports) untimed
@@ -239,6 +254,7 @@ def main() -> int:
                     c.finish()
                     s["finished"].runs.append(time.perf_counter() - c.started)
                     state, _ = run_steps(state, 1)
+                dd.runs.append(timed(lambda: _dd(source, scratch / "dd_target.bin")))
                 print(f"rep {rep + 1}/{reps} done", flush=True)
         finally:
             for c in contenders.values():
@@ -270,6 +286,8 @@ def main() -> int:
     row("host-staging pause", ckh["pause"], "host copy", host, 1.2)
     row("save to durable", ck["durable"], "Orbax", ob["durable"], 0.5)
     row("host-staging durable", ckh["durable"], "Orbax", ob["durable"], None)
+    row("save to durable", ck["durable"], "dd direct+fsync", dd, None)
+    row("dd direct+fsync of the state's bytes", dd, "Orbax", ob["durable"], None)
     row("save to finished (old step deleted)", ck["finished"], "Orbax", ob["finished"], None)
     for n in names:
         during, alone = stats[n]["step_during_save"], stats[n]["step"]
@@ -319,6 +337,7 @@ def main() -> int:
                 "runs_s": {n: {k: v.runs for k, v in s.items()} for n, s in stats.items()},
                 "medians_s": med,
                 "host_copy_median_s": host.median,
+                "dd_direct_fsync_s": dd.runs,
                 "ckptstore_phases_median_s": phases,
                 "table": table,
                 "failed_floors": floors,
