@@ -3,7 +3,14 @@ with ``base=`` killed at random moments and at exact points (after the base is r
 the agreement round, after the writes, the merge, the manifest, and the re-check of the
 base before the marker), deletions of a step later steps reference killed midway, and an
 incremental save racing the deletion of its base and a gc with a tiny grace, one of the
-three killed. On local disk (`make torture` runs them on S3 too)."""
+three killed; and a save stopped at an exact point while its base (holding the bytes
+itself) is deleted and a gc runs, then resumed or killed. On local disk (`make torture`
+runs them on S3 too).
+
+The paused save is what makes this test fail when the protocol breaks: with the re-check
+of the base before the marker removed (`commit.check_base` returning at once), a save
+paused before its manifest while its base is deleted commits a step whose bytes are gone
+(torn, failing verify and the reference check). It runs twice per deck here."""
 
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ def test_kills_inside_incremental_saves_lose_no_referenced_bytes(tmp_path: Path)
             log=lines.append,
             worker_log=tmp_path / "workers.log",
             keep=2,
-            cells=INCREMENTAL_CELLS,
+            cells=[*INCREMENTAL_CELLS, ("pause", 1)],
         )
     )
     print("\n".join([*lines, table(report)]))

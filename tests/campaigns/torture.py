@@ -65,6 +65,8 @@ from tests.campaigns.torture_refs import check_references, committed_keys, every
 from tests.campaigns.torture_report import RESULTS, Point, summary, table, write
 from tests.paths import a_day_later
 
+#: A paused save stopped at one of these (before its manifest) is always resumed.
+PAUSE_RESUMED = SAVE_STOPS[: SAVE_STOPS.index("manifest")]
 #: (operation, processes) cells; each runs on every backend.
 CELLS = [
     ("save", 1),
@@ -81,7 +83,7 @@ CELLS = [
 #: The phase each operation aims its kill at ("stop": the exact point the worker stops at).
 AIM = {"save": "save", "merge": "merge", "commit": "commit", "add": "add", "inc": "save"}
 AIM |= {"finalize": "finalize", "delete": "delete", "gc": "gc", "delete-ref": "delete"}
-AIM |= {"inc-at": "stop"}
+AIM |= {"inc-at": "stop", "pause": "stop"}
 #: First guesses of phase durations (s), replaced by what the campaign observes.
 GUESS = {"save": 0.4, "merge": 0.05, "commit": 0.02, "add": 0.15}
 GUESS |= {"finalize": 0.1, "delete": 0.03, "gc": 0.1}
@@ -109,6 +111,7 @@ class Campaign(IncrementalOps):
         self.bounds: dict[tuple[str, int, str], list[float]] = defaultdict(list)  # killed at
         self.points: list[Point] = []
         self.deck: list[tuple[tuple[str, int], Store]] = []
+        self.stops: list[str] = []  # the paused saves' exact points: each once per len(SAVE_STOPS)
 
     # ---- planning ----
 
@@ -124,6 +127,10 @@ class Campaign(IncrementalOps):
         stop = ""
         if op == "inc-at":  # the stopped process (0) dies with it
             stop, victims = self.rng.choice(SAVE_STOPS), [0] if processes == 1 else [0, 1]
+        elif op == "pause":
+            if not self.stops:
+                self.stops = self.rng.sample(SAVE_STOPS, len(SAVE_STOPS))
+            stop = self.stops.pop()
         elif op == "delete-ref":
             stop = self.rng.choice(["", *DELETE_STOPS])
         elif op == "race":
@@ -142,7 +149,7 @@ class Campaign(IncrementalOps):
             later=self.rng.random(),
             kind=kind_of(op, processes),
             stop=stop,
-            grace=round(0.5 * self.rng.random() ** 2, 3) if op == "race" else 0.0,
+            grace=round(0.5 * self.rng.random() ** 2, 3) if op in ("race", "pause") else 0.0,
         )
         if stop:
             point.fraction = 0.0
@@ -198,10 +205,10 @@ class Campaign(IncrementalOps):
                 await session.add({str(k): worker.tree(step)[str(k)]})
             point.step = step
         else:
-            if point.op in ("inc", "inc-at", "race"):
-                # Half the races delete a base that holds the bytes itself (a full save):
-                # then nothing else keeps them, and only the protocol decides.
-                fresh = point.op == "race" and self.rng.random() < 0.5
+            if point.op in ("inc", "inc-at", "race", "pause"):
+                # A paused save's base, and half the races', holds the bytes itself (a full
+                # save): then nothing else keeps them, and only the protocol decides.
+                fresh = point.op == "pause" or (point.op == "race" and self.rng.random() < 0.5)
                 point.base = await self.base(store, point.kind, fresh=fresh)
             point.step = store.fresh_step()
 
@@ -234,7 +241,16 @@ class Campaign(IncrementalOps):
                     events.append(event)
                     proc, phase, edge, at, n = event
                     aimed = (proc, phase, edge, n) == (aim_proc, aim, "start", point.occurrence)
-                    if aimed and deadline is None:
+                    if aimed and deadline is None and point.op == "pause":
+                        events += self.interpose(point, store)  # S stopped: D, then G
+                        # Resumed if stopped before its manifest (inc-at kills it there),
+                        # else resumed or killed.
+                        resume = point.stop in PAUSE_RESUMED or point.later >= 0.5
+                        deadline = time.monotonic() + 120 if resume else at
+                        if resume:
+                            point.resumed = True
+                            os.kill(procs[0].pid, signal.SIGCONT)
+                    elif aimed and deadline is None:
                         deadline = at + point.fraction * point.window
                     elif phase == "error" and point.op != "race":
                         break
@@ -263,7 +279,7 @@ class Campaign(IncrementalOps):
         for proc, phase, text, at, typed in events:
             if phase != "error":
                 continue
-            if point.op == "race" and typed:  # the actors' typed outcomes (base gone, fenced)
+            if point.op in ("race", "pause") and typed:  # typed outcomes (base gone, fenced)
                 point.survivors.append(f"{RACE[proc][0]}: {text.splitlines()[0]}")
             elif t_kill is not None and at > t_kill and typed and proc not in point.victims:
                 point.survivors.append(f"process {proc}: {text.splitlines()[0]}")
@@ -277,6 +293,8 @@ class Campaign(IncrementalOps):
     def landed(events: list[tuple[Any, ...]], point: Point, t_kill: float | None) -> str:
         """The innermost phase a victim was in when killed ("write": a save's, outside its
         merge and commit); "after" if the operation had ended."""
+        if point.resumed:
+            return f"at {point.stop}, resumed"
         if t_kill is None:  # the operation ended (or failed) before the kill was due
             return "after"
         if point.stop:
@@ -325,7 +343,7 @@ class Campaign(IncrementalOps):
         listed = set(await ckptstore.list_steps(backend))
         before = dict(store.committed)
         maybe = {step} if point.op != "gc" else set()
-        if point.op == "race":  # its base may be gone, or not
+        if point.op in ("race", "pause"):  # its base may be gone, or not
             assert point.base is not None
             maybe.add(point.base)
             if point.base not in listed:
@@ -407,6 +425,9 @@ class Campaign(IncrementalOps):
         kept = await committed_keys(backend, await everything(backend))
         removed = (await ckptstore.gc(backend, older_than=0)).entries
         with a_day_later():  # a commit claimed and killed before its marker, tombstones
+            removed += (await ckptstore.gc(backend, older_than=0)).entries
+            # A base deleted while a killed save's manifest referenced it: kept until that
+            # claim expired (the pass above), its data collected then, its records now.
             removed += (await ckptstore.gc(backend, older_than=0)).entries
         unused = {k for k in kept if any(k == e or k.startswith(e + "/") for e in removed)}
         left = await everything(backend)

@@ -32,7 +32,7 @@ from tests.paths import a_day_later
 #: race of three processes: an incremental save, the deletion of its base and a gc with
 #: a tiny grace, one of them killed ("race").
 INCREMENTAL_CELLS = [("inc", 1), ("inc", 2), ("inc-at", 1), ("inc-at", 2)]
-INCREMENTAL_CELLS += [("delete-ref", 1), ("race", 1)]
+INCREMENTAL_CELLS += [("delete-ref", 1), ("race", 1), ("pause", 1)]
 #: A race's actors (the worker's operations) and the phase each is killed in.
 RACE = [("race-save", "save"), ("race-delete", "delete"), ("race-gc", "gc")]
 
@@ -56,7 +56,7 @@ class Store:
 
 def kind_of(op: str, processes: int) -> str:
     """The kind of tree (`worker.KINDS`) operation ``op`` saves."""
-    inc = op in ("inc", "inc-at", "race", "delete-ref")
+    inc = op in ("inc", "inc-at", "race", "pause", "delete-ref")
     return ("inc" if inc else "tree") + ("-sharded" if processes > 1 else "")
 
 
@@ -69,6 +69,9 @@ class IncrementalOps:
     zygote: worker.Zygote
 
     async def check_committed(self, point: Point, store: Store, listed: set[int]) -> None:
+        raise NotImplementedError
+
+    def window(self, store: Store, processes: int, phase: str) -> float:
         raise NotImplementedError
 
     async def base(self, store: Store, kind: str, *, fresh: bool = False) -> int:
@@ -111,15 +114,41 @@ class IncrementalOps:
         common |= {"coordinator": coordinator, "env": self.env, "log": self.worker_log}
         return [{**common, "process": i, **extra} for i in range(processes)]
 
+    def interpose(self, point: Point, store: Store) -> list[tuple[Any, ...]]:
+        """While a paused save (S) is stopped at its exact point: the deletion of its base
+        (D), then a gc with a tiny grace (G), each run to its end by a worker; their
+        events (as processes 1 and 2)."""
+        assert point.base is not None
+        delete = self.jobs(store, "race-delete", point.base, 1)[0] | {"process": 1}
+        gc = self.jobs(store, "race-gc", point.step, 1)[0] | {"process": 2}
+        gc["grace"] = point.grace
+        events: list[tuple[Any, ...]] = []
+        for job in (delete, gc):
+            procs, conn = self.zygote.start([job])
+            try:
+                events += until_done(conn, {job["process"]}, 60.0)
+            finally:
+                for p in procs:
+                    p.join(timeout=30)
+                conn.close()
+        return events
+
     def point_jobs(self, point: Point, store: Store) -> list[dict[str, Any]]:
-        if point.op != "race":
+        if point.op not in ("race", "pause"):
             extra = {"kind": point.kind, "base": point.base, "stop": point.stop}
             return self.jobs(store, point.op, point.step, point.processes, **extra)
+        if point.op == "pause":  # S alone; D and G come while it is stopped (`interpose`)
+            extra = {"kind": point.kind, "base": point.base, "stop": point.stop}
+            return self.jobs(store, "race-save", point.step, 1, **extra)
         assert point.base is not None
         save, delete, gc = (self.jobs(store, op, point.step, 1)[0] for op, _ in RACE)
         save |= {"kind": point.kind, "base": point.base}
-        delete |= {"step": point.base, "process": 1}
-        gc |= {"grace": point.grace, "process": 2}
+        # The deletion and gc start a drawn moment into the save (its base read, its
+        # digests and agreement, its writes, its merge, its commit: each a different race).
+        usual = self.window(store, 1, "save")
+        delete |= {"step": point.base, "process": 1, "delay": point.later * usual}
+        gc |= {"process": 2, "grace": point.grace}
+        gc["delay"] = (point.fraction + point.later) % 1 * usual
         return [save, delete, gc]
 
     async def complete(self, jobs: list[dict[str, Any]]) -> None:
@@ -165,7 +194,8 @@ class IncrementalOps:
             problems += [f"after deleting step {oldest}: {p}" for p in point.problems]
             problems += [f"after deleting step {oldest}, step {s} is torn" for s in point.torn]
         await ckptstore.gc(store.backend, older_than=0)
-        with a_day_later():
+        with a_day_later():  # twice: see `Campaign.collect`
+            await ckptstore.gc(store.backend, older_than=0)
             await ckptstore.gc(store.backend, older_than=0)
         left = sorted(await everything(store.backend) - store.stray)
         if left:

@@ -50,6 +50,8 @@ class Point:
     #: Steps whose deletion was killed after its ``DELETED`` record (still listed), whose
     #: deletion the driver then finished.
     finished: list[int] = field(default_factory=list)
+    #: A paused save resumed (SIGCONT) after the deletion of its base and a gc, not killed.
+    resumed: bool = False
 
     @property
     def in_op(self) -> bool:

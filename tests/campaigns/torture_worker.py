@@ -160,6 +160,7 @@ async def run_op(job: dict[str, Any], rep: Reporter, value: Callable[[int], Any]
 
     op, target, step = job["op"], job["target"], job["step"]
     timeout = float(job.get("timeout", 30))
+    await asyncio.sleep(float(job.get("delay", 0)))  # a race's actor starting later
     if op in ("save", "merge", "commit", "inc", "inc-at", "race-save"):
         base = job.get("base")
         work = ckptstore.save(target, value(step), step=step, timeout=timeout, base=base)
