@@ -16,12 +16,12 @@ job's surviving processes would be killed by the scheduler). Then, in the driver
 - ``gc`` removes every leftover and nothing committed.
 
 The incremental operations (`INCREMENTAL_CELLS`) save with ``base=`` a tree whose frozen
-leaves are unchanged since the base, kill a deletion of a step others reference, and race
+leaves are unchanged since the base, kill a deletion of a step others reference, race
 an incremental save against the deletion of its base and a ``gc`` with a tiny grace
-period. After every point every committed step also passes ``verify``, and every
-reference finds its holder's bytes (a deleted base's included); ``gc`` must free a holder
-once nothing references it, and at the end every step is deleted and ``gc`` must leave
-nothing.
+period, and stop a save at an exact point while those two run (then resume or kill it).
+After every point every committed step also passes ``verify``, and every reference finds
+its holder's bytes (a deleted base's included); ``gc`` must free a holder once nothing
+references it, and at the end every step is deleted and ``gc`` must leave nothing.
 
 The kill points come from one seeded random generator (printed): the same seed gives the
 same operations, processes, victims and fractions; where in the code a kill lands still

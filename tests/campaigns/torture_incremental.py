@@ -1,6 +1,6 @@
 """The torture campaign's incremental operations (tests/campaigns/torture.py): the bases
-they save on, the race of a save against the deletion of its base and a gc, and what is
-checked after a kill and at the end beyond the plain operations' checks.
+they save on, the race (and the pause) of a save against the deletion of its base and a
+gc, and what is checked after a kill and at the end beyond the plain operations' checks.
 
 An incremental step (``save(..., base=B)``) references the attempt holding its frozen
 leaves (docs/incremental.md); deleting that attempt's own step must keep its bytes while a
@@ -30,7 +30,8 @@ from tests.paths import a_day_later
 #: exact point (`killpoints.SAVE_STOPS`, "inc-at"); a deletion of a step another
 #: references ("delete-ref", at a random moment or at `killpoints.DELETE_STOPS`); and a
 #: race of three processes: an incremental save, the deletion of its base and a gc with
-#: a tiny grace, one of them killed ("race").
+#: a tiny grace, one of them killed ("race"); a save stopped at an exact point while the
+#: deletion of its base and a gc run to their end, then resumed or killed ("pause").
 INCREMENTAL_CELLS = [("inc", 1), ("inc", 2), ("inc-at", 1), ("inc-at", 2)]
 INCREMENTAL_CELLS += [("delete-ref", 1), ("race", 1), ("pause", 1)]
 #: A race's actors (the worker's operations) and the phase each is killed in.
