@@ -204,11 +204,27 @@ async def _referenced(
             )
         if s.marker is None or s.marker.attempt is None:
             continue
-        manifest: Manifest = await load_manifest(backend, s.marker)
         seen.add((s.step, s.marker.attempt))
+        try:
+            manifest: Manifest = await load_manifest(backend, s.marker)
+        except CorruptCheckpointError:
+            # Deleted since its marker was read (a deletion removes the marker before the
+            # attempt): what it referenced, the saves that still need it hold themselves.
+            if await _still_names(backend, s.step, s.marker.attempt):
+                raise
+            continue
         for ref in manifest.references:
             out.add((int(ref["step"]), str(ref["attempt"])))
     return out | await _in_flight(backend, seen)
+
+
+async def _still_names(backend: Backend, step: int, attempt: str) -> bool:
+    """Whether ``step``'s marker (read again) still names ``attempt``."""
+    try:
+        marker = await read_marker(backend, step)
+    except CorruptCheckpointError:
+        return True
+    return marker is not None and marker.attempt == attempt
 
 
 async def _in_flight(backend: Backend, seen: set[tuple[int, str]]) -> set[tuple[int, str]]:
@@ -444,8 +460,13 @@ async def _collect_attempt(
 
 async def _unused_parts(backend: Backend, s: StepScan) -> list[tuple[str, list[ObjectInfo]]]:
     """Part directories inside a committed attempt that its merged stores do not use."""
-    assert s.marker is not None
-    manifest = await load_manifest(backend, s.marker)
+    assert s.marker is not None and s.marker.attempt is not None
+    try:
+        manifest = await load_manifest(backend, s.marker)
+    except CorruptCheckpointError:
+        if await _still_names(backend, s.step, s.marker.attempt):
+            raise
+        return []  # deleted since its marker was read: the deletion removes its parts
     root = layout.AttemptDir(s.step, s.marker.attempt).root
     used = {
         f"{name}/{part.split('/')[0]}"

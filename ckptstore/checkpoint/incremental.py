@@ -150,7 +150,9 @@ async def unchanged(
                     continue
                 pieces = owned_slices(value, handoff.me)
                 itemsize = dtype_of(info.dtype).itemsize
-                tables[info.name] = table = await piece_table(pieces, info.shape, itemsize)
+                table = await piece_table(pieces, info.shape, itemsize)
+                if table:  # none where this process owns no piece (a replica elsewhere)
+                    tables[info.name] = table
                 if matches(table, recorded):
                     same.setdefault(name, []).append(k)
         return {"same": same}

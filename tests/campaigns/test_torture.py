@@ -43,6 +43,7 @@ def test_thirty_kills_lose_and_tear_no_committed_step(
             worker_log=tmp_path / "workers.log",
             keep=2,
             weights={"local": 2},  # S3 on moto costs ~4x: every S3 cell once, local twice
+            cells=CELLS,  # the incremental ones: tests/campaigns/test_torture_incremental.py
         )
     )
     print("\n".join([*lines, table(report)]))

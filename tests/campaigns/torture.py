@@ -15,6 +15,14 @@ job's surviving processes would be killed by the scheduler). Then, in the driver
 - the killed step can be saved again (a killed partial save is resumed and finalized);
 - ``gc`` removes every leftover and nothing committed.
 
+The incremental operations (`INCREMENTAL_CELLS`) save with ``base=`` a tree whose frozen
+leaves are unchanged since the base, kill a deletion of a step others reference, race
+an incremental save against the deletion of its base and a ``gc`` with a tiny grace
+period, and stop a save at an exact point while those two run (then resume or kill it).
+After every point every committed step also passes ``verify``, and every reference finds
+its holder's bytes (a deleted base's included); ``gc`` must free a holder once nothing
+references it, and at the end every step is deleted and ``gc`` must leave nothing.
+
 The kill points come from one seeded random generator (printed): the same seed gives the
 same operations, processes, victims and fractions; where in the code a kill lands still
 depends on timing, so each point records the phase it landed in. Usage::
@@ -37,19 +45,28 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ckptstore
-from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import read_marker
-from ckptstore.format import layout
 from tests.campaigns import torture_worker as worker
+from tests.campaigns.killpoints import DELETE_STOPS, SAVE_STOPS
+from tests.campaigns.torture_incremental import (
+    INCREMENTAL_CELLS,
+    RACE,
+    IncrementalOps,
+    Store,
+    kind_of,
+    moto_env,
+    s3_profile,
+    until_done,
+)
+from tests.campaigns.torture_refs import check_references, committed_keys, everything
 from tests.campaigns.torture_report import RESULTS, Point, summary, table, write
-from tests.multiprocess.test_multiprocess import free_port
 from tests.paths import a_day_later
 
+#: A paused save stopped at one of these (before its manifest) is always resumed.
+PAUSE_RESUMED = SAVE_STOPS[: SAVE_STOPS.index("manifest")]
 #: (operation, processes) cells; each runs on every backend.
 CELLS = [
     ("save", 1),
@@ -63,39 +80,26 @@ CELLS = [
     ("add", 2),
     ("finalize", 2),
 ]
-#: The phase each operation aims its kill at.
-AIM = {"save": "save", "merge": "merge", "commit": "commit", "add": "add"}
-AIM |= {"finalize": "finalize", "delete": "delete", "gc": "gc"}
+#: The phase each operation aims its kill at ("stop": the exact point the worker stops at).
+AIM = {"save": "save", "merge": "merge", "commit": "commit", "add": "add", "inc": "save"}
+AIM |= {"finalize": "finalize", "delete": "delete", "gc": "gc", "delete-ref": "delete"}
+AIM |= {"inc-at": "stop", "pause": "stop"}
 #: First guesses of phase durations (s), replaced by what the campaign observes.
 GUESS = {"save": 0.4, "merge": 0.05, "commit": 0.02, "add": 0.15}
 GUESS |= {"finalize": 0.1, "delete": 0.03, "gc": 0.1}
 
 
-@dataclass
-class Store:
-    """One backend's checkpoints as the driver knows them."""
-
-    name: str
-    url: str  # what workers open: a path or an S3 profile
-    backend: Backend
-    weight: int = 1  # its cells' copies in each deck
-    committed: dict[int, int] = field(default_factory=dict)  # step -> processes that saved it
-    stray: set[str] = field(default_factory=set)  # objects gc left, already reported
-    next_step: int = 1
-
-    def fresh_step(self) -> int:
-        self.next_step += 1
-        return self.next_step - 1
-
-
-def expected(step: int, processes: int) -> dict[str, Any]:
-    return worker.tree(step) if processes == 1 else worker.sharded_tree(step)
-
-
-class Campaign:
+class Campaign(IncrementalOps):
     def __init__(
-        self, stores: list[Store], seed: int, env: dict[str, str], keep: int, worker_log: str
+        self,
+        stores: list[Store],
+        seed: int,
+        env: dict[str, str],
+        keep: int,
+        worker_log: str,
+        cells: list[tuple[str, int]],
     ) -> None:
+        self.cells = cells
         self.stores = stores
         self.keep = keep  # committed steps kept per backend (older ones deleted between points)
         self.worker_log = worker_log
@@ -107,6 +111,7 @@ class Campaign:
         self.bounds: dict[tuple[str, int, str], list[float]] = defaultdict(list)  # killed at
         self.points: list[Point] = []
         self.deck: list[tuple[tuple[str, int], Store]] = []
+        self.stops: list[str] = []  # the paused saves' exact points: each once per len(SAVE_STOPS)
 
     # ---- planning ----
 
@@ -115,10 +120,21 @@ class Campaign:
         processes, backend), each backend ``weight`` times, so every one is hit before any
         is hit again."""
         if not self.deck:
-            self.deck = [(c, s) for c in CELLS for s in self.stores for _ in range(s.weight)]
+            self.deck = [(c, s) for c in self.cells for s in self.stores for _ in range(s.weight)]
             self.rng.shuffle(self.deck)
         (op, processes), store = self.deck.pop()
         victims = [0] if processes == 1 else self.rng.choice([[0], [1], [0, 1]])
+        stop = ""
+        if op == "inc-at":  # the stopped process (0) dies with it
+            stop, victims = self.rng.choice(SAVE_STOPS), [0] if processes == 1 else [0, 1]
+        elif op == "pause":
+            if not self.stops:
+                self.stops = self.rng.sample(SAVE_STOPS, len(SAVE_STOPS))
+            stop = self.stops.pop()
+        elif op == "delete-ref":
+            stop = self.rng.choice(["", *DELETE_STOPS])
+        elif op == "race":
+            victims = [self.rng.randrange(len(RACE))]
         point = Point(
             index=index,
             op=op,
@@ -126,11 +142,24 @@ class Campaign:
             processes=processes,
             step=-1,
             victims=victims,
-            occurrence=self.rng.randrange(len(expected(0, processes))) if op == "add" else 0,
+            occurrence=self.rng.randrange(len(worker.expected(0, kind_of(op, processes))))
+            if op == "add"
+            else 0,
             fraction=self.rng.random(),
             later=self.rng.random(),
+            kind=kind_of(op, processes),
+            stop=stop,
+            grace=round(0.5 * self.rng.random() ** 2, 3) if op in ("race", "pause") else 0.0,
         )
+        if stop:
+            point.fraction = 0.0
         return point, store
+
+    def aim(self, point: Point) -> tuple[int, str]:
+        """The process whose phase starts the kill's clock, and that phase."""
+        if point.op == "race":
+            return point.victims[0], RACE[point.victims[0]][1]
+        return 0, "stop" if point.stop else AIM[point.op]
 
     def window(self, store: Store, processes: int, phase: str) -> float:
         """The span a kill is drawn from: a quarter more than the phase usually lasts (so
@@ -165,8 +194,10 @@ class Campaign:
             if not store.committed:
                 step = store.fresh_step()
                 await ckptstore.save(store.backend, worker.tree(step), step=step)
-                store.committed[step] = 1
+                store.committed[step] = "tree"
             point.step = self.rng.choice(sorted(store.committed))
+        elif point.op == "delete-ref":
+            point.step = await self.referenced_step(store)
         elif point.op == "gc":  # garbage: a partial save left unfinished
             step = store.fresh_step()
             session = await ckptstore.partial_save(store.backend, step)
@@ -174,27 +205,19 @@ class Campaign:
                 await session.add({str(k): worker.tree(step)[str(k)]})
             point.step = step
         else:
+            if point.op in ("inc", "inc-at", "race", "pause"):
+                # A paused save's base, and half the races', holds the bytes itself (a full
+                # save): then nothing else keeps them, and only the protocol decides.
+                fresh = point.op == "pause" or (point.op == "race" and self.rng.random() < 0.5)
+                point.base = await self.base(store, point.kind, fresh=fresh)
             point.step = store.fresh_step()
 
     def kill(self, point: Point, store: Store) -> tuple[list[tuple[Any, ...]], float | None]:
         """Run the operation and SIGKILL it as planned; the events the workers sent, and
         when the kill came (None: the operation ended first)."""
-        coordinator = f"127.0.0.1:{free_port()}"
-        jobs = [
-            {
-                "op": point.op,
-                "target": store.url,
-                "step": point.step,
-                "process": i,
-                "processes": point.processes,
-                "coordinator": coordinator,
-                "env": self.env,
-                "log": self.worker_log,
-            }
-            for i in range(point.processes)
-        ]
-        aim = AIM[point.op]
-        point.window = self.window(store, point.processes, aim)
+        jobs = self.point_jobs(point, store)
+        aim_proc, aim = self.aim(point)
+        point.window = self.window(store, point.processes, "save" if aim == "stop" else aim)
         procs, conn = self.zygote.start(jobs)
         events: list[tuple[Any, ...]] = []
         deadline: float | None = None
@@ -217,16 +240,29 @@ class Campaign:
                         break
                     events.append(event)
                     proc, phase, edge, at, n = event
-                    aimed = (proc, phase, edge, n) == (0, aim, "start", point.occurrence)
-                    if aimed and deadline is None:
+                    aimed = (proc, phase, edge, n) == (aim_proc, aim, "start", point.occurrence)
+                    if aimed and deadline is None and point.op == "pause":
+                        events += self.interpose(point, store)  # S stopped: D, then G
+                        # Resumed if stopped before its manifest (inc-at kills it there),
+                        # else resumed or killed.
+                        resume = point.stop in PAUSE_RESUMED or point.later >= 0.5
+                        deadline = time.monotonic() + 120 if resume else at
+                        if resume:
+                            point.resumed = True
+                            os.kill(procs[0].pid, signal.SIGCONT)
+                    elif aimed and deadline is None:
                         deadline = at + point.fraction * point.window
-                    elif phase == "error":
+                    elif phase == "error" and point.op != "race":
                         break
                 finished = {e[0] for e in events if e[1] in ("done", "error")}
-                if len(finished) == point.processes or now > give_up:
+                if len(finished) == len(jobs) or now > give_up:
                     break
             if t_kill is not None and point.processes > 1:  # the rest, a moment later
                 time.sleep(point.later * point.window)
+            if t_kill is not None and point.op == "race":  # the other actors run to their end
+                done = {e[0] for e in events if e[1] in ("done", "error")}
+                waiting = set(range(len(jobs))) - set(point.victims) - done
+                events += until_done(conn, waiting, give_up - time.monotonic())
         finally:
             for p in procs:
                 if p.is_alive():
@@ -243,7 +279,9 @@ class Campaign:
         for proc, phase, text, at, typed in events:
             if phase != "error":
                 continue
-            if t_kill is not None and at > t_kill and typed and proc not in point.victims:
+            if point.op in ("race", "pause") and typed:  # typed outcomes (base gone, fenced)
+                point.survivors.append(f"{RACE[proc][0]}: {text.splitlines()[0]}")
+            elif t_kill is not None and at > t_kill and typed and proc not in point.victims:
                 point.survivors.append(f"process {proc}: {text.splitlines()[0]}")
             else:
                 point.problems.append(f"process {proc} raised: {text}")
@@ -255,8 +293,12 @@ class Campaign:
     def landed(events: list[tuple[Any, ...]], point: Point, t_kill: float | None) -> str:
         """The innermost phase a victim was in when killed ("write": a save's, outside its
         merge and commit); "after" if the operation had ended."""
+        if point.resumed:
+            return f"at {point.stop}, resumed"
         if t_kill is None:  # the operation ended (or failed) before the kill was due
             return "after"
+        if point.stop:
+            return f"at {point.stop}"
         open_phases: list[tuple[float, str]] = []
         for victim in point.victims:
             mine = [e for e in events if e[0] == victim and e[3] <= t_kill]
@@ -270,24 +312,28 @@ class Campaign:
         if not open_phases:
             return "after"
         phase = max(open_phases)[1]
-        return "write" if phase == "save" else phase
+        phase = "write" if phase == "save" else phase
+        if point.op == "race":  # which actor: S, D or G
+            return f"{RACE[point.victims[0]][0][5].upper()}:{phase}"
+        return phase
 
     def learn(
         self, store: Store, point: Point, events: list[tuple[Any, ...]], t_kill: float | None
     ) -> None:
         """Remember how long each phase that ended took (process 0's view), and how long
         the aimed phase had run when it was killed."""
-        started: dict[tuple[str, int], float] = {}
+        started: dict[tuple[int, str, int], float] = {}
         for proc, phase, edge, at, n in events:
-            if proc != 0:
+            if proc != 0 and point.op != "race":  # a race's actors are one process each
                 continue
             if edge == "start":
-                started[(phase, n)] = at
-            elif (phase, n) in started:
+                started[(proc, phase, n)] = at
+            elif (proc, phase, n) in started:
                 key = (store.name, point.processes, phase)
-                self.durations[key].append(at - started.pop((phase, n)))
-        for (phase, _), at in started.items():
-            if phase == AIM[point.op] and t_kill is not None:
+                self.durations[key].append(at - started.pop((proc, phase, n)))
+        aim_proc, aim = self.aim(point)
+        for (proc, phase, _), at in started.items():
+            if (proc, phase) == (aim_proc, aim) and t_kill is not None and aim != "stop":
                 self.bounds[(store.name, point.processes, phase)].append(t_kill - at)
 
     # ---- the checks ----
@@ -297,52 +343,78 @@ class Campaign:
         listed = set(await ckptstore.list_steps(backend))
         before = dict(store.committed)
         maybe = {step} if point.op != "gc" else set()
+        if point.op in ("race", "pause"):  # its base may be gone, or not
+            assert point.base is not None
+            maybe.add(point.base)
+            if point.base not in listed:
+                del store.committed[point.base]
         point.committed = step in listed
-        if point.op == "delete" and not point.committed:
+        if point.op in ("delete", "delete-ref") and not point.committed:
             del store.committed[step]
-        elif point.op not in ("delete", "gc") and point.committed:
-            store.committed[step] = point.processes
+        elif point.op not in ("delete", "delete-ref", "gc") and point.committed:
+            store.committed[step] = point.kind
         point.lost = sorted(set(before) - listed - maybe)
         extra = sorted(listed - set(before) - maybe)
         if extra:
             point.problems.append(f"steps listed that were never committed: {extra}")
+        await self.check_committed(point, store, listed)
+        await self.finish_deletions(point, store)
+        # The killed step can be saved again (a partial save resumes where it was killed).
+        gone = step not in store.committed and step not in point.lost + point.torn
+        if point.op != "gc" and gone:
+            kind = before[step] if point.op in ("delete", "delete-ref") else point.kind
+            await self.save_again(point, store, kind)
+        await self.collect(point, store)
+        for group in (("tree", "sharded"), ("inc",), ("inc-sharded",)):
+            mine = sorted(s for s, k in store.committed.items() if k in group)
+            for oldest in mine[: max(0, len(mine) - self.keep)]:  # a holder's bytes stay
+                await ckptstore.delete_step(backend, oldest)
+                del store.committed[oldest]
+
+    async def check_committed(self, point: Point, store: Store, listed: set[int]) -> None:
+        """Every listed committed step restores bit-exact (else it is torn) and passes
+        `verify`, and every reference finds its holder's bytes."""
         mine = sorted(s for s in listed if s in store.committed)
         exact = await asyncio.gather(*(self.restores(store, s) for s in mine))
-        point.torn = [s for s, ok in zip(mine, exact, strict=True) if not ok]
+        point.torn += [s for s, ok in zip(mine, exact, strict=True) if not ok]
+        for s in mine:
+            report = await ckptstore.verify(store.backend, step=s)
+            if not report.ok:
+                point.problems.append(f"step {s} fails verify: {report.problems}")
+        problems, held = await check_references(store.backend, mine)
+        point.problems += problems
+        point.held = max(point.held, len(held))
         for s in point.lost + point.torn:
             store.committed.pop(s, None)
-        # The killed step can be saved again (a partial save resumes where it was killed).
-        if point.op != "gc" and not point.committed:
-            processes = before[step] if point.op == "delete" else point.processes
-            await self.save_again(point, store, processes)
-        await self.collect(point, store)
-        while len(store.committed) > self.keep:
-            oldest = min(store.committed)
-            await ckptstore.delete_step(backend, oldest)
-            del store.committed[oldest]
 
     async def restores(self, store: Store, step: int) -> bool:
         try:
             restored = await ckptstore.restore(store.backend, step=step)
         except ckptstore.CkptStoreError:
             return False
-        return worker.same(restored, expected(step, store.committed[step]))
+        return worker.same(restored, worker.expected(step, store.committed[step]))
 
-    async def save_again(self, point: Point, store: Store, processes: int) -> None:
+    async def save_again(self, point: Point, store: Store, kind: str) -> None:
+        """Save the killed step again: a partial save resumed, an incremental kind on the
+        newest committed step of its kind (if any), any other in full."""
         backend, step = store.backend, point.step
-        value = expected(step, processes)
+        value = worker.expected(step, kind)
+        base = max((s for s, k in store.committed.items() if k == kind), default=None)
         try:
             if point.op in ("add", "finalize"):
                 session = await ckptstore.partial_save(backend, step)
                 for name in list(value)[len(session.parts) :]:
                     await session.add({name: value[name]})
                 await session.finalize()
+            elif kind == "inc-sharded":  # by two workers: a base later saves of two match
+                await self.complete(self.jobs(store, "inc", step, 2, kind=kind, base=base))
             else:
-                await ckptstore.save(backend, value, step=step)
-        except ckptstore.CkptStoreError as exc:
+                base = base if kind.startswith("inc") else None
+                await ckptstore.save(backend, value, step=step, base=base)
+        except (ckptstore.CkptStoreError, RuntimeError) as exc:
             point.problems.append(f"saving step {step} again failed: {exc!r}")
             return
-        store.committed[step] = processes
+        store.committed[step] = kind
         if not await self.restores(store, step):
             point.problems.append(f"step {step}, saved again, does not restore bit-exact")
 
@@ -353,6 +425,9 @@ class Campaign:
         kept = await committed_keys(backend, await everything(backend))
         removed = (await ckptstore.gc(backend, older_than=0)).entries
         with a_day_later():  # a commit claimed and killed before its marker, tombstones
+            removed += (await ckptstore.gc(backend, older_than=0)).entries
+            # A base deleted while a killed save's manifest referenced it: kept until that
+            # claim expired (the pass above), its data collected then, its records now.
             removed += (await ckptstore.gc(backend, older_than=0)).entries
         unused = {k for k in kept if any(k == e or k.startswith(e + "/") for e in removed)}
         left = await everything(backend)
@@ -379,32 +454,17 @@ class Campaign:
             p = await self.run_point(index)
             index += 1
             flags = "" if not (p.lost or p.torn or p.problems) else f" PROBLEM {p.problems}"
+            base = f" base {p.base}" if p.base is not None else ""
             log(
-                f"[{self.landed_count():4d}/{points}] {p.backend:5} {p.op:8} x{p.processes} "
-                f"step {p.step:3d} kill {p.victims} at {p.fraction:.2f} of {p.window * 1e3:.0f} ms "
+                f"[{self.landed_count():4d}/{points}] {p.backend:5} {p.op:10} x{p.processes} "
+                f"step {p.step:3d}{base} kill {p.victims} at {p.fraction:.2f} of "
+                f"{p.window * 1e3:.0f} ms "
                 f"-> {p.landed:8} committed={p.committed} lost={p.lost} torn={p.torn} "
                 f"{p.timing}{flags}"
             )
 
     def landed_count(self) -> int:
         return sum(p.in_op for p in self.points)
-
-
-async def everything(backend: Backend) -> set[str]:
-    """Every stored key; a local root is walked on disk, so temporary files count too."""
-    root = getattr(backend, "root", None)
-    if backend.kind == "local" and isinstance(root, Path):
-        return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
-    return {info.key async for info in backend.list()}
-
-
-async def committed_keys(backend: Backend, keys: set[str]) -> set[str]:
-    """Those of ``keys`` that belong to a committed step (its marker, its attempt)."""
-    steps = {layout.parse_step(k.split("/")[0]) for k in keys if k.endswith("/COMMITTED")}
-    markers = await asyncio.gather(*(read_marker(backend, s) for s in steps if s is not None))
-    roots = [m.where.root + "/" for m in markers if m is not None]
-    marks = {layout.commit_key(m.step) for m in markers if m is not None}
-    return {k for k in keys if k in marks or any(k.startswith(r) for r in roots)}
 
 
 async def torture(
@@ -417,11 +477,14 @@ async def torture(
     worker_log: Path,
     keep: int = 3,
     weights: dict[str, int] | None = None,
+    cells: list[tuple[str, int]] | None = None,
 ) -> tuple[dict[str, Any], list[Point]]:
     """Run a campaign of ``points`` kills on ``targets`` (name -> path or profile); the
     workers' stderr goes to ``worker_log``. ``env`` reaches the workers (the driver's
     own environment is the caller's business). ``weights`` (default 1) repeats a backend's
-    cells in the deck."""
+    cells in the deck; ``cells`` (default: `CELLS` and `INCREMENTAL_CELLS`) are the
+    (operation, processes) pairs killed. The report's "final" says, per backend, what
+    deleting every step and collecting left (`Campaign.finish`)."""
     start = time.monotonic()
     backends = {
         name: ckptstore.open_backend(profile=url)
@@ -431,16 +494,21 @@ async def torture(
     }
     weight = weights or {}
     stores = [Store(name, targets[name], b, weight.get(name, 1)) for name, b in backends.items()]
-    campaign = Campaign(stores, seed, env, keep, str(worker_log))
+    chosen = cells if cells is not None else CELLS + INCREMENTAL_CELLS
+    campaign = Campaign(stores, seed, env, keep, str(worker_log), chosen)
     log(f"torture: seed {seed}, {points} kill points on {', '.join(targets)}")
+    final: dict[str, Any] = {}
     try:
         await campaign.run(points, log)
+        for store in stores:
+            final[store.name] = await campaign.finish(store)
     finally:
         campaign.zygote.stop()
         for b in backends.values():
             await b.close()
     report = summary(campaign.points)
     report["seed"] = seed
+    report["final"] = final
     report["seconds"] = round(time.monotonic() - start, 1)
     report["windows_ms"] = {
         f"{b} x{n} {phase}": round(statistics.median(v) * 1e3, 1)
@@ -449,41 +517,24 @@ async def torture(
     return report, campaign.points
 
 
-def s3_profile(folder: Path, endpoint: str, bucket: str, name: str) -> str:
-    profile = folder / f"{name}.toml"
-    profile.write_text(
-        f'url = "s3://{bucket}/{name}"\n[options]\nendpoint = "{endpoint}"\ncredentials = "env"\n'
-    )
-    return str(profile)
-
-
-def moto_env(folder: Path) -> dict[str, str]:
-    """What the workers and the driver need to reach moto (the pytest plugin's settings)."""
-    empty = folder / "aws-empty"
-    empty.write_text("")
-    return {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(empty),
-        "AWS_SHARED_CREDENTIALS_FILE": str(empty),
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--points", type=int, default=300, help="kills that land in an operation")
     parser.add_argument("--seed", type=int, default=None, help="default: a random one (printed)")
     parser.add_argument("--backends", default="local,s3", help="comma-separated: local, s3")
-    parser.add_argument("--keep", type=int, default=3, help="committed steps kept per backend")
+    parser.add_argument("--keep", type=int, default=3, help="committed steps kept per kind")
+    parser.add_argument(
+        "--cells", default="all", choices=["all", "plain", "incremental"], help="operations"
+    )
     parser.add_argument("--json", default=str(RESULTS), help="where to write results ('': nowhere)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     command = f"python -m tests.campaigns.torture --points {args.points} --seed {seed}"
     if args.backends != "local,s3" or args.keep != 3:
         command += f" --backends {args.backends} --keep {args.keep}"
+    if args.cells != "all":
+        command += f" --cells {args.cells}"
+    cells = {"plain": CELLS, "incremental": INCREMENTAL_CELLS}.get(args.cells)
     from ckptstore.testing.servers import MotoS3Server
 
     with tempfile.TemporaryDirectory(prefix="torture-") as tmp, MotoS3Server() as moto:
@@ -506,9 +557,11 @@ def main(argv: list[str] | None = None) -> int:
                 log=print,
                 worker_log=worker_log,
                 keep=args.keep,
+                cells=cells,
             )
         )
         failed = any(p.lost or p.torn or p.problems for p in points)
+        failed |= any(f["problems"] for f in report["final"].values())
         if failed and worker_log.exists():
             print("the workers' stderr (last 3000 characters):")
             print(worker_log.read_text(errors="replace")[-3000:])

@@ -40,6 +40,18 @@ class Point:
     survivors: list[str] = field(default_factory=list)
     seconds: float = 0.0
     timing: list[float] = field(default_factory=list)  # prepare, run and kill, check (s)
+    kind: str = ""  # the tree saved (tests.campaigns.torture_worker.KINDS)
+    base: int | None = None  # an incremental save's base step
+    stop: str = ""  # the exact point killed at (tests.campaigns.killpoints.STOPS), if any
+    grace: float = 0.0  # a race's gc: its grace period (s)
+    #: Attempts committed steps referenced after the kill whose own step had been deleted
+    #: (a deleted base's bytes, found still there).
+    held: int = 0
+    #: Steps whose deletion was killed after its ``DELETED`` record (still listed), whose
+    #: deletion the driver then finished.
+    finished: list[int] = field(default_factory=list)
+    #: A paused save resumed (SIGCONT) after the deletion of its base and a gc, not killed.
+    resumed: bool = False
 
     @property
     def in_op(self) -> bool:
@@ -84,6 +96,7 @@ def summary(points: list[Point]) -> dict[str, Any]:
         "committed_torn": sum(len(p.torn) for p in points),
         "points_with_problems": sum(bool(p.problems) for p in points),
         "survivors_failing_typed": sum(len(p.survivors) for p in points),
+        "points_with_a_deleted_base_held": sum(p.held > 0 for p in points),
     }
     return {"total": total, "rows": [rows[k] for k in sorted(rows)]}
 
@@ -110,6 +123,16 @@ def table(report: dict[str, Any]) -> str:
         f"after it); committed checkpoints lost: {t['committed_lost']}, torn: "
         f"{t['committed_torn']}; points with other problems: {t['points_with_problems']}"
     )
+    if t.get("points_with_a_deleted_base_held"):
+        lines.append(
+            f"points after which a committed step read a deleted base's bytes: "
+            f"{t['points_with_a_deleted_base_held']}"
+        )
+    for name, f in report.get("final", {}).items():
+        lines.append(
+            f"{name}: every step deleted ({f['deleted']}), then gc: {f['left']} objects left; "
+            f"problems: {len(f['problems'])}"
+        )
     return "\n".join(lines)
 
 

@@ -7,10 +7,16 @@ phase it enters and leaves on a pipe: ``(process, phase, "start" | "end", time, 
 with ``time.monotonic()`` (one clock for every process on the machine), and finally
 ``(process, "done", "end", time, 0)`` or ``(process, "error", text, time, typed)``.
 Phases: "save", "add" (``n``: the part index), "finalize", "delete", "gc", and inside
-them "merge" and "commit" (hooks around the modules' own functions).
+them "merge" and "commit" (hooks around the modules' own functions); inside an
+incremental save (``base=``) also "unchanged" (reading the base, digesting the candidate
+leaves, "digest", and the processes' agreement round) and, inside "commit", "check_base"
+(the re-check of the base before the marker). A job with ``stop`` stops at that exact
+point (`tests.campaigns.killpoints.STOPS`) after sending ``(process, "stop", "start",
+time, 0)``, for the driver to kill it there.
 
-The trees are pure functions of the step, so the driver knows what every committed
-step must restore to, bit for bit.
+The trees are pure functions of the step and the kind (`KINDS`), so the driver knows what
+every committed step must restore to, bit for bit. The incremental kinds have frozen
+leaves, the same at every step, beside leaves that change with it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,15 @@ PRELOAD = [
 
 PARTS = 4
 SHARDED = {"w": (128, 96), "v": (64, 48), "replicated": (40,)}  # multi-process trees
+#: The incremental kinds' multi-process tree: frozen leaves (the same at every step) and
+#: live ones, sharded over the two processes' (2, 2) mesh or replicated.
+SHARDED_INC = {"frozen_w": (128, 96), "frozen_v": (64, 48), "live_w": (64, 32), "count": (4,)}
+SPECS = {"w": ("x", "y"), "v": ("y",), "replicated": ()}
+SPECS |= {"frozen_w": ("x", "y"), "frozen_v": ("y",), "live_w": ("x",), "count": ()}
+#: What a committed step holds: the tree of one process or the sharded tree of two, each
+#: plain or with frozen leaves (saved with ``base=`` by the incremental operations).
+KINDS = ("tree", "sharded", "inc", "inc-sharded")
+FROZEN_SEED = 2**31  # the frozen leaves' values: the same whatever the step
 
 
 def tree(step: int) -> dict[str, Any]:
@@ -56,14 +71,43 @@ def tree(step: int) -> dict[str, Any]:
     }
 
 
+def inc_tree(step: int) -> dict[str, Any]:
+    """The single-process tree of the incremental kind: frozen leaves (two large ones and
+    a small one, which goes into a pack) and leaves that change with ``step``."""
+    frozen = np.random.default_rng(FROZEN_SEED)
+    live = np.random.default_rng(step)
+    return {
+        "frozen": {
+            "w0": frozen.standard_normal((256, 64)).astype(np.float32),
+            "w1": frozen.standard_normal((128, 64)).astype(np.float32),
+            "norm": frozen.standard_normal(64).astype(np.float32),
+        },
+        "live": {
+            "a": live.standard_normal((64, 32)).astype(np.float32),
+            "count": np.full(4, step, np.int64),
+        },
+    }
+
+
 def sharded_value(step: int, name: str) -> np.ndarray[Any, Any]:
-    """The whole value of leaf ``name`` of the multi-process tree saved as ``step``."""
-    shape = SHARDED[name]
-    return np.arange(np.prod(shape), dtype=np.float32).reshape(shape) * (step + 1) + len(name)
+    """The whole value of leaf ``name`` of a multi-process tree saved as ``step`` (a
+    frozen one's is the same at every step)."""
+    shape = SHARDED[name] if name in SHARDED else SHARDED_INC[name]
+    scale = 1 if name.startswith("frozen") else step + 1
+    return np.arange(np.prod(shape), dtype=np.float32).reshape(shape) * scale + len(name)
 
 
-def sharded_tree(step: int) -> dict[str, np.ndarray[Any, Any]]:
-    return {name: sharded_value(step, name) for name in SHARDED}
+def sharded_tree(step: int, names: Any = SHARDED) -> dict[str, np.ndarray[Any, Any]]:
+    return {name: sharded_value(step, name) for name in names}
+
+
+def expected(step: int, kind: str) -> dict[str, Any]:
+    """What step ``step`` of ``kind`` restores to."""
+    if kind == "tree":
+        return tree(step)
+    if kind == "inc":
+        return inc_tree(step)
+    return sharded_tree(step, SHARDED_INC if kind == "inc-sharded" else SHARDED)
 
 
 def flat(tree: Any, prefix: str = "") -> dict[str, np.ndarray[Any, Any]]:
@@ -101,11 +145,11 @@ class Reporter:
         self.send(name, "end", n)
         return result
 
-    def wrap(self, module: Any, attr: str) -> None:
+    def wrap(self, module: Any, attr: str, phase: str = "") -> None:
         real: Callable[..., Awaitable[Any]] = getattr(module, attr)
 
         async def hooked(*args: Any, **kwargs: Any) -> Any:
-            return await self.phase(attr, real(*args, **kwargs))
+            return await self.phase(phase or attr, real(*args, **kwargs))
 
         setattr(module, attr, hooked)
 
@@ -116,8 +160,11 @@ async def run_op(job: dict[str, Any], rep: Reporter, value: Callable[[int], Any]
 
     op, target, step = job["op"], job["target"], job["step"]
     timeout = float(job.get("timeout", 30))
-    if op in ("save", "merge", "commit"):
-        await rep.phase("save", ckptstore.save(target, value(step), step=step, timeout=timeout))
+    await asyncio.sleep(float(job.get("delay", 0)))  # a race's actor starting later
+    if op in ("save", "merge", "commit", "inc", "inc-at", "race-save"):
+        base = job.get("base")
+        work = ckptstore.save(target, value(step), step=step, timeout=timeout, base=base)
+        await rep.phase("save", work)
     elif op in ("add", "finalize"):
         session = await ckptstore.partial_save(target, step, timeout=timeout)
         names = list(value(step))  # a part per top-level key (multi-process: per leaf)
@@ -125,10 +172,10 @@ async def run_op(job: dict[str, Any], rep: Reporter, value: Callable[[int], Any]
             name = names[k]
             await rep.phase("add", session.add({name: value(step)[name]}), k)
         await rep.phase("finalize", session.finalize())
-    elif op == "delete":
+    elif op in ("delete", "delete-ref", "race-delete"):
         await rep.phase("delete", ckptstore.delete_step(target, step))
-    elif op == "gc":
-        await rep.phase("gc", ckptstore.gc(target, older_than=0))
+    elif op in ("gc", "race-gc"):
+        await rep.phase("gc", ckptstore.gc(target, older_than=float(job.get("grace", 0))))
     else:
         raise ValueError(f"unknown operation {op!r}")
 
@@ -143,14 +190,23 @@ def run(conn: Connection, job: dict[str, Any]) -> None:
     process = int(job.get("process", 0))
     rep = Reporter(conn, process)
     try:
+        import ckptstore.checkpoint.commit as commit_module
+        import ckptstore.checkpoint.incremental as incremental_module
         import ckptstore.checkpoint.partial as partial_module
         import ckptstore.checkpoint.save as save_module
+        from tests.campaigns.killpoints import install_stop
 
         for module in (save_module, partial_module):
             rep.wrap(module, "merge")
             rep.wrap(module, "commit")
+        rep.wrap(save_module, "unchanged")
+        rep.wrap(incremental_module, "piece_table", "digest")
+        rep.wrap(commit_module, "check_base")
+        if job.get("stop"):
+            install_stop(job["stop"], lambda name: rep.send("stop", "start"))
         if job.get("processes", 1) == 1:
-            asyncio.run(run_op(job, rep, tree))
+            kind = job.get("kind", "tree")
+            asyncio.run(run_op(job, rep, lambda step: expected(step, kind)))
         else:
             _run_distributed(job, rep)
     except BaseException as exc:  # reported: n is 1 for a typed error (`CkptStoreError`)
@@ -178,14 +234,14 @@ def _run_distributed(job: dict[str, Any], rep: Reporter) -> None:
         initialization_timeout=60,
     )
     mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("x", "y"))
-    specs = {"w": P("x", "y"), "v": P("y"), "replicated": P()}
+    names = SHARDED_INC if job.get("kind") == "inc-sharded" else SHARDED
 
     def value(step: int) -> dict[str, Any]:
         out = {}
-        for name, spec in specs.items():
+        for name in names:
             whole = sharded_value(step, name)
             out[name] = jax.make_array_from_callback(
-                whole.shape, NamedSharding(mesh, spec), lambda i, w=whole: w[i]
+                whole.shape, NamedSharding(mesh, P(*SPECS[name])), lambda i, w=whole: w[i]
             )
         return out
 

@@ -285,3 +285,34 @@ def test_gc_removes_the_temporary_file_of_a_commit_killed_midway(
     assert_is_tree(ckptstore.restore_sync(str(root), step=1), 1)
     ckptstore.save_sync(str(root), {"x": np.arange(5)}, step=2)  # and saved again
     assert ckptstore.list_steps_sync(str(root)) == [1, 2]
+
+
+@pytest.mark.parametrize("actor", ["gc", "delete"])
+async def test_a_step_deleted_between_its_marker_and_manifest_reads_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, actor: str
+) -> None:
+    """gc (or another deletion) that read step 1's marker and then finds its manifest gone,
+    because a concurrent `delete_step` removed both meanwhile, carries on: the step is
+    deleted, not corrupt (found by the kill campaign's race of a save, a deletion and gc)."""
+    from ckptstore.checkpoint import cleanup
+
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2, 3):
+        await ckptstore.save(root, {"x": np.full(4, step, np.float32)}, step=step)
+    real = cleanup.load_manifest
+    raced: list[int] = []
+
+    async def racing(backend: Backend, marker: commit_protocol.Marker) -> object:
+        if marker.step == 1 and not raced:  # the deletion runs between the two reads
+            raced.append(1)
+            await ckptstore.delete_step(root, 1)
+        return await real(backend, marker)
+
+    monkeypatch.setattr(cleanup, "load_manifest", racing)
+    if actor == "gc":
+        await ckptstore.gc(root, older_than=0)
+    else:
+        await ckptstore.delete_step(root, 3)
+    assert raced and await ckptstore.list_steps(root) == ([2, 3] if actor == "gc" else [2])
+    restored = await ckptstore.restore(root, step=2)
+    assert restored["x"].tolist() == [2.0] * 4
