@@ -12,7 +12,9 @@ until its step is committed: a ``CheckpointManager(incremental=True)``, the same
 saving in full, and Orbax 0.12.8's async ``CheckpointManager`` (``StandardSave``). All keep
 every step. Reported: bytes written per later save vs the bytes that changed, the save's
 time to durable, the disk used by all steps, and a cold restore of the last step
-(incremental vs full, files evicted first).
+(incremental vs full: one untimed restore of each, then 5 alternated rounds, each restore
+with its files evicted and starting from recently freed memory, as in
+``benchmarks/save_restore.py``).
 
 Then the last step is promoted to a durable tier, incremental vs full: the incremental
 manager's steps before it are promoted first (untimed: its base and the frozen leaves it
@@ -58,6 +60,7 @@ from benchmarks.common import (
     MiB,
     machine_info,
     markdown_table,
+    recycle_memory,
     scratch_dir,
     utc_timestamp,
     write_results,
@@ -65,6 +68,7 @@ from benchmarks.common import (
 from benchmarks.save_restore import evict_tree
 
 PACKAGES = ["ckptstore", "jax", "tensorstore", "orbax-checkpoint"]
+RESTORE_ROUNDS = 5  # cold restores of the last step, alternated, after one untimed each
 FLOORS = {"bytes": 1.1, "durable": 0.2, "disk": 1.2, "restore": 0.9, "promote": 0.2}
 
 
@@ -176,9 +180,12 @@ def run_tree(
             make(steps)[0],
         )
         restores: dict[str, list[float]] = {"incremental": [], "full": []}
-        for rep in range(3):
+        for who in ("incremental", "full"):  # untimed: the process's first restore of each
+            jax.block_until_ready(managers[who].restore(steps, like=like))
+        for rep in range(RESTORE_ROUNDS):
             for who in ("incremental", "full") if rep % 2 == 0 else ("full", "incremental"):
                 evict_tree(root / who)
+                recycle_memory(2 * total)  # each restore starts from recently freed memory
                 start = time.perf_counter()
                 jax.block_until_ready(managers[who].restore(steps, like=like))
                 restores[who].append(time.perf_counter() - start)
