@@ -148,10 +148,11 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
         )
     saved = manifest.items[item]
     where = {name: leaf_dir(manifest, item, name) for name in saved.leaves}
-    readers = {
-        prefix: await _Reader.open(backend, prefix, saved.packed)
-        for prefix in dict.fromkeys(where.values())
-    }
+    # An incremental step's leaves can lie in several attempts: their stores (each an
+    # index to load) are opened together, not one after another.
+    prefixes = list(dict.fromkeys(where.values()))
+    opened = await settle(_Reader.open(backend, p, saved.packed) for p in prefixes)
+    readers = dict(zip(prefixes, opened, strict=True))
 
     def split(infos: Sequence[LeafInfo]) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
@@ -173,9 +174,10 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
 
     async def open_raw(infos: Sequence[LeafInfo]) -> list[Read | None]:
         out: list[Read | None] = [None] * len(infos)
-        for prefix, ks in split(infos).items():
-            opened = await readers[prefix].open_raw([infos[k] for k in ks])
-            for k, read in zip(ks, opened, strict=True):
+        groups = list(split(infos).items())
+        found = await settle(readers[p].open_raw([infos[k] for k in ks]) for p, ks in groups)
+        for (_, ks), reads in zip(groups, found, strict=True):
+            for k, read in zip(ks, reads, strict=True):
                 out[k] = read
         return out
 
