@@ -18,7 +18,8 @@ from ckptstore.checkpoint.commit import committed_steps
 from ckptstore.cli.output import Output, print_json
 from ckptstore.cli.text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
-from ckptstore.tiers.promote import Promotion, promote, status, unpromoted
+from ckptstore.tiers.promote import Promotion, promote, unpromoted
+from ckptstore.tiers.status import status
 from ckptstore.tiers.target import Tiered
 
 T = TypeVar("T")

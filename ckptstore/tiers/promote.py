@@ -14,7 +14,6 @@ from, once each, and commits only while they stay protected (`ckptstore.tiers.ho
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -33,7 +32,7 @@ from ckptstore.checkpoint.commit import (
     digest,
     load_manifest,
 )
-from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
+from ckptstore.checkpoint.staged import read_staged, staged_steps
 from ckptstore.checkpoint.verify import verify_step
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -52,7 +51,6 @@ from ckptstore.tiers.holders import make_durable
 from ckptstore.tiers.hostlocal import (
     drop_staged,
     fast_is_shared,
-    is_promoted,
     merge_on_durable,
     promoted_part,
 )
@@ -82,82 +80,6 @@ class Promotion:
     bases: list[Promotion] = field(default_factory=list)
     held_objects: int = 0
     held_bytes: int = 0
-
-
-@dataclass
-class TierStatus:
-    """Where each step is: "fast" (committed on the fast tier only), "durable", "both", or
-    "staged": this host's part of a step staged on host-local fast tiers
-    (`ckptstore.tiers.hostlocal`) that the durable tier has not committed yet (one
-    it committed from the same attempt is "both": this host's copy serves a restore here).
-
-    ``uploaded``: for each "fast" or "staged" step, the fraction of its bytes (of a staged
-    step: of this host's part) already on the durable tier, i.e. how far a promotion got.
-    ``saved``: when each such step was committed or staged (None where the store cannot
-    tell).
-    """
-
-    steps: dict[int, str] = field(default_factory=dict)
-    uploaded: dict[int, float] = field(default_factory=dict)
-    saved: dict[int, float | None] = field(default_factory=dict)
-
-    @property
-    def unpromoted(self) -> list[int]:
-        """Steps committed on the fast tier only."""
-        return sorted(s for s, where in self.steps.items() if where == "fast")
-
-    @property
-    def lagging(self) -> list[int]:
-        """Steps not durable yet: committed on the fast tier, or staged on this host."""
-        return sorted(s for s, where in self.steps.items() if where in ("fast", "staged"))
-
-
-async def status(tiered: Tiered) -> TierStatus:
-    """Each step's tiers, and how far the promotion of those not durable yet got."""
-    async with tiered.opened() as (fast, durable):
-        on_fast, on_durable, staged = await asyncio.gather(
-            committed_steps(fast), committed_steps(durable), staged_steps(fast)
-        )
-        out = TierStatus()
-        for step in sorted(set(on_fast) | set(on_durable) | set(staged)):
-            if step in on_fast:
-                out.steps[step] = "both" if step in on_durable else "fast"
-            elif step in staged:
-                mine = await read_staged(fast, step)
-                promoted = mine is not None and await is_promoted(durable, mine)
-                if step not in on_durable:
-                    out.steps[step] = "staged"
-                else:  # "durable": this host's part is of another attempt (garbage)
-                    out.steps[step] = "both" if promoted else "durable"
-            else:
-                out.steps[step] = "durable"
-        for step in out.lagging:
-            out.uploaded[step], out.saved[step] = await _progress(fast, durable, step)
-    return out
-
-
-async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, float | None]:
-    """The fraction of a step's bytes the durable tier holds (with the right size), and
-    when the fast tier's marker was written."""
-    key = layout.commit_key(step)
-    try:
-        if await fast.exists(key):
-            marker = Marker.from_bytes(await fast.read(key), step=step, where=key)
-            root, objects = marker.where.root, await _attempt_objects(fast, marker)
-        else:
-            key = staged_key(step)
-            mine = await read_staged(fast, step)
-            if mine is None:
-                return 0.0, None
-            root = layout.AttemptDir(step, mine.attempt).root
-            objects = [i async for i in fast.list(root) if promoted_part(i.key, root, mine.process)]
-        saved = (await fast.stat(key)).mtime
-    except (NotFoundError, CorruptCheckpointError):  # deleted or damaged meanwhile
-        return 0.0, None
-    have = {i.key: i.size async for i in durable.list(root)}
-    total = sum(o.size for o in objects)
-    landed = sum(o.size for o in objects if have.get(o.key) == o.size)
-    return (landed / total if total else 0.0), saved
 
 
 async def promote(
@@ -328,37 +250,45 @@ async def promote_step(
     if await _same_marker(durable, key, marker_bytes):
         result.already = True
         return result
-    # Only a verified copy is promoted; of an incremental step, its own leaves here, and
-    # those it references as they are copied (`copy_held`) or promoted (their own step).
-    await _check_fast_copy(fast, step, [marker.where.root] if manifest.references else None)
     fate = None
-    if marker.attempt is not None:
-        owner = "promote-" + digest(marker_bytes).removeprefix("sha256:")[:32]
-        fate = await claim(durable, marker.where, COMMIT, owner)
-        await refuse_dead(durable, marker.where)
     held = None
-    if manifest.references:  # an incremental step: the attempts it reads from, first
 
-        async def promote_first(at: int) -> Promotion:
-            return await promote_step(fast, durable, at, max_bytes_in_flight, progress)
+    async def upload() -> None:
+        nonlocal fate, held
+        if marker.attempt is not None:
+            owner = "promote-" + digest(marker_bytes).removeprefix("sha256:")[:32]
+            fate = await claim(durable, marker.where, COMMIT, owner)
+            await refuse_dead(durable, marker.where)
+        if manifest.references:  # an incremental step: the attempts it reads from, first
 
-        async def copy_held(objects: list[ObjectInfo], root: str) -> tuple[int, int]:
-            await _check_fast_copy(fast, step, [root])  # the leaves this step reads there
-            scratch = Promotion(step=step, attempt=marker.attempt)
-            await copy_objects(fast, durable, objects, root, scratch, max_bytes_in_flight)
-            return scratch.copied, scratch.bytes
+            async def promote_first(at: int) -> Promotion:
+                return await promote_step(fast, durable, at, max_bytes_in_flight, progress)
 
-        held = await make_durable(fast, durable, manifest, promote_first, copy_held)
-        result.bases, result.held_objects, result.held_bytes = (
-            held.promoted,
-            held.objects,
-            held.bytes,
+            async def copy_held(objects: list[ObjectInfo], root: str) -> tuple[int, int]:
+                await _check_fast_copy(fast, step, [root])  # the leaves this step reads there
+                scratch = Promotion(step=step, attempt=marker.attempt)
+                await copy_objects(fast, durable, objects, root, scratch, max_bytes_in_flight)
+                return scratch.copied, scratch.bytes
+
+            held = await make_durable(fast, durable, manifest, promote_first, copy_held)
+            result.bases, result.held_objects, result.held_bytes = (
+                held.promoted,
+                held.objects,
+                held.bytes,
+            )
+        objects = await attempt_objects(fast, marker)
+        await copy_objects(
+            fast, durable, objects, marker.where.root, result, max_bytes_in_flight, progress
         )
-    objects = await _attempt_objects(fast, marker)
-    await copy_objects(
-        fast, durable, objects, marker.where.root, result, max_bytes_in_flight, progress
-    )
-    await load_manifest(durable, marker)  # the durable copy's manifest checks out
+        await load_manifest(durable, marker)  # the durable copy's manifest checks out
+
+    # Only a verified copy is promoted (of an incremental step, its own leaves here; those
+    # it references are checked as they are copied, `copy_held`, or promoted, their own
+    # step). The check reads the fast copy while the upload runs, and the marker waits for
+    # both: a damaged copy fails the promotion before anything is committed, and what was
+    # uploaded is an uncommitted attempt, as after a promotion killed midway.
+    checked = [marker.where.root] if manifest.references else None
+    await gather_first_error([_check_fast_copy(fast, step, checked), upload()])
     if fate is not None:
         fate.check_fresh(marker.where)
     if held is not None:  # after its manifest landed: what it references is still kept
@@ -476,7 +406,7 @@ async def _same_marker(durable: Backend, key: str, marker_bytes: bytes) -> bool:
     return True
 
 
-async def _attempt_objects(fast: Backend, marker: Marker) -> list[ObjectInfo]:
+async def attempt_objects(fast: Backend, marker: Marker) -> list[ObjectInfo]:
     """The committed attempt's objects (a version-1 step: the step's non-attempt entries);
     not its fate or deletion records, which each tier keeps for itself."""
     if marker.attempt is not None:

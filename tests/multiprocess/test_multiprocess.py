@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore.checkpoint.target import opened
 from ckptstore.cli import main
-from ckptstore.tiers import promote as tiers
+from ckptstore.tiers import status as tier_status
 from tests.checkpoint.test_partial import shared_target
 from tests.multiprocess.mp_worker import SHAPES, expected
 from tests.paths import a_day_later
@@ -270,7 +270,7 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
     asyncio.run(undo_the_end_of_promotion(durable))
     assert ckptstore.list_steps_sync(durable) == []
     host1 = ckptstore.Tiered(str(tmp_path / "fast1"), durable)
-    before = asyncio.run(tiers.status(host1))
+    before = asyncio.run(tier_status.status(host1))
     assert before.steps == {1: "staged"} and 0 < before.uploaded[1] < 1
     profile = tmp_path / "host1.toml"  # what `ckptstore ls` shows on host 1
     profile.write_text(f'[tiers]\nfast = "{tmp_path / "fast1"}"\ndurable = "{durable}"\n')
@@ -283,7 +283,7 @@ def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_ti
         "promoted [(1, 1)]\n",
     ]
     assert ckptstore.verify_sync(durable, 1).ok
-    assert asyncio.run(tiers.status(host1)).steps == {1: "both"}  # this host's copy + durable
+    assert asyncio.run(tier_status.status(host1)).steps == {1: "both"}  # this host's copy + durable
 
     # A restart on the same two hosts: each process reads the slices its devices hold from
     # its own host's copy; the whole tree (more than a host holds) from the durable tier.

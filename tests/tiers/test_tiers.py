@@ -24,7 +24,7 @@ import pytest
 import ckptstore
 from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.cli import main
-from ckptstore.tiers import promote as tiers
+from ckptstore.tiers import status as tier_status
 from tests.checkpoint.test_partial import shared_target
 from tests.paths import committed_root, largest_data_file
 
@@ -59,12 +59,12 @@ def tiered(request: pytest.FixtureRequest, tmp_path: Path) -> ckptstore.Tiered:
 async def test_promote_then_restore_from_either_tier(tiered: ckptstore.Tiered) -> None:
     for step in (1, 2):
         await ckptstore.save(tiered.fast, tree(step), step=step)
-    assert (await tiers.status(tiered)).unpromoted == [1, 2]
+    assert (await tier_status.status(tiered)).unpromoted == [1, 2]
     done = await ckptstore.promote(tiered)
     assert [(p.step, p.already) for p in done] == [(1, False), (2, False)]
     assert all(p.copied == p.objects > 0 for p in done)
     assert await ckptstore.list_steps(tiered.durable) == [1, 2]
-    assert (await tiers.status(tiered)).steps == {1: "both", 2: "both"}
+    assert (await tier_status.status(tiered)).steps == {1: "both", 2: "both"}
     assert (await ckptstore.verify(tiered.durable, step=2)).ok
     again = await ckptstore.promote(tiered, step=2)  # idempotent
     assert again[0].already and again[0].copied == 0

@@ -1,0 +1,93 @@
+"""Where each step of a `Tiered` target is (fast, durable, both, staged on this host),
+and how far the promotion of those not durable yet got: what `ckptstore ls PROFILE`
+shows and what the manager reads to decide what to promote next."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.commit import Marker, committed_steps
+from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
+from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.format import layout
+from ckptstore.tiers.hostlocal import is_promoted, promoted_part
+from ckptstore.tiers.promote import attempt_objects
+from ckptstore.tiers.target import Tiered
+
+
+@dataclass
+class TierStatus:
+    """Where each step is: "fast" (committed on the fast tier only), "durable", "both", or
+    "staged": this host's part of a step staged on host-local fast tiers
+    (`ckptstore.tiers.hostlocal`) that the durable tier has not committed yet (one
+    it committed from the same attempt is "both": this host's copy serves a restore here).
+
+    ``uploaded``: for each "fast" or "staged" step, the fraction of its bytes (of a staged
+    step: of this host's part) already on the durable tier, i.e. how far a promotion got.
+    ``saved``: when each such step was committed or staged (None where the store cannot
+    tell).
+    """
+
+    steps: dict[int, str] = field(default_factory=dict)
+    uploaded: dict[int, float] = field(default_factory=dict)
+    saved: dict[int, float | None] = field(default_factory=dict)
+
+    @property
+    def unpromoted(self) -> list[int]:
+        """Steps committed on the fast tier only."""
+        return sorted(s for s, where in self.steps.items() if where == "fast")
+
+    @property
+    def lagging(self) -> list[int]:
+        """Steps not durable yet: committed on the fast tier, or staged on this host."""
+        return sorted(s for s, where in self.steps.items() if where in ("fast", "staged"))
+
+
+async def status(tiered: Tiered) -> TierStatus:
+    """Each step's tiers, and how far the promotion of those not durable yet got."""
+    async with tiered.opened() as (fast, durable):
+        on_fast, on_durable, staged = await asyncio.gather(
+            committed_steps(fast), committed_steps(durable), staged_steps(fast)
+        )
+        out = TierStatus()
+        for step in sorted(set(on_fast) | set(on_durable) | set(staged)):
+            if step in on_fast:
+                out.steps[step] = "both" if step in on_durable else "fast"
+            elif step in staged:
+                mine = await read_staged(fast, step)
+                promoted = mine is not None and await is_promoted(durable, mine)
+                if step not in on_durable:
+                    out.steps[step] = "staged"
+                else:  # "durable": this host's part is of another attempt (garbage)
+                    out.steps[step] = "both" if promoted else "durable"
+            else:
+                out.steps[step] = "durable"
+        for step in out.lagging:
+            out.uploaded[step], out.saved[step] = await _progress(fast, durable, step)
+    return out
+
+
+async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, float | None]:
+    """The fraction of a step's bytes the durable tier holds (with the right size), and
+    when the fast tier's marker was written."""
+    key = layout.commit_key(step)
+    try:
+        if await fast.exists(key):
+            marker = Marker.from_bytes(await fast.read(key), step=step, where=key)
+            root, objects = marker.where.root, await attempt_objects(fast, marker)
+        else:
+            key = staged_key(step)
+            mine = await read_staged(fast, step)
+            if mine is None:
+                return 0.0, None
+            root = layout.AttemptDir(step, mine.attempt).root
+            objects = [i async for i in fast.list(root) if promoted_part(i.key, root, mine.process)]
+        saved = (await fast.stat(key)).mtime
+    except (NotFoundError, CorruptCheckpointError):  # deleted or damaged meanwhile
+        return 0.0, None
+    have = {i.key: i.size async for i in durable.list(root)}
+    total = sum(o.size for o in objects)
+    landed = sum(o.size for o in objects if have.get(o.key) == o.size)
+    return (landed / total if total else 0.0), saved
