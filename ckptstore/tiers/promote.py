@@ -283,10 +283,11 @@ async def promote_step(
         await load_manifest(durable, marker)  # the durable copy's manifest checks out
 
     # Only a verified copy is promoted (of an incremental step, its own leaves here; those
-    # it references are checked as they are copied, `copy_held`, or promoted, their own
-    # step). The check reads the fast copy while the upload runs, and the marker waits for
-    # both: a damaged copy fails the promotion before anything is committed, and what was
-    # uploaded is an uncommitted attempt, as after a promotion killed midway.
+    # it references in a holder are checked before that holder is copied, `copy_held`, or
+    # by the promotion of their own step). The check reads the fast copy while the upload
+    # runs, and the marker waits for both: a damaged copy fails the promotion before
+    # anything is committed, and what was uploaded is an uncommitted attempt, as after a
+    # promotion killed midway.
     checked = [marker.where.root] if manifest.references else None
     await gather_first_error([_check_fast_copy(fast, step, checked), upload()])
     if fate is not None:
