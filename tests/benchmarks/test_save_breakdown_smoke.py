@@ -21,4 +21,4 @@ def test_save_breakdown_quick_run() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for phase in ("| save ", "| write ", "| merge ", "| restore "):
         assert phase in proc.stdout, proc.stdout
-    assert "TensorStore open" in proc.stdout and "google_crc32c" in proc.stdout
+    assert "TensorStore open" in proc.stdout and "chunks.checksum" in proc.stdout

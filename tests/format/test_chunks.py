@@ -57,6 +57,17 @@ def test_keys_and_bytes_are_what_tensorstore_writes(dtype: str, shape: tuple[int
     assert back.flags.writeable
 
 
+def test_checksum_is_crc32c_as_tensorstore_computes_it() -> None:
+    # The CRC-32C check value (RFC 3720's polynomial), then a buffer past the size from
+    # which the checksum runs without the interpreter lock.
+    assert chunks.checksum(np.frombuffer(b"123456789", np.uint8)) == bytes.fromhex("839206e3")
+    value = _value("float32", (300_000,))
+    info = describe_leaf("big", value)
+    stored = _written_by_tensorstore(info, value)[chunks.chunk_key(info)]
+    assert chunks.checksum(value.view(np.uint8)) == stored[-4:]
+    assert chunks.encode_chunk(info, value) == stored
+
+
 def test_non_contiguous_and_big_endian_inputs_encode_as_little_endian_c_order() -> None:
     base = np.arange(24, dtype=">i4").reshape(4, 6)
     value = base[:, ::2]  # neither contiguous nor native
@@ -260,7 +271,7 @@ async def test_an_unusual_small_leaf_is_read_by_tensorstore_and_damage_is_named(
         await backend.close()
 
 
-# ---- restores read chunks raw (RawLeaf), checksums checked by google-crc32c ----
+# ---- restores read chunks raw (RawLeaf), checksums checked by `chunks.checksum` ----
 
 
 async def _stored_leaf(info: LeafInfo, value: np.ndarray[Any, Any]) -> ts.KvStore:
