@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/object_reads.py
 	$(PY) benchmarks/save_restore.py
 	$(PY) benchmarks/save_breakdown.py
+	$(PY) benchmarks/data_files.py
 	$(PY) benchmarks/small_leaves.py
 	$(PY) benchmarks/partial.py
 	$(PY) benchmarks/training_loop.py
