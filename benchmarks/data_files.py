@@ -42,7 +42,7 @@ import jax
 import ckptstore
 from benchmarks import common
 from benchmarks.common import MiB
-from benchmarks.save_restore import evict_tree
+from benchmarks.save_restore import evict_tree, tree_bytes
 from benchmarks.training_loop import make_state
 from benchmarks.trees import TREES, abstract_of
 from ckptstore.datapath import arrays
@@ -93,17 +93,17 @@ async def measure(tree: Any, sizes: list[int], reps: int, scratch: Path) -> dict
         saves = await common.interleave(reps, [saver(m) for m in sizes])
         for mib in sizes:  # the checkpoints the restores read, one per size
             arrays.DATA_FILE_BYTES = mib * MiB
-            shutil.rmtree(scratch / f"restore_{mib}", ignore_errors=True)  # the last tree's
             await ckptstore.save(str(scratch / f"restore_{mib}"), tree, step=1)
         restores = await common.interleave(reps, [restorer(m) for m in sizes])
     finally:
         arrays.DATA_FILE_BYTES = previous
-    files = {
-        mib: sum(1 for p in (scratch / f"restore_{mib}").rglob("*") if p.parent.name == "d")
-        for mib in sizes
-    }
+    files = {}
+    for mib in sizes:  # count, then remove: the next tree saves its own
+        path = scratch / f"restore_{mib}"
+        files[mib] = sum(1 for p in path.rglob("*") if p.parent.name == "d")
+        shutil.rmtree(path)
     return {
-        "bytes": sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(tree)),
+        "bytes": tree_bytes(tree),
         "save": {str(m): s.to_json() for m, s in zip(sizes, saves, strict=True)},
         "restore": {str(m): s.to_json() for m, s in zip(sizes, restores, strict=True)},
         "data_files": {str(m): n for m, n in files.items()},
