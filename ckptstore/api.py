@@ -90,13 +90,16 @@ async def save_items(
     timings: dict[str, float] | None = None,
     base: int | None = None,
     same_objects: Mapping[str, Collection[str]] | None = None,
+    digests: bool = True,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
     arrays and numbers but JSON (a dataclass config, a dict with strings) is kept as JSON
     in the manifest and restored as JSON (or into the dataclass ``like`` gives).
     ``same_objects`` (with ``base``; the manager's): per item, leaves that are the very
-    `jax.Array` objects ``base`` was saved from, so not digested again."""
+    `jax.Array` objects ``base`` was saved from, so not digested again. ``digests`` false
+    (a manager that does not save incrementally): no piece digests are recorded, so an
+    incremental save on this step later writes every leaf; with ``base`` they always are."""
     step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
     if base is not None:
         base = layout.check_step(base)
@@ -115,6 +118,7 @@ async def save_items(
                 configs,
                 base,
                 same_objects,
+                digests,
             )
     async with opened(single(target)) as backend:
         return await plain_save.save_prepared(
@@ -127,6 +131,7 @@ async def save_items(
             configs=configs,
             base=base,
             same_objects=same_objects,
+            digests=digests,
         )
 
 

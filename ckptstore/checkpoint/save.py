@@ -187,12 +187,18 @@ async def save_prepared(
     configs: dict[str, JsonItem] | None = None,
     base: int | None = None,
     same_objects: Mapping[str, Collection[str]] | None = None,
+    digests: bool = True,
 ) -> SaveResult:
     """The save of prepared ``items`` as ``step`` on ``backend``, every process taking
     part (the module docstring's protocol, with ``hooks``' additions). With ``base`` (a
     committed step), leaves unchanged since it are referenced, not written
-    (`ckptstore.checkpoint.incremental`; ``same_objects``: see `unchanged`)."""
+    (`ckptstore.checkpoint.incremental`; ``same_objects``: see `unchanged`).
+
+    ``digests`` false: no piece digests are recorded (they cost a hash of every byte
+    written), so a later incremental save on this step finds no equal pieces and writes
+    every leaf. An incremental save (``base``) always records them."""
     start = time.perf_counter()
+    record_digests = digests or base is not None
     handoff = Handoff(f"save/{step}", timeout)
     await ensure_uncommitted(backend, step)
     await hooks.before_attempt(backend, items, step, handoff)
@@ -216,7 +222,7 @@ async def save_prepared(
             store = where.process_store(name, handoff.me)
             packs = PackTarget(backend, where.item(name), _last(store)) if hooks.packs else None
             skip = same.leaves.get(name, set())
-            digests = dict(same.digested.get(name, {}))
+            digests = dict(same.digested.get(name, {})) if record_digests else None
             with backend.write_behind(store):
                 stats = await write_leaves(
                     ocdbt_spec(backend.kvstore_spec(store)),
@@ -236,7 +242,7 @@ async def save_prepared(
             if stats.packed:
                 await write_index(backend, store, stats.packed)
             packed[name] = len(stats.packed)
-            digested[name] = await write_digests(backend, store, digests)
+            digested[name] = 0 if digests is None else await write_digests(backend, store, digests)
         total[_PACKED] = packed
         total[_DIGESTED] = digested
         await hooks.after_write(backend, where, items, handoff)

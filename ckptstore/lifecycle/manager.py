@@ -360,6 +360,9 @@ class CheckpointManager:
                 timings={"staging": staged.seconds},
                 base=base,
                 same_objects=same if base is not None else None,
+                # Digests serve incremental saves only: a hash of every byte, skipped
+                # where no save of this manager will compare them.
+                digests=self.options.incremental,
             )
 
         try:

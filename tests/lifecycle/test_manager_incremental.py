@@ -128,6 +128,31 @@ def tree(k: int) -> dict[str, Any]:
     return {"w": np.arange(1 << 18, dtype=np.float32), "k": np.full(4, k, np.int32)}
 
 
+def test_a_manager_that_is_not_incremental_records_no_digests(tmp_path: Path) -> None:
+    """Digests (a hash of every byte) are recorded only where a save will compare them: a
+    plain manager's steps have none, so an incremental save on one writes every leaf,
+    correctly; an incremental manager's first save, not incremental itself, has them."""
+    plain, incremental = str(tmp_path / "plain"), str(tmp_path / "incremental")
+    big = {"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024), "k": np.arange(3)}
+    not_incremental = ckptstore.ManagerOptions(handle_sigterm=False)
+    for root, opts in ((plain, not_incremental), (incremental, options())):
+        with ckptstore.CheckpointManager(root, options=opts) as mgr:
+            handle = mgr.save(1, big)
+            assert handle is not None
+            handle.wait()
+    backend = ckptstore.open_backend(plain)
+    assert all(not item.digests for item in run(load_committed(backend, 1)).items.values())
+    got = run(load_committed(ckptstore.open_backend(incremental), 1)).items
+    assert set(got[layout.DEFAULT_ITEM].digests) == {"w", "k"}
+
+    on_plain = ckptstore.save_sync(plain, big, step=2, base=1)
+    on_incremental = ckptstore.save_sync(incremental, big, step=2, base=1)
+    assert on_plain.bytes_referenced == 0 and on_plain.bytes_written == on_plain.bytes
+    assert on_incremental.bytes_referenced == on_incremental.bytes
+    for root in (plain, incremental):
+        assert_bit_exact(ckptstore.restore_sync(root, 2), big)
+
+
 def test_a_base_deleted_by_someone_else_means_a_full_save(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     with ckptstore.CheckpointManager(root, options=options()) as mgr:
