@@ -6,10 +6,12 @@ digest of each piece's bytes (C order, little-endian: the bytes a zarr3 chunk ho
 before its checksum), never by a 32-bit checksum: a digest decides identity, and a
 collision would silently restore another array. BLAKE3 is a cryptographic hash that runs
 at several GB/s per core (SIMD over its 1 KiB chunks) and releases the interpreter lock,
-so the digests of a save cost a fraction of its write. Every save records a digest per
-piece (`PieceTable`: the piece's bounds -> its digest), and the manifest names the
-algorithm (`ALGORITHM`), so any later save can use it as a base; tables of another
-algorithm (`LEGACY`: steps saved by earlier versions) are never compared.
+so the digests of a save cost a fraction of its write. A save records a digest per piece
+(`PieceTable`: the piece's bounds -> its digest), and the manifest names the algorithm
+(`ALGORITHM`), so any later save can use it as a base; a manager that does not save
+incrementally records none (``save_items(digests=False)``), and its steps, as bases,
+reference nothing. Tables of another algorithm (`LEGACY`: steps saved by earlier versions)
+are never compared.
 
 A piece is what `ckptstore.datapath.arrays.owned_slices` gives a process: an addressable
 shard with replica id 0, or a whole host value on process 0. The pieces of one leaf over
