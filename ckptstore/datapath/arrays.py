@@ -248,7 +248,6 @@ async def write_leaves(
                 return
             owned = [(info, data) for info, (_, data, _) in indexed]
             write = write_pack(packs.backend, packs.prefix, packs.key(k), owned, encoding=encoding)
-            refs = await finish_first(write)
             tables = [
                 (_table_for(info), piece_key(index, info.shape), data)
                 for info, (index, data, _) in indexed
@@ -258,10 +257,20 @@ async def write_leaves(
                 def digest_all() -> list[str | None]:
                     return [digest(d) if t is not None else None for t, _, d in tables]
 
-                found = await off_loop(digest_all, sum(i.nbytes for i, _ in owned))
+                # The digests (CPU) while the pack is written (mostly the disk's time):
+                # tree c's 5,000 small leaves saved in 0.87-0.89x the time of digesting
+                # each pack after its write (two runs of 6-8 interleaved saves).
+                nbytes = sum(i.nbytes for i, _ in owned)
+                wrote, hexes = await gather_first_error(
+                    [finish_first(write), off_loop(digest_all, nbytes)]
+                )
+                refs = cast("list[PackRef]", wrote)
+                found = cast("list[str | None]", hexes)
                 for (table, key, _), hexed in zip(tables, found, strict=True):
                     if table is not None and hexed is not None:
                         table[key] = hexed
+            else:
+                refs = await finish_first(write)
             for (info, _), ref in zip(owned, refs, strict=True):
                 stats.packed[info.name] = ref
                 stats.leaves.append(info.name)
