@@ -222,7 +222,7 @@ async def save_prepared(
             store = where.process_store(name, handoff.me)
             packs = PackTarget(backend, where.item(name), _last(store)) if hooks.packs else None
             skip = same.leaves.get(name, set())
-            digests = dict(same.digested.get(name, {})) if record_digests else None
+            tables = dict(same.digested.get(name, {})) if record_digests else None
             with backend.write_behind(store):
                 stats = await write_leaves(
                     ocdbt_spec(backend.kvstore_spec(store)),
@@ -235,14 +235,14 @@ async def save_prepared(
                     process=handoff.me,
                     write_metadata=handoff.me == 0,
                     packs=packs,
-                    digests=digests,
+                    digests=tables,
                 )
             for key in ("shards", "bytes", "seconds"):
                 total[key] += stats.to_json()[key]
             if stats.packed:
                 await write_index(backend, store, stats.packed)
             packed[name] = len(stats.packed)
-            digested[name] = 0 if digests is None else await write_digests(backend, store, digests)
+            digested[name] = 0 if tables is None else await write_digests(backend, store, tables)
         total[_PACKED] = packed
         total[_DIGESTED] = digested
         await hooks.after_write(backend, where, items, handoff)
