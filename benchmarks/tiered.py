@@ -1,7 +1,9 @@
 """Tiered benchmark: saves on local disk (the NVMe tier) promoted to S3 (moto, in a child process).
 
 Workload: 4 float32 leaves sharded over a (4, 2) mesh of 8 CPU devices plus 50 small
-leaves, ~256 MiB. Per repetition (the order of the first pair alternates):
+leaves, ~256 MiB. Per repetition (the order of the first pair alternates, so the default
+6 repetitions give each order 3 times: whichever save goes first in a repetition took
+~0.2 s longer in runs of 2026-12-05, and an odd count tilts the medians by that much):
 
 - save return: ``ckptstore.save(local, tree)`` vs a ``CheckpointManager`` on
   ``Tiered(local, s3)``: ``save(...).wait()`` (committed on the fast tier); then
@@ -16,7 +18,7 @@ leaves, ~256 MiB. Per repetition (the order of the first pair alternates):
 Floors: save return with tiering <= 1.1x the local-only save, and the same for the first
 save of a process; promotion >= 0.8x s3fs.
 
-    python benchmarks/tiered.py            # ~256 MiB, 5 reps
+    python benchmarks/tiered.py            # ~256 MiB, 6 reps
     python benchmarks/tiered.py --quick    # 32 MiB, 2 reps (smoke test)
 """
 
@@ -167,7 +169,7 @@ def main() -> int:
     if args.first_save_child:
         first_save_child(*args.first_save_child)
         return 0
-    reps = args.reps or (2 if args.quick else 5)
+    reps = args.reps or (2 if args.quick else 6)
     tree = make_tree((32 if args.quick else 256) * MiB)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
     runs: dict[str, list[float]] = {
