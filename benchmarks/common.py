@@ -258,6 +258,20 @@ def pick_scratch_base(near: Path = REPO) -> Path:
     return near.parent
 
 
+def memory_base(need: int = 4 << 30) -> Path | None:
+    """``/dev/shm`` where it is a tmpfs with ``need`` bytes free, else None (the disk).
+
+    For a stand-in server's files (moto spools objects over 5 MiB to ``TMPDIR``): a real
+    object store does not write to the disk the benchmark measures, so its writes must not
+    be flushed there while the next timed save runs."""
+    shm = Path("/dev/shm")
+    try:
+        usage = shutil.disk_usage(shm)
+    except OSError:
+        return None
+    return shm if usage.free >= need else None
+
+
 @contextlib.contextmanager
 def scratch_dir(prefix: str, base: Path | None = None) -> Iterator[Path]:
     """A fresh directory under ``base`` (default: `pick_scratch_base`), removed on any exit,

@@ -15,6 +15,12 @@ leaves, ~256 MiB. Per repetition (the order of the first pair alternates, so the
   JAX's and TensorStore's start-up, the first ``save_sync`` to ``Tiered(local, s3)`` vs the
   first to local disk alone: a save on tiers must not wait for the durable tier's client.
 
+Moto's files (it spools objects over 5 MiB to its ``TMPDIR``) live on ``/dev/shm`` where
+there is room, and each repetition's promoted copies are deleted after it: a real object
+store does not write to the disk being measured. With moto's files on that disk, the save
+that went first in a repetition shared it with the write-back of the promotions just made
+(runs of 2026-12-05: tiered saves 0.35-0.41 s when first, 0.17-0.18 s when second).
+
 Floors: save return with tiering <= 1.1x the local-only save, and the same for the first
 save of a process; promotion >= 0.8x s3fs.
 
@@ -48,6 +54,7 @@ from benchmarks.common import (
     MotoProcess,
     machine_info,
     markdown_table,
+    memory_base,
     scratch_dir,
     utc_timestamp,
     write_results,
@@ -121,6 +128,7 @@ def one_rep(
     pair = [("promote", lambda: mgr._call(promote())), ("s3fs", put)]
     for name, fn in pair if rep % 2 else pair[::-1]:
         runs[name].append(timed(fn))
+    fs.rm([f"{bucket}/promote{rep}", f"{bucket}/s3fs{rep}"], recursive=True)  # moto's memory
 
 
 def first_save_child(kind: str, endpoint: str, bucket: str, root: str) -> None:
@@ -177,9 +185,13 @@ def main() -> int:
     }
     import s3fs
 
-    with scratch_dir("ckptstore-bench-tiered-") as scratch, moto_environment():
-        print(f"scratch directory: {scratch}")
-        with MotoProcess(scratch / "moto-tmp") as server:
+    with (
+        scratch_dir("ckptstore-bench-tiered-") as scratch,
+        scratch_dir("ckptstore-bench-moto-", memory_base()) as moto_tmp,
+        moto_environment(),
+    ):
+        print(f"scratch directory: {scratch}; moto's files: {moto_tmp}")
+        with MotoProcess(moto_tmp) as server:
             fs = s3fs.S3FileSystem(endpoint_url=server.endpoint, key=MOTO_KEY, secret=MOTO_KEY)
             bucket = unique_bucket_name("bench")
             fs.mkdir(bucket)
