@@ -95,7 +95,7 @@ async def restore_from(
     an Orbax checkpoint's: `ckptstore.api`); the parameters are `restore`'s."""
     # Thousands of long-lived objects for a tree of thousands of leaves, none of them
     # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
-    with gc_paused():
+    with gc_paused(keep_survivors=True):
         stored = await open_item()
         if isinstance(stored, JsonItem):  # configuration: JSON in the manifest
             return jsonitems.restore(stored, like)
@@ -147,7 +147,8 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
             backend=backend.url,
         )
     saved = manifest.items[item]
-    where = {name: leaf_dir(manifest, item, name) for name in saved.leaves}
+    home = item_dir(manifest, item)  # most leaves' directory: worked out once, not per leaf
+    where = {n: leaf_dir(manifest, item, n) if n in saved.refs else home for n in saved.leaves}
     # An incremental step's leaves can lie in several attempts: their stores (each an
     # index to load) are opened together, not one after another.
     prefixes = list(dict.fromkeys(where.values()))

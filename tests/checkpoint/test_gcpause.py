@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -59,6 +60,61 @@ def test_overlapping_pauses_in_threads_end_with_the_last() -> None:
     release.set()
     other.join()
     assert gc.isenabled()
+
+
+class Node:
+    """A trackable object that can sit in a cycle and be watched by a weak reference."""
+
+    def __init__(self) -> None:
+        self.other: object = None
+
+
+def _generation_of(obj: object) -> int | None:
+    for generation in range(3):
+        if any(o is obj for o in gc.get_objects(generation=generation)):
+            return generation
+    return None
+
+
+def test_a_restores_survivors_go_to_the_oldest_generation_unvisited() -> None:
+    """A restore's objects are long-lived: the collector's count restarts, and what was made
+    during the pause is in the oldest generation, not visited by the next young collection."""
+    with gc_paused(keep_survivors=True):
+        kept = [Node() for _ in range(2000)]
+    assert gc.isenabled()
+    assert gc.get_count()[0] < 100
+    assert _generation_of(kept[0]) == 2 and _generation_of(kept[-1]) == 2
+
+
+def test_a_plain_pause_leaves_the_generations_alone() -> None:
+    """Saves pause without ``keep_survivors``: a training loop's young objects stay young."""
+    gc.collect()
+    with gc_paused():
+        young = Node()
+    assert _generation_of(young) == 0
+
+
+def test_cycles_made_during_a_restores_pause_are_still_collected() -> None:
+    with gc_paused(keep_survivors=True):
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gone = weakref.ref(a)
+        del a, b
+    assert gone() is not None  # a cycle: reference counting alone does not free it
+    gc.collect()
+    assert gone() is None
+
+
+def test_objects_the_program_froze_stay_frozen() -> None:
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with gc_paused(keep_survivors=True):
+            Node()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 class Watching(LocalBackend):
