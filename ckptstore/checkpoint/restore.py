@@ -95,7 +95,7 @@ async def restore_from(
     an Orbax checkpoint's: `ckptstore.api`); the parameters are `restore`'s."""
     # Thousands of long-lived objects for a tree of thousands of leaves, none of them
     # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
-    with gc_paused(keep_survivors=True):
+    with gc_paused():
         stored = await open_item()
         if isinstance(stored, JsonItem):  # configuration: JSON in the manifest
             return jsonitems.restore(stored, like)

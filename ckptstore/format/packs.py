@@ -188,8 +188,29 @@ async def read_packed(
     buffer of its own; a checksum, size or reference that does not match is corruption."""
     out: list[np.ndarray[Any, Any] | None] = [None] * len(leaves)
     metas = [chunks.encode_metadata(info) for info, _ in leaves]  # what each entry starts with
+    read = _RunReader(backend, prefix, leaves, metas, out)
+    pairs = zip(metas, leaves, strict=True)
+    sizes = [len(meta) + chunks.stored_size(info) for meta, (info, _) in pairs]
+    await gather_first_error(read.run(indices) for indices in _runs(leaves, sizes))
+    assert all(arr is not None for arr in out)
+    return out  # type: ignore[return-value]
 
-    async def run(indices: list[int]) -> None:
+
+@dataclass
+class _RunReader:
+    """`read_packed`'s reads of runs of entries into ``out``. A class, not a closure that
+    calls itself: such a closure is a reference cycle, and ``out`` (the restored buffers)
+    would outlive the restored tree until the cyclic collector ran (never, for a program
+    that turned it off)."""
+
+    backend: Backend
+    prefix: str
+    leaves: Sequence[tuple[LeafInfo, PackRef]]
+    metas: list[bytes]
+    out: list[np.ndarray[Any, Any] | None]
+
+    async def run(self, indices: list[int]) -> None:
+        leaves, metas = self.leaves, self.metas
         first = leaves[indices[0]][1]
         stored = [bytearray(len(metas[i])) for i in indices]
         bufs = [chunks.aligned_empty((chunks.stored_size(leaves[i][0]),), _BYTE) for i in indices]
@@ -197,10 +218,10 @@ async def read_packed(
             v for meta, buf in zip(stored, bufs, strict=True) for v in (memoryview(meta), buf.data)
         ]
         try:
-            await backend.read_into(_join(prefix, first.key), first.offset, views)
+            await self.backend.read_into(_join(self.prefix, first.key), first.offset, views)
         except ShortReadError as exc:  # the pack ends before these leaves do
             if len(indices) > 1:  # find the first leaf cut off: each alone
-                await gather_first_error(run([i]) for i in indices)
+                await gather_first_error(self.run([i]) for i in indices)
             name = leaves[indices[-1]][0].name
             raise CorruptCheckpointError(f"pack {first.key} too short: {exc}", leaf=name) from exc
         except NotFoundError as exc:  # a committed step's pack: damage, not a storage failure
@@ -208,21 +229,16 @@ async def read_packed(
             raise CorruptCheckpointError(
                 f"pack {first.key} of {names} is missing", leaf=leaves[indices[0]][0].name
             ) from exc
+        await asyncio.to_thread(self._decode, indices, stored, bufs)
 
-        def decode() -> None:
-            for i, meta, buf in zip(indices, stored, bufs, strict=True):
-                info = leaves[i][0]
-                if meta != metas[i]:  # the document a save writes for the manifest's record
-                    raise CorruptCheckpointError(_disagreement(info, meta), leaf=info.name)
-                out[i] = chunks.decode_chunk(info, buf, copy=False)
-
-        await asyncio.to_thread(decode)
-
-    pairs = zip(metas, leaves, strict=True)
-    sizes = [len(meta) + chunks.stored_size(info) for meta, (info, _) in pairs]
-    await gather_first_error(run(indices) for indices in _runs(leaves, sizes))
-    assert all(arr is not None for arr in out)
-    return out  # type: ignore[return-value]
+    def _decode(
+        self, indices: list[int], stored: list[bytearray], bufs: list[np.ndarray[Any, Any]]
+    ) -> None:
+        for i, meta, buf in zip(indices, stored, bufs, strict=True):
+            info = self.leaves[i][0]
+            if meta != self.metas[i]:  # the document a save writes for the manifest's record
+                raise CorruptCheckpointError(_disagreement(info, meta), leaf=info.name)
+            self.out[i] = chunks.decode_chunk(info, buf, copy=False)
 
 
 async def read_split(
