@@ -172,6 +172,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int)
     parser.add_argument("--no-write-results", action="store_true")
+    parser.add_argument("--output", type=Path, default=RESULTS / "tiered.json")
     parser.add_argument("--first-save-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_save_child:
@@ -267,7 +268,7 @@ def main() -> int:
     print("floors:", "all pass" if not failed else "FAILED: " + ", ".join(failed))
     if not args.no_write_results:
         write_results(
-            RESULTS / "tiered.json",
+            args.output,
             {
                 "benchmark": "tiered",
                 "when": utc_timestamp(),
