@@ -27,11 +27,11 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.merge import validate
-from ckptstore.checkpoint.restore import item_dir, leaf_dir
+from ckptstore.checkpoint.restore import chunk_source_at, item_dir, leaf_dir
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.rawleaf import RawLeaf
-from ckptstore.datapath.reads import KvChunks, open_leaf, read_slice
+from ckptstore.datapath.reads import Chunks, open_leaf, read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.format import layout
 from ckptstore.format.leaves import Index, LeafInfo
@@ -184,6 +184,9 @@ async def _verify_leaves(
         keys = [k.decode() for k in await kv.list()]
         in_store = [info for info in infos if info.name not in item.packed]
         coverage = await validate(kv, keys, in_store)
+        # The restore's reader: on local disk, each chunk read straight into a buffer from
+        # its data file (`ocdbt_index`), not copied three times through TensorStore's kvstore.
+        source = await chunk_source_at(backend, prefix, spec) if in_store else None
     except Exception as exc:  # TensorStore raises ValueError for unreadable stores
         failed = storage_error(exc, op=f"reading the merged store {prefix!r}")
         if failed is not None:
@@ -207,7 +210,8 @@ async def _verify_leaves(
                 if info.name in item.packed:
                     nbytes = await unpack(info)
                 else:
-                    nbytes = await _read_all(spec, ctx, kv, info, budget, checked)
+                    assert source is not None  # a leaf not packed is in the store
+                    nbytes = await _read_all(spec, ctx, source, info, budget, checked)
                 report.bytes += nbytes  # not `+= await`: that would add to a stale total
             except CkptStoreError as exc:
                 report.record(f"{name}/{info.name}", exc)
@@ -218,14 +222,15 @@ async def _verify_leaves(
 async def _read_all(
     spec: dict[str, Any],
     ctx: ts.Context,
-    kv: ts.KvStore,
+    source: Chunks,
     info: LeafInfo,
     budget: ByteBudget,
     checked: Callable[[int], None],
 ) -> int:
-    """Read every byte of a leaf through the restore's path, a slab at a time, each slab
-    held in ``budget`` while it is read and checked (and then passed to ``checked``)."""
-    raw = await RawLeaf.open(KvChunks(kv), info)
+    """Read every byte of a leaf through the restore's path (chunks from ``source``), a
+    slab at a time, each slab held in ``budget`` while it is read and checked (and then
+    passed to ``checked``)."""
+    raw = await RawLeaf.open(source, info)
     if raw is not None:
         read = raw.read
     else:

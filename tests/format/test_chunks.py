@@ -339,6 +339,26 @@ async def test_verify_reads_and_counts_every_byte(tmp_path: Any) -> None:
     assert report.leaves == len(manifest.items["state"].leaves)
 
 
+async def test_verify_reads_local_chunks_as_restore_does(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On local disk verify reads each chunk straight from its data file into a buffer
+    (`ocdbt_index.DirectChunks`), as restore does, never through TensorStore's kvstore
+    (three copies of every byte, each into fresh memory)."""
+    from ckptstore.datapath.reads import KvChunks
+
+    tree = {"big": np.arange(5 << 18, dtype=np.float32), "small": np.ones(16, np.float32)}
+    await ckptstore.save(str(tmp_path), tree, step=1)
+
+    async def refused(self: Any, keys: Any) -> Any:
+        raise AssertionError(f"read through TensorStore's kvstore: {list(keys)}")
+
+    monkeypatch.setattr(KvChunks, "get", refused)
+    report = await ckptstore.verify(str(tmp_path), 1)
+    assert report.ok, report.problems
+    assert report.bytes == (5 << 20) + 64 and report.leaves == 2
+
+
 async def test_verify_reads_within_its_budget(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
