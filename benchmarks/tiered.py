@@ -12,8 +12,10 @@ leaves, ~256 MiB. Per repetition (the order of the first pair alternates, so the
   S3 prefix vs ``s3fs`` ``put`` of the same attempt directory (recursive), same bytes.
 
 - first save: in fresh processes (alternating), after one untimed local save that pays
-  JAX's and TensorStore's start-up, the first ``save_sync`` to ``Tiered(local, s3)`` vs the
-  first to local disk alone: a save on tiers must not wait for the durable tier's client.
+  JAX's and TensorStore's start-up, the first ``save_sync`` of a 1 MiB tree to
+  ``Tiered(local, s3)`` vs the first to local disk alone: a save on tiers must not wait for
+  the durable tier's client. ``FIRST_SAVE_PAIRS`` pairs (a save of ~12 ms in a fresh
+  process moves by a few ms from one process to the next; 6 pairs gave 0.99x-1.30x).
 
 Moto's files (it spools objects over 5 MiB to its ``TMPDIR``) live on ``/dev/shm`` where
 there is room, and each repetition's promoted copies are deleted after it: a real object
@@ -131,6 +133,10 @@ def one_rep(
     fs.rm([f"{bucket}/promote{rep}", f"{bucket}/s3fs{rep}"], recursive=True)  # moto's memory
 
 
+#: Fresh-process pairs of the first-save comparison (each process costs ~3 s of start-up).
+FIRST_SAVE_PAIRS = 16
+
+
 def first_save_child(kind: str, endpoint: str, bucket: str, root: str) -> None:
     """In a fresh process: one untimed local save, then the timed first save to ``kind``
     (``local`` or ``tiered``); prints its seconds."""
@@ -207,7 +213,8 @@ def main() -> int:
                     one_rep(rep, tree, mgr, fs, bucket, server.endpoint, scratch, runs)
                     print(f"rep {rep}/{reps} done", flush=True)
             asyncio.run(durable.close())
-            runs.update(first_saves(1 if args.quick else reps, server.endpoint, bucket, scratch))
+            pairs = 1 if args.quick else FIRST_SAVE_PAIRS
+            runs.update(first_saves(pairs, server.endpoint, bucket, scratch))
 
     med = {k: statistics.median(v) for k, v in runs.items()}
     rows, failed = [], []
