@@ -234,20 +234,26 @@ async def chunk_source(
 
 async def chunk_source_at(backend: Backend, prefix: str, store: dict[str, Any]) -> Chunks:
     """Where the chunk bytes of the merged store ``store`` at ``prefix`` are read from: its
-    data files directly where the backend reads cheaply into buffers and the store's index
-    is understood, else TensorStore's kvstore."""
-    what = f"opening {prefix!r}"
-    if backend.capabilities.direct_reads:
-        ctx = backend.ts_context
-        base = await within(
-            ts.KvStore.open(backend.kvstore_spec(prefix), context=ctx), ctx, 0, what
-        )
-        index = await ocdbt_index.load(base)
-        if index is not None:
-            return ocdbt_index.DirectChunks(backend, prefix, index)
+    data files directly where `direct_chunks` can, else TensorStore's kvstore."""
+    direct = await direct_chunks(backend, prefix)
+    if direct is not None:
+        return direct
     opening = ts.KvStore.open(store, context=backend.ts_context)
-    kv = await within(opening, backend.ts_context, 0, what)
+    kv = await within(opening, backend.ts_context, 0, f"opening {prefix!r}")
     return KvChunks(kv, backend.ts_context)
+
+
+async def direct_chunks(backend: Backend, prefix: str) -> Chunks | None:
+    """The merged store at ``prefix`` read straight from its data files into buffers, where
+    the backend reads cheaply into buffers and the store's index is understood; else None
+    (read through TensorStore's kvstore)."""
+    if not backend.capabilities.direct_reads:
+        return None
+    ctx = backend.ts_context
+    opening = ts.KvStore.open(backend.kvstore_spec(prefix), context=ctx)
+    base = await within(opening, ctx, 0, f"opening {prefix!r}")
+    index = await ocdbt_index.load(base)
+    return None if index is None else ocdbt_index.DirectChunks(backend, prefix, index)
 
 
 def item_dir(manifest: Manifest, item: str) -> str:

@@ -27,11 +27,11 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.merge import validate
-from ckptstore.checkpoint.restore import chunk_source_at, item_dir, leaf_dir
+from ckptstore.checkpoint.restore import direct_chunks, item_dir, leaf_dir
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.rawleaf import RawLeaf
-from ckptstore.datapath.reads import Chunks, open_leaf, read_slice
+from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
 from ckptstore.format import layout
 from ckptstore.format.leaves import Index, LeafInfo
@@ -185,8 +185,11 @@ async def _verify_leaves(
         in_store = [info for info in infos if info.name not in item.packed]
         coverage = await validate(kv, keys, in_store)
         # The restore's reader: on local disk, each chunk read straight into a buffer from
-        # its data file (`ocdbt_index`), not copied three times through TensorStore's kvstore.
-        source = await chunk_source_at(backend, prefix, spec) if in_store else None
+        # its data file (`ocdbt_index`), not copied three times through TensorStore's kvstore;
+        # elsewhere the store already open here.
+        source: Chunks | None = await direct_chunks(backend, prefix) if in_store else None
+        if in_store and source is None:
+            source = KvChunks(kv, ctx)
     except Exception as exc:  # TensorStore raises ValueError for unreadable stores
         failed = storage_error(exc, op=f"reading the merged store {prefix!r}")
         if failed is not None:
