@@ -187,9 +187,11 @@ async def _verify_leaves(
         # The restore's reader: on local disk, each chunk read straight into a buffer from
         # its data file (`ocdbt_index`), not copied three times through TensorStore's kvstore;
         # elsewhere the store already open here.
-        source: Chunks | None = await direct_chunks(backend, prefix) if in_store else None
-        if in_store and source is None:
-            source = KvChunks(kv, ctx)
+        source: Chunks | None = None
+        if in_store:  # (a tree of packed leaves only has no chunks in the store to read)
+            source = await direct_chunks(backend, prefix)
+            if source is None:
+                source = KvChunks(kv, ctx)
     except Exception as exc:  # TensorStore raises ValueError for unreadable stores
         failed = storage_error(exc, op=f"reading the merged store {prefix!r}")
         if failed is not None:
