@@ -7,7 +7,7 @@ where no ckptstore step is) and hands it to the folder that owns it: `ckptstore.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -18,6 +18,7 @@ from ckptstore.checkpoint import save as plain_save
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
 from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.partial import Part, PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem
@@ -89,7 +90,7 @@ async def save_items(
     timeout: float = distributed.DEFAULT_TIMEOUT,
     timings: dict[str, float] | None = None,
     base: int | None = None,
-    same_objects: Mapping[str, Collection[str]] | None = None,
+    same_objects: SameObjects | None = None,
     digests: bool = True,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
@@ -97,7 +98,8 @@ async def save_items(
     arrays and numbers but JSON (a dataclass config, a dict with strings) is kept as JSON
     in the manifest and restored as JSON (or into the dataclass ``like`` gives).
     ``same_objects`` (with ``base``; the manager's): per item, leaves that are the very
-    `jax.Array` objects ``base`` was saved from, so not digested again. ``digests`` false
+    `jax.Array` objects the caller saved as ``base``'s attempt, so not digested again (a
+    ``base`` committed since as another attempt is `BaseStepGoneError`). ``digests`` false
     (a manager that does not save incrementally): no piece digests are recorded, so an
     incremental save on this step later writes every leaf; with ``base`` they always are."""
     step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first

@@ -1,7 +1,8 @@
 """Deleting steps and collecting garbage, without ever touching what a reader relies on.
 
-- `delete_step` removes the commit marker first (the step vanishes atomically from
-  every listing), then the attempt it named. Killed in between, it leaves an
+- `delete_step` revokes the commit it read first (the step vanishes atomically from
+  every listing; `commit.revoke`: a stale deletion never reaches a newer commit of the
+  step), then removes the attempt it named. Killed in between, it leaves an
   uncommitted attempt, which `gc` removes later.
 - `gc` removes what no commit marker names: uncommitted attempts, leftovers of
   format-version-1 saves that never committed, part directories a committed
@@ -40,6 +41,8 @@ from ckptstore.checkpoint.commit import (
     new_owner,
     read_fate,
     read_marker,
+    read_marker_bytes,
+    revoke,
 )
 from ckptstore.checkpoint.staged import STAGED, read_staged
 from ckptstore.checkpoint.target import Target, opened
@@ -94,6 +97,9 @@ class StepScan:
     marker: Marker | None
     marker_error: str | None  # the marker exists but cannot be read
     entries: list[Entry]
+    index: int = 0  # the current marker's (`commit.StepRecords`), read or not
+    #: The step's commit and revocation records (`layout.parse_step_record`), current or not.
+    records: list[ObjectInfo] = field(default_factory=list)
 
     @property
     def committed(self) -> bool:
@@ -124,18 +130,30 @@ async def scan(backend: Backend) -> list[StepScan]:
 async def scan_marker(backend: Backend, step: int) -> StepScan:
     """``step``'s marker (or why it cannot be read), without listing its entries."""
     try:
-        return StepScan(step, await read_marker(backend, step), None, [])
+        found = await read_marker_bytes(backend, step)
     except CorruptCheckpointError as exc:
         return StepScan(step, None, str(exc), [])
+    if found is None:
+        return StepScan(step, None, None, [])
+    index, data = found
+    where = f"{backend.url}/{layout.commit_key(step, index)}"
+    try:
+        marker = Marker.from_bytes(data, step=step, where=where, index=index)
+    except CorruptCheckpointError as exc:
+        return StepScan(step, None, str(exc), [], index)
+    return StepScan(step, marker, None, [], index)
 
 
 async def scan_step(backend: Backend, step: int) -> StepScan:
     head = await scan_marker(backend, step)
     marker, error = head.marker, head.marker_error
     groups: dict[str, list[ObjectInfo]] = defaultdict(list)
+    records = []
     async for info in backend.list(layout.step_dir(step)):
         name = info.key.split("/")[1]
-        if name != layout.COMMIT_MARKER:
+        if layout.parse_step_record(name) is not None:
+            records.append(info)
+        else:
             groups[name].append(info)
     entries = []
     for name, objects in sorted(groups.items()):
@@ -146,7 +164,7 @@ async def scan_step(backend: Backend, step: int) -> StepScan:
         else:
             committed = name == marker.attempt
         entries.append(Entry(step, name, committed, objects))
-    return StepScan(step, marker, error, entries)
+    return StepScan(step, marker, error, entries, head.index, records)
 
 
 @dataclass
@@ -285,15 +303,24 @@ async def delete_step(target: Target, step: int) -> Removal:
 
 
 async def remove_step(
-    backend: Backend, step: int, *, tombstone: bool = False, reason: str = DELETE
+    backend: Backend,
+    step: int,
+    *,
+    tombstone: bool = False,
+    reason: str = DELETE,
+    attempt: str | None = None,
 ) -> Removal:
     """Record the deletion in the attempt (``DELETED``: the attempt is dead, for `gc` if
-    this is killed midway, and for a promotion in flight), remove the marker, then the
-    attempt; the records last, or (``tombstone``) not at all."""
+    this is killed midway, and for a promotion in flight), revoke the commit this call
+    read (`commit.revoke`), then remove the attempt; the records last, or (``tombstone``)
+    not at all. With ``attempt``, only a commit of that attempt is deleted."""
     scanned = await scan_step(backend, step)
-    if not scanned.committed:
+    named = scanned.marker.attempt if scanned.marker is not None else None
+    if not scanned.committed or (attempt is not None and named != attempt):
         raise CheckpointNotFoundError(
-            f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
+            f"step {step} is not committed" + (f" from attempt {attempt}" if attempt else ""),
+            backend=backend.url,
+            key=layout.commit_key(step),
         )
     keep: set[tuple[int, str]] = set()
     if scanned.marker is not None and scanned.marker.attempt is not None:
@@ -302,8 +329,9 @@ async def remove_step(
         await mark_deleted(backend, scanned.marker.where, reason)
         keep = await referenced_elsewhere(backend, step)
     removal = Removal()
-    await backend.delete(layout.commit_key(step))  # from here on, the step is gone
-    removal.entries.append(layout.commit_key(step))
+    attempt = scanned.marker.attempt if scanned.marker is not None else None
+    await revoke(backend, step, scanned.index, attempt)  # from here on, the step is gone
+    removal.entries.append(layout.commit_key(step, scanned.index))
     removal.objects += 1
     for entry in scanned.entries if scanned.marker is not None else []:
         if entry.committed and (step, entry.name) in keep:
@@ -385,6 +413,10 @@ async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal
         )
         if s.marker is not None and s.marker.attempt is not None:
             others += await _unused_parts(backend, s)
+        for key, objects in _expired_records(s, now):
+            if not dry_run:
+                await backend.delete(key)
+            removal.add(key, objects)
         for key, objects in others:
             idle = _idle(objects, now)
             if older_than > 0 and (idle is None or idle < older_than):
@@ -456,6 +488,24 @@ async def _collect_attempt(
         removal.add(entry.key, entry.objects)
     else:
         removal.kept_young.append(entry.key)
+
+
+def _expired_records(s: StepScan, now: float) -> list[tuple[str, list[ObjectInfo]]]:
+    """Revocations older than `commit.CLAIM_TTL` (no stale deletion can still name their
+    commit), each after the void marker of the same index if one is left: in that order."""
+    names = {info.key.split("/")[1]: info for info in s.records}
+    out = []
+    for name, info in sorted(names.items()):
+        record = layout.parse_step_record(name)
+        if record is None or record[0] != layout.REVOKED:
+            continue
+        if info.mtime is None or now - info.mtime < protocol.CLAIM_TTL:
+            continue
+        marker = names.get(layout.commit_key(s.step, record[1]).split("/")[1])
+        if marker is not None:
+            out.append((marker.key, [marker]))
+        out.append((info.key, [info]))
+    return out
 
 
 async def _unused_parts(backend: Backend, s: StepScan) -> list[tuple[str, list[ObjectInfo]]]:

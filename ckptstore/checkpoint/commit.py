@@ -14,6 +14,12 @@ claims before it merges, so a loser never rebuilds a store someone committed). O
 decided, a fate never changes: only the winner writes or deletes below the attempt,
 and after the commit only ``delete_step``. See `claim`.
 
+Markers are superseded, never taken back (v3, closed): a deletion creates
+``<step>/REVOKED.<n>`` for the commit it read (``COMMITTED`` is n = 0), and only then
+removes that marker; a later save of the step creates ``COMMITTED.<n+1>``. No key a
+deleter removes can name a newer commit, so a stale deletion (one that read an older
+marker) never removes a re-saved step. `StepRecords` says which commit is current.
+
 Readers start from the marker and trust nothing they have not checked: the marker
 must parse and name this step; the manifest it points to must have the digest it
 carries and name the same step and attempt. Anything else is
@@ -65,6 +71,12 @@ class Marker:
     #: The format version the marker says (that of its manifest: `layout.PLAIN_VERSION`
     #: unless the step references other attempts).
     format_version: int = layout.PLAIN_VERSION
+    #: Which of the step's commits this is (`StepRecords`; not stored in the marker).
+    index: int = field(default=0, compare=False)
+
+    @property
+    def key(self) -> str:
+        return layout.commit_key(self.step, self.index)
 
     @property
     def where(self) -> AttemptDir:
@@ -84,7 +96,12 @@ class Marker:
         ).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, step: int, where: str) -> Marker:
+    def from_bytes(cls, data: bytes, *, step: int, where: str, index: int = 0) -> Marker:
+        marker = cls._parse(data, step=step, where=where)
+        return dataclasses.replace(marker, index=index)
+
+    @classmethod
+    def _parse(cls, data: bytes, *, step: int, where: str) -> Marker:
         try:
             doc = json.loads(data)
             if not isinstance(doc, dict):
@@ -256,14 +273,90 @@ async def clear_attempt(backend: Backend, where: AttemptDir, *, keep_fate: bool)
 # ---- writers ----
 
 
+@dataclass(frozen=True)
+class StepRecords:
+    """A step's commit markers and revocations, as one listing of its directory found them.
+
+    The current commit is the highest marker that no ``REVOKED`` record names. A save
+    creates marker `next_index` only when no commit is current, so at most one is; a
+    marker created after its revocation (a save that listed before a commit and its
+    deletion both happened) is void from the start.
+    """
+
+    step: int
+    commits: frozenset[int] = frozenset()
+    revoked: frozenset[int] = frozenset()
+
+    @property
+    def current(self) -> int | None:
+        live = self.commits - self.revoked
+        return max(live) if live else None
+
+    @property
+    def next_index(self) -> int:
+        return max(self.commits | self.revoked, default=-1) + 1
+
+
+async def step_records(backend: Backend, step: int) -> StepRecords:
+    """``step``'s markers and revocations: one listing of its directory."""
+    commits: set[int] = set()
+    revoked: set[int] = set()
+    try:
+        names = await backend.list_dir(layout.step_dir(step))
+    except NotFoundError:  # the root itself is missing (a bucket): nothing is committed
+        names = []
+    for name in names:
+        record = layout.parse_step_record(name)
+        if record is not None:
+            (commits if record[0] == layout.COMMIT_MARKER else revoked).add(record[1])
+    return StepRecords(step, frozenset(commits), frozenset(revoked))
+
+
 async def ensure_uncommitted(backend: Backend, step: int) -> None:
-    """Raise `AlreadyExistsError` if ``step`` is committed (a fast, early refusal)."""
-    if await backend.exists(layout.commit_key(step)):
+    """Raise `AlreadyExistsError` if ``step`` is committed (a fast, early refusal); a step
+    directory leading out of the root is `InvalidKeyError`."""
+    if (await step_records(backend, step)).current is not None:
         raise AlreadyExistsError(
             f"checkpoint step {step} is already committed",
             backend=backend.url,
             key=layout.commit_key(step),
         )
+
+
+async def create_marker(backend: Backend, step: int, data: bytes) -> int:
+    """Create ``step``'s next commit marker holding ``data``; returns its index.
+
+    `AlreadyExistsError` if a commit of the step is current, or another writer created
+    that marker first, or a deletion revoked it before it was created (this writer listed
+    the step before another commit and its deletion both happened): never two current
+    commits, and never a marker a stale deletion may take for its own.
+    """
+    records = await step_records(backend, step)
+    index = records.next_index
+    key = layout.commit_key(step, index)
+    if records.current is None:
+        try:
+            await backend.create(key, data)
+        except AlreadyExistsError:
+            pass
+        else:
+            if not await backend.exists(layout.revoked_key(step, index)):
+                return index
+    raise AlreadyExistsError(
+        f"step {step} was committed by another writer first", backend=backend.url, key=key
+    )
+
+
+async def revoke(backend: Backend, step: int, index: int, attempt: str | None) -> None:
+    """Delete ``step``'s ``index``-th commit (naming ``attempt``, as the caller read it):
+    its ``REVOKED`` record (create-if-absent, so a second deletion of the same commit is a
+    no-op), then the marker itself. A commit made since (a higher index) is untouched."""
+    record = json.dumps({"attempt": attempt, "time": time.time()}).encode()
+    try:
+        await backend.create(layout.revoked_key(step, index), record)
+    except AlreadyExistsError:
+        pass
+    await backend.delete(layout.commit_key(step, index))
 
 
 async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
@@ -299,15 +392,14 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
         format_version=manifest.format_version,
     )
     try:
-        await backend.create(layout.commit_key(manifest.step), marker.to_bytes())
+        index = await create_marker(backend, manifest.step, marker.to_bytes())
     except AlreadyExistsError as exc:
         raise AlreadyExistsError(
-            f"step {manifest.step} was committed by another writer first; "
-            f"attempt {manifest.attempt} was not committed",
+            f"{exc.message}; attempt {manifest.attempt} was not committed",
             backend=backend.url,
-            key=layout.commit_key(manifest.step),
+            key=exc.key,
         ) from exc
-    return marker
+    return dataclasses.replace(marker, index=index)
 
 
 async def check_base(backend: Backend, base: dict[str, Any]) -> None:
@@ -347,31 +439,51 @@ async def _give_up(backend: Backend, where: AttemptDir, fate: Fate) -> None:
 
 
 async def committed_steps(backend: Backend) -> list[int]:
-    """Steps with a commit marker, ascending (the markers are not opened)."""
+    """Steps with a current commit marker, ascending (the markers are not opened)."""
     candidates = sorted(
         s for s in (layout.parse_step(n) for n in await backend.list_dir()) if s is not None
     )
-    flags = await asyncio.gather(*(_has_marker(backend, s) for s in candidates))
+    flags = await asyncio.gather(*(is_committed(backend, s) for s in candidates))
     return [s for s, ok in zip(candidates, flags, strict=True) if ok]
 
 
-async def _has_marker(backend: Backend, step: int) -> bool:
+async def is_committed(backend: Backend, step: int) -> bool:
+    """Whether ``step`` has a current commit marker (not opened)."""
     try:
-        return await backend.exists(layout.commit_key(step))
+        return (await step_records(backend, step)).current is not None
     except InvalidKeyError:  # the step's directory leads out of the root (a symlink): listed,
         return True  # so that reading it says so (`read_marker`) rather than hiding it
 
 
-async def read_marker(backend: Backend, step: int) -> Marker | None:
-    """The parsed marker of ``step``, or None if the step is not committed."""
-    key = layout.commit_key(step)
+async def read_marker_bytes(backend: Backend, step: int) -> tuple[int, bytes] | None:
+    """The index and content of ``step``'s current marker, or None if it is not committed
+    (a marker deleted between the listing and its read counts as deleted)."""
     try:
-        data = await backend.read(key)
+        index = (await step_records(backend, step)).current
+        if index is None:
+            return None
+        return index, await backend.read(layout.commit_key(step, index))
     except NotFoundError:
         return None
     except InvalidKeyError as exc:
         raise CorruptCheckpointError(f"step {step} cannot be read: {exc}") from exc
-    return Marker.from_bytes(data, step=step, where=f"{backend.url}/{key}")
+
+
+async def same_commit(a: Backend, b: Backend, step: int) -> bool:
+    """Whether ``a`` and ``b`` both have ``step`` committed by byte-identical markers (a
+    promoted copy and its original)."""
+    x, y = await asyncio.gather(read_marker_bytes(a, step), read_marker_bytes(b, step))
+    return x is not None and y is not None and x[1] == y[1]
+
+
+async def read_marker(backend: Backend, step: int) -> Marker | None:
+    """The parsed current marker of ``step``, or None if the step is not committed."""
+    found = await read_marker_bytes(backend, step)
+    if found is None:
+        return None
+    index, data = found
+    key = layout.commit_key(step, index)
+    return Marker.from_bytes(data, step=step, where=f"{backend.url}/{key}", index=index)
 
 
 async def load_committed(backend: Backend, step: int) -> Manifest:

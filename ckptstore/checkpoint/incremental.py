@@ -101,6 +101,17 @@ async def open_base(backend: Backend, step: int, attempt: str | None = None) -> 
     return base
 
 
+@dataclass(frozen=True)
+class SameObjects:
+    """Leaves (per item) a caller vouches are the very `jax.Array` objects it saved as
+    ``attempt`` (the manager's previous save): the base's digests hold for them only while
+    the base step is still committed as that attempt, so a base step another writer
+    saved again is `BaseStepGoneError`, never a reference to its values."""
+
+    attempt: str
+    leaves: Mapping[str, Collection[str]]
+
+
 @dataclass
 class Unchanged:
     """What `unchanged` found: per item, the leaves every process found unchanged (not
@@ -117,7 +128,7 @@ async def unchanged(
     step: int,
     items: Mapping[str, tuple[Sequence[LeafInfo], Sequence[Any]]],
     handoff: Handoff,
-    same_objects: Mapping[str, Collection[str]] | None = None,
+    same_objects: SameObjects | None = None,
     attempt: str | None = None,
 ) -> Unchanged:
     """Every process: read base ``step``, digest its pieces of each leaf the base stored
@@ -128,12 +139,17 @@ async def unchanged(
     finds gone (`BaseStepGoneError`) fails the save with that type on every process,
     rather than leaving the others waiting for it.
 
-    ``same_objects``: per item, leaves the caller vouches are the very objects the base
-    step saved from (the manager's previous save: a `jax.Array` never changes): compared
-    by form, not digested again. ``attempt``: the base must still be that attempt
-    (`open_base`)."""
+    ``same_objects``: leaves the caller vouches are the very objects the base attempt
+    was saved from (a `jax.Array` never changes): compared by form, not digested again;
+    the base must then still be that attempt. ``attempt``: the base must still be that
+    attempt (`open_base`)."""
     digested: dict[str, dict[str, PieceTable]] = {}
     opened: list[Base] = []
+    vouched = same_objects.leaves if same_objects is not None else {}
+    if same_objects is not None:
+        if attempt is not None and attempt != same_objects.attempt:
+            raise ValueError("same_objects names another base attempt than attempt=")
+        attempt = same_objects.attempt
 
     async def mine() -> dict[str, Any]:
         base = await open_base(backend, step, attempt)
@@ -145,7 +161,7 @@ async def unchanged(
                 recorded = base.table(name, info)
                 if recorded is None:
                     continue
-                if info.name in (same_objects or {}).get(name, ()):
+                if info.name in vouched.get(name, ()):
                     same.setdefault(name, []).append(k)
                     continue
                 pieces = owned_slices(value, handoff.me)

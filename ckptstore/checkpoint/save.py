@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from ckptstore.checkpoint.commit import (
 from ckptstore.checkpoint.incremental import (
     Base,
     References,
+    SameObjects,
     Unchanged,
     read_digests,
     unchanged,
@@ -128,7 +129,8 @@ class SaveHooks:
     the phases). The defaults are a plain save's; `ckptstore.tiers.save` has the tiers'.
 
     - phase 1, every process, before the attempt is chosen: `before_attempt` (tiers: is
-      the fast tier host-local, is there room);
+      the fast tier host-local), then, once the leaves an incremental save references are
+      known, `before_write` (tiers: is there room for the others);
     - phase 2, every process: its shards, into packs where `packs` says so, then
       `after_write` (tiers: this host's own copy of what its devices hold);
     - phase 3, process 0: the merge where `merge` says so, then `finish` with the
@@ -146,6 +148,17 @@ class SaveHooks:
         self, backend: Backend, items: dict[str, PreparedItem], step: int, handoff: Handoff
     ) -> None:
         """Before the attempt exists; an error here fails the save with nothing written."""
+
+    async def before_write(
+        self,
+        backend: Backend,
+        items: dict[str, PreparedItem],
+        step: int,
+        handoff: Handoff,
+        same: Unchanged,
+    ) -> None:
+        """Before the attempt exists, knowing what ``same`` leaves unwritten (an incremental
+        save's references); an error here fails the save with nothing written."""
 
     async def after_write(
         self,
@@ -186,7 +199,7 @@ async def save_prepared(
     hooks: SaveHooks = PLAIN,
     configs: dict[str, JsonItem] | None = None,
     base: int | None = None,
-    same_objects: Mapping[str, Collection[str]] | None = None,
+    same_objects: SameObjects | None = None,
     digests: bool = True,
 ) -> SaveResult:
     """The save of prepared ``items`` as ``step`` on ``backend``, every process taking
@@ -206,6 +219,7 @@ async def save_prepared(
     if base is not None:  # every process reads it: a base gone is typed, nothing written
         pairs = {n: (i.leaves, [v for _, v in i.named]) for n, i in items.items()}
         same = await unchanged(backend, base, pairs, handoff, same_objects)
+    await hooks.before_write(backend, items, step, handoff, same)
     based: Base | None = same.base
 
     async def fresh_attempt() -> str:

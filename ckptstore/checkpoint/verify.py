@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +32,15 @@ from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_slice
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, storage_failed
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    CorruptCheckpointError,
+    storage_failed,
+)
 from ckptstore.format import layout
-from ckptstore.format.leaves import Index, LeafInfo
+from ckptstore.format.digests import ALGORITHM, PieceTable, digest_off_loop, parse_piece_key
+from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import read_packed
 from ckptstore.runtime.bytebudget import ByteBudget
@@ -51,7 +57,9 @@ class VerifyReport:
 
     ``problems``: damage (the stored data is wrong). ``unreadable``: what could not be
     checked because the storage failed (unreachable, timed out, refused); the data may
-    be fine.
+    be fine. ``unused``: damage in what no restore of the step reads (the merged store of
+    an item whose leaves are all packed or held elsewhere): worth repairing, not a wrong
+    restore, so ``ok`` stays true.
     """
 
     step: int
@@ -60,6 +68,7 @@ class VerifyReport:
     bytes: int = 0  # payload bytes read and checksummed
     problems: dict[str, str] = field(default_factory=dict)  # what (file or leaf) -> why
     unreadable: dict[str, str] = field(default_factory=dict)  # what -> the storage's error
+    unused: dict[str, str] = field(default_factory=dict)  # what -> why (read by no restore)
     #: On a `Tiered` target: the tier checked ("fast" or "durable"), and the problems of a
     #: damaged fast copy that was skipped for the durable one (a restore would skip it too).
     tier: str | None = None
@@ -179,10 +188,10 @@ async def _verify_leaves(
     ``name`` in what the report names)."""
     spec = ocdbt_spec(backend.kvstore_spec(prefix))
     ctx = backend.ts_context
+    in_store = [info for info in infos if info.name not in item.packed]
     try:
         kv = await ts.KvStore.open(spec, context=ctx)
         keys = [k.decode() for k in await kv.list()]
-        in_store = [info for info in infos if info.name not in item.packed]
         coverage = await validate(kv, keys, in_store)
         # The restore's reader: on local disk, each chunk read straight into a buffer from
         # its data file (`ocdbt_index`), not copied three times through TensorStore's kvstore;
@@ -194,11 +203,16 @@ async def _verify_leaves(
                 source = KvChunks(kv, ctx)
     except Exception as exc:  # TensorStore raises ValueError for unreadable stores
         failed = storage_error(exc, op=f"reading the merged store {prefix!r}")
+        why = f"the merged store cannot be read: {message(exc)}"
         if failed is not None:
             report.unreadable[f"{name}/"] = str(failed)
+        elif not in_store:  # every leaf here is packed: a restore never opens this store
+            report.unused[f"{name}/"] = why + " (no leaf is read from it)"
         else:
-            report.problems[f"{name}/"] = f"the merged store cannot be read: {message(exc)}"
-        return
+            report.problems[f"{name}/"] = why
+        if in_store:
+            return
+        coverage, source = {}, None
     for leaf, why in coverage.items():
         report.problems[f"{name}/{leaf}"] = why
     todo = iter([info for info in infos if info.name not in coverage])
@@ -212,7 +226,11 @@ async def _verify_leaves(
     async def worker() -> None:  # a few workers, not a task per leaf: thousands of leaves
         for info in todo:  # shared: each leaf goes to the next free worker
             try:
-                if info.name in item.packed:
+                table = _referenced_digests(item, info.name)
+                if table is not None:  # bytes another attempt holds: are they what was saved?
+                    read = await _reader(backend, prefix, spec, ctx, source, item, info)
+                    nbytes = await _check_digests(read, info, table, budget, checked)
+                elif info.name in item.packed:
                     nbytes = await unpack(info)
                 else:
                     assert source is not None  # a leaf not packed is in the store
@@ -222,6 +240,72 @@ async def _verify_leaves(
                 report.record(f"{name}/{info.name}", exc)
 
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+
+
+def _referenced_digests(item: ItemManifest, leaf: str) -> PieceTable | None:
+    """The digests recorded for ``leaf`` if another attempt holds its bytes (a reference
+    can be pointed anywhere by a forged manifest: only these say what was saved)."""
+    if leaf not in item.refs or item.digest_algorithm != ALGORITHM:
+        return None
+    return item.digests.get(leaf)
+
+
+async def _reader(
+    backend: Backend,
+    prefix: str,
+    spec: dict[str, Any],
+    ctx: ts.Context,
+    source: Chunks | None,
+    item: ItemManifest,
+    info: LeafInfo,
+) -> Callable[[Index], Awaitable[Any]]:
+    """A function reading a region of the leaf as a restore reads it."""
+    if info.name in item.packed:
+        (arr,) = await read_packed(backend, prefix, [(info, item.packed[info.name])])
+
+        async def from_pack(index: Index) -> Any:
+            return arr[index]
+
+        return from_pack
+    assert source is not None  # a leaf not packed is in the store
+    raw = await RawLeaf.open(source, info)
+    if raw is not None:
+        return raw.read
+    opened = await open_leaf(spec, ctx, info)
+
+    async def from_store(index: Index) -> Any:
+        return await read_slice(opened, index, info.name)
+
+    return from_store
+
+
+async def _check_digests(
+    read: Callable[[Index], Awaitable[Any]],
+    info: LeafInfo,
+    table: PieceTable,
+    budget: ByteBudget,
+    checked: Callable[[int], None],
+) -> int:
+    """Read the leaf piece by piece, as its saver digested it, and compare each piece's
+    digest with the recorded one; `CorruptCheckpointError` on the first that differs."""
+    itemsize = dtype_of(info.dtype).itemsize
+    total = 0
+    for key, want in table.items():
+        index = parse_piece_key(key)
+        if len(index) != len(info.shape):
+            raise CorruptCheckpointError(f"leaf {info.name!r}: digest of bad bounds {key!r}")
+        sizes = [len(range(*s.indices(d))) for s, d in zip(index, info.shape, strict=True)]
+        nbytes = itemsize * math.prod(sizes)
+        async with budget.hold(nbytes):
+            got = await digest_off_loop(await read(index), nbytes)
+        if got != want:
+            raise CorruptCheckpointError(
+                f"leaf {info.name!r}: the bytes it references (piece {key or 'all'}) are not "
+                "the ones its save recorded (their digest differs)"
+            )
+        checked(nbytes)
+        total += nbytes
+    return total
 
 
 async def _read_all(

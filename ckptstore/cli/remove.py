@@ -92,7 +92,7 @@ async def _would_delete(
         scanned = await scan_step(backend, step)
         if not scanned.committed:
             return None
-        removal = Removal(entries=[layout.commit_key(step)], objects=1)
+        removal = Removal(entries=[layout.commit_key(step, scanned.index)], objects=1)
         keep: set[tuple[int, str]] = set()
         if scanned.marker is not None and scanned.marker.attempt is not None:
             keep = await referenced_elsewhere(backend, step, deleted=deleted)
@@ -123,10 +123,12 @@ async def cmd_rm(
 ) -> int:
     """Remove the selected committed steps, oldest first; stops at the first failure (what
     was removed until then is still reported, then the error: in the JSON document as its
-    ``error``, with the exit status that error has)."""
+    ``error``, with the exit status that error has). A step another process deleted since
+    it was listed is no failure: the goal holds, and the output says so."""
     present = await committed(target)
     steps = select_steps(present, specs, keep_latest, shown)
     done: list[tuple[int, Removal]] = []
+    gone: list[int] = []  # deleted by someone else meanwhile
     failure: CkptStoreError | None = None
     bar = out.bar("would remove" if dry_run else "rm", total_items=len(steps))
     try:
@@ -136,6 +138,9 @@ async def cmd_rm(
                     removal = await _would_delete(target, step, [s for s, _ in done])
                 else:
                     removal = await delete_step(target, step)
+            except CheckpointNotFoundError:
+                gone.append(step)
+                continue
             except CkptStoreError as exc:
                 failure = exc
                 break
@@ -143,7 +148,7 @@ async def cmd_rm(
             bar.advance(1, removal.bytes)
     finally:
         bar.close()
-    remaining = [s for s in present if s not in {s for s, _ in done}]
+    remaining = [s for s in present if s not in {s for s, _ in done} | set(gone)]
     if out.json:
         doc: dict[str, Any] = {
             "dry_run": dry_run,
@@ -158,6 +163,7 @@ async def cmd_rm(
                 for s, r in done
             ],
             "remaining": remaining,
+            "already_removed": gone,
         }
         if failure is None:
             print_json(doc)
@@ -179,7 +185,9 @@ async def cmd_rm(
             f"{count(sum(r.objects for r in removals), 'object')}, "
             f"{human(sum(r.bytes for r in removals))}"
         )
-    elif failure is None:
+    if gone:
+        print(f"{count(len(gone), 'step')} ({steps_text(gone)}) already removed by another process")
+    if not done and not gone and failure is None:
         print(f"nothing to remove in {shown}")
     stay = "would remain" if dry_run else "remains" if len(remaining) == 1 else "remain"
     listed = f": {steps_text(remaining)}" if remaining else ""

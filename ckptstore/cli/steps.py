@@ -24,7 +24,6 @@ from ckptstore.cli.output import (
 )
 from ckptstore.cli.text import count, duration_text, human, when
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
-from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.tiers.read import tier_steps
 from ckptstore.tiers.target import Tiered
@@ -231,7 +230,8 @@ async def _after_manifest(target: Backend | Tiered, manifest: Manifest) -> dict[
         async with target.opened() as (fast, durable):
             committed = await marker_time(fast)
             if committed is not None and await marker_time(durable) is not None:
-                stored = (await durable.stat(layout.commit_key(manifest.step))).mtime
+                found = await read_marker(durable, manifest.step)
+                stored = (await durable.stat(found.key)).mtime if found is not None else None
                 if stored is not None:
                     out["promotion"] = max(0.0, stored - committed)
             elif committed is None:  # the fast copy is gone (or the step was never there)
@@ -255,6 +255,7 @@ def _report_json(report: VerifyReport) -> dict[str, Any]:
         "bytes": report.bytes,
         "problems": report.problems,
         "unreadable": report.unreadable,
+        "unused": report.unused,
         **({"tier": report.tier, "skipped": report.skipped} if report.tier else {}),
     }
 
@@ -277,6 +278,8 @@ def _print_report(report: VerifyReport) -> None:
         print(f"CORRUPT {what}: {why}")
     for what, why in sorted(report.unreadable.items()):
         print(f"UNREADABLE {what}: {why}")
+    for what, why in sorted(report.unused.items()):
+        print(f"DAMAGED, READ BY NO RESTORE {what}: {why}")
     print(
         f"step {report.step}: {_verdict(report)}; {count(report.leaves, 'leaf', 'leaves')}, "
         f"{human(report.bytes)} read and checksummed"

@@ -53,6 +53,17 @@ def piece_key(index: Index, shape: Sequence[int]) -> str:
     return ",".join(out)
 
 
+def parse_piece_key(key: str) -> Index:
+    """The bounds `piece_key` wrote, as slices (``()`` for a 0-d leaf)."""
+    if not key:
+        return ()
+    out = []
+    for part in key.split(","):
+        start, stop = part.split(":")
+        out.append(slice(int(start), int(stop)))
+    return tuple(out)
+
+
 def digest(data: Any) -> str:
     """The 128-bit BLAKE3 digest (hex) of an array's bytes in C order, little-endian
     (`ALGORITHM`). Runs without the interpreter lock."""

@@ -7,6 +7,11 @@ manifest whose leaves may be held by other attempts: incremental saves):
 <step>/
   COMMITTED                               created last, create-if-absent: names the
                                           attempt and carries its manifest's digest
+  REVOKED.0                               created by a deletion of that commit (never
+                                          removed before `commit.CLAIM_TTL`)
+  COMMITTED.<n>, REVOKED.<n>              the step's n-th commit after n deletions, and
+                                          its deletion: markers are superseded, never
+                                          taken back by a key someone else may reuse
   <attempt>/                              one per save attempt or partial-save session
     FATE                                  the attempt's fate (commit, abandon, collect),
                                           created once by whoever decides it (`commit`)
@@ -41,6 +46,7 @@ from ckptstore.errors import InvalidKeyError, InvalidStepError
 
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
+REVOKED = "REVOKED"
 SESSION = "SESSION.json"
 FATE = "FATE"
 DELETED = "DELETED"
@@ -90,7 +96,17 @@ def _integer_scalar(value: object) -> bool:
 
 
 _ITEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
-_RESERVED_ITEMS = {PARTS, MANIFEST, SESSION, FATE, DELETED, COMMIT_MARKER, "d", "manifest.ocdbt"}
+_RESERVED_ITEMS = {
+    PARTS,
+    MANIFEST,
+    SESSION,
+    FATE,
+    DELETED,
+    COMMIT_MARKER,
+    REVOKED,
+    "d",
+    "manifest.ocdbt",
+}
 
 
 def check_item(item: str) -> str:
@@ -127,8 +143,30 @@ def is_attempt(name: str) -> bool:
     return _ATTEMPT.fullmatch(name) is not None
 
 
-def commit_key(step: int) -> str:
-    return f"{step_dir(step)}/{COMMIT_MARKER}"
+def commit_key(step: int, index: int = 0) -> str:
+    """The key of ``step``'s ``index``-th commit marker (``COMMITTED``, then ``COMMITTED.1``...)."""
+    name = COMMIT_MARKER if index == 0 else f"{COMMIT_MARKER}.{index}"
+    return f"{step_dir(step)}/{name}"
+
+
+def revoked_key(step: int, index: int) -> str:
+    """The key of the record that revokes ``step``'s ``index``-th commit (its deletion)."""
+    return f"{step_dir(step)}/{REVOKED}.{index}"
+
+
+_RECORD = re.compile(r"(COMMITTED|REVOKED)(?:\.(0|[1-9][0-9]{0,8}))?")
+
+
+def parse_step_record(name: str) -> tuple[str, int] | None:
+    """(``COMMIT_MARKER`` or ``REVOKED``, index) for a step directory's commit or revocation
+    record, or None for any other entry (an attempt, a version-1 file)."""
+    match = _RECORD.fullmatch(name)
+    if match is None or (match[1] == REVOKED and match[2] is None):
+        return None
+    index = int(match[2]) if match[2] is not None else 0
+    if match[1] == COMMIT_MARKER and match[2] == "0":
+        return None  # the 0th commit is plain COMMITTED
+    return match[1], index
 
 
 @dataclass(frozen=True)

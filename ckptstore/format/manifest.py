@@ -168,6 +168,9 @@ def _parse(doc: Any) -> Manifest:
         _expect(is_attempt_ref(ref), f"bad reference {str(ref)[:80]}")
     base = doc.get("base")
     _expect(base is None or is_attempt_ref(base), f"bad base {str(base)[:80]}")
+    itself = {"step": step, "attempt": attempt}
+    _expect(itself not in references, "it references its own attempt (a reference cycle)")
+    _expect(base != itself, "it names its own attempt as its base (a reference cycle)")
     timings = doc.get("timings", {})
     _expect(
         isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values()),

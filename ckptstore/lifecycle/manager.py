@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -27,15 +28,17 @@ from typing import Any, TypeVar
 
 import jax
 
-from ckptstore.api import restore, save_items
+from ckptstore.api import delete_step, restore, save_items
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import load_profile
-from ckptstore.checkpoint.cleanup import delete_step, gc
+from ckptstore.checkpoint.cleanup import gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
+from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import (
     BaseStepGoneError,
+    CheckpointNotFoundError,
     CkptStoreError,
     ConfigError,
     CorruptCheckpointError,
@@ -44,6 +47,7 @@ from ckptstore.errors import (
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.tree import flatten
+from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged, Stager
@@ -166,6 +170,9 @@ class CheckpointManager:
             #: `save` after `_settle`, so after that save's future completed.
             #: On tiers, the last committed on the fast tier: the save reads its base there.
             self._base: int | None = committed[-1] if committed else None
+            #: The attempt this manager saved ``_base`` as (None: found on disk): only that
+            #: attempt holds what ``_objects`` were (`incremental.SameObjects`).
+            self._base_attempt: str | None = None
             if self.durable is not None and committed:
                 on_fast = self._call(committed_steps(self.backend))
                 self._base = on_fast[-1] if on_fast else None
@@ -177,11 +184,17 @@ class CheckpointManager:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
                 if removed.entries:
                     log.info("ckptstore: removed %d stale attempts", len(removed.entries))
+            #: Steps a predecessor (killed, or never closed) left unpromoted, promoted by
+            #: this manager in the background before its first save's (`_resume`).
+            self.resumed_promotions: list[int] = []
+            if self.durable is not None and self.tiered is not None and committed:
+                self._retention = asyncio.run_coroutine_threadsafe(self._resume(), self._loop)
         except BaseException:
             self._shutdown()
             raise
         if options.handle_sigterm:
             self._install_sigterm()
+        at_exit.track(self)  # a script that never closes it still commits its last save
 
     async def _refuse_host_local(self, timeout: float) -> None:
         """`ConfigError` where the fast tier is each host's own disk (measured by every
@@ -246,6 +259,7 @@ class CheckpointManager:
         staged = self._stager.stage(arrays, self.options.staging, host_view=host_view)
         self._last_step, self._last_time = step, time.monotonic()
         base = self._base if self.options.incremental else None
+        vouched = SameObjects(self._base_attempt, same) if self._base_attempt and same else None
         future = asyncio.run_coroutine_threadsafe(
             self._write(
                 step,
@@ -256,7 +270,7 @@ class CheckpointManager:
                 start,
                 waited,
                 base,
-                same,
+                vouched,
                 objects,
             ),
             self._loop,
@@ -343,7 +357,7 @@ class CheckpointManager:
         start: float,
         waited: float,
         base: int | None,
-        same: dict[str, set[str]],
+        same: SameObjects | None,
         objects: dict[tuple[str, str], weakref.ref[Any]],
     ) -> SaveStats:
         target: Backend | Tiered = self.backend
@@ -376,7 +390,8 @@ class CheckpointManager:
             log.warning("ckptstore: step %d saved in full: %s", step, exc)
             base = None
             result = await save(None)
-        self._base, self._objects = step, objects  # the next save's base, and its arrays
+        # The next save's base, the attempt it is, and the arrays it was saved from.
+        self._base, self._base_attempt, self._objects = step, result.attempt, objects
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
         # The step is committed: the handle completes now. The keep policy runs after it,
@@ -410,10 +425,28 @@ class CheckpointManager:
             await asyncio.wrap_future(previous)  # its failure is this one's too
         if self.durable is not None and self.tiered is not None:
             on = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
-            await promote(on, step, timeout=self.options.timeout)
+            try:
+                await promote(on, step, timeout=self.options.timeout)
+            except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`): nothing to do
+                log.info("ckptstore: step %d was deleted before its promotion", step)
         handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
         seconds = await handoff.primary(self._apply_keep_policy)
         log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
+
+    async def _resume(self) -> None:
+        """On tiers, at start: finish what a predecessor left behind, in the background (its
+        error surfaces like a keep policy's): promote every step the durable tier lacks,
+        then apply the keep policy to both tiers."""
+        assert self.durable is not None and self.tiered is not None
+        on = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
+        done = await promote(on, timeout=self.options.timeout)
+        self.resumed_promotions = [p.step for p in done if not p.already]
+        if self.resumed_promotions:
+            log.info(
+                "ckptstore: promoted steps %s that an earlier run left on the fast tier only",
+                self.resumed_promotions,
+            )
+        await Handoff("manager/keep/resume", self.options.timeout).primary(self._apply_keep_policy)
 
     async def _apply_keep_policy(self) -> float:
         """Keep policy over the durable tier's steps (tiered) or the target's; a dropped step
@@ -424,14 +457,17 @@ class CheckpointManager:
             return 0.0
         keep = self.keep_policy.keep(records, time.time())
         keep.add(max(r.step for r in records))  # never the latest committed step
-        # The fast tier first: its deletion record stops a promotion in flight (`promote_step`).
-        tiers = [b for b in (self.backend, self.durable) if b is not None]
-        committed = {id(b): set(await committed_steps(b)) for b in tiers}
+        # On tiers, the one tier-aware delete: the fast tier first, leaving the deletion
+        # record that stops a promotion in flight in any process (`promote_step`).
+        target: Backend | Tiered = self.backend
+        if self.durable is not None and self.tiered is not None:
+            target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
         for record in records:
             if record.step not in keep:
-                for backend in tiers:
-                    if record.step in committed[id(backend)]:
-                        await delete_step(backend, record.step)
+                try:
+                    await delete_step(target, record.step)
+                except CheckpointNotFoundError:  # its goal holds: another deleter was first
+                    log.info("ckptstore: step %d was already deleted", record.step)
                 self._records.pop(record.step, None)
         return time.perf_counter() - start
 
@@ -593,7 +629,32 @@ class CheckpointManager:
         finally:
             self._shutdown()
 
+    def finish_at_exit(self) -> str | None:
+        """At interpreter exit, for a manager never closed (`lifecycle.atexit`): wait for
+        the save in flight and the keep policy, up to ``options.timeout``; what went wrong."""
+        handle, timeout = self._inflight, self.options.timeout
+        step = handle.step if handle is not None else None
+        try:
+            if handle is not None and not handle.done():
+                print(
+                    f"ckptstore: finishing the save of step {step} before exit "
+                    "(the CheckpointManager was not closed)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                handle.wait(timeout)
+            if self._retention is not None:
+                self._retention.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return f"step {step} was not committed within {timeout:.0f} s of exit; it is lost"
+        except Exception as exc:
+            if handle is not None and handle.observed:
+                return None  # its error was seen by the caller already
+            return f"the save of step {step} failed at exit: {exc}"
+        return None
+
     def _shutdown(self) -> None:
+        at_exit.untrack(self)
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None

@@ -20,6 +20,7 @@ from ckptstore.checkpoint.cleanup import (
     collect,
     remove_step,
 )
+from ckptstore.checkpoint.commit import is_committed
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
 from ckptstore.tiers.target import Tiered
@@ -33,7 +34,7 @@ async def delete_step(tiers: Tiered, step: int) -> Removal:
         removal = Removal()
         found = False
         for backend in (fast, durable):
-            if await backend.exists(layout.commit_key(step)):
+            if await is_committed(backend, step):
                 found = True
                 removal.absorb(
                     await remove_step(backend, step, tombstone=backend is fast), backend.url

@@ -30,7 +30,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import COMMIT, Marker, claim, digest
+from ckptstore.checkpoint.commit import (
+    COMMIT,
+    Marker,
+    claim,
+    create_marker,
+    digest,
+    read_marker,
+    read_marker_bytes,
+)
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.staged import STAGED as STAGED
 from ckptstore.checkpoint.staged import Staged, staged_key
@@ -40,7 +48,7 @@ from ckptstore.datapath.arrays import (
     ocdbt_spec,
     write_leaves,
 )
-from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError, NotFoundError
+from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
@@ -60,12 +68,8 @@ async def drop_staged(fast: Backend, step: int) -> None:
 
 async def is_promoted(durable: Backend, mine: Staged) -> bool:
     """Whether the durable tier has the staged step committed, from the same attempt."""
-    try:
-        data = await durable.read(layout.commit_key(mine.step))
-    except NotFoundError:
-        return False
-    where = f"{durable.url}/{layout.commit_key(mine.step)}"
-    return Marker.from_bytes(data, step=mine.step, where=where).attempt == mine.attempt
+    marker = await read_marker(durable, mine.step)
+    return marker is not None and marker.attempt == mine.attempt
 
 
 def known_shared(fast: Backend, count: int) -> bool | None:
@@ -186,10 +190,8 @@ async def merge_on_durable(durable: Backend, mine: Staged) -> bytes:
     """
     where = layout.AttemptDir(mine.step, mine.attempt)
     key = layout.commit_key(mine.step)
-    try:
-        existing = await durable.read(key)
-    except NotFoundError:
-        existing = None
+    found = await read_marker_bytes(durable, mine.step)
+    existing = found[1] if found is not None else None
     if existing is not None:
         if Marker.from_bytes(existing, step=mine.step, where=key).attempt != mine.attempt:
             raise AlreadyExistsError(
@@ -215,5 +217,5 @@ async def merge_on_durable(durable: Backend, mine: Staged) -> bytes:
         time=time.time(),
     ).to_bytes()
     fate.check_fresh(where)
-    await durable.create(key, marker)
+    await create_marker(durable, mine.step, marker)
     return marker

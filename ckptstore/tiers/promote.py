@@ -23,14 +23,17 @@ from typing import Any
 
 from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.checkpoint.cleanup import delete_step, deleted_by_user, trim_step
+from ckptstore.checkpoint.cleanup import deleted_by_user, remove_step, trim_step
 from ckptstore.checkpoint.commit import (
     COMMIT,
     Marker,
     claim,
     committed_steps,
+    create_marker,
     digest,
     load_manifest,
+    read_marker_bytes,
+    same_commit,
 )
 from ckptstore.checkpoint.staged import read_staged, staged_steps
 from ckptstore.checkpoint.verify import verify_step
@@ -40,7 +43,6 @@ from ckptstore.errors import (
     ConfigError,
     CorruptCheckpointError,
     FencedError,
-    NotFoundError,
     StorageError,
 )
 from ckptstore.format import layout
@@ -140,7 +142,7 @@ async def unpromoted(fast: Backend, durable: Backend) -> list[int]:
     return [
         s
         for s in await committed_steps(fast)
-        if s not in on_durable or not await _marker_matches(fast, durable, s)
+        if s not in on_durable or not await same_commit(fast, durable, s)
     ]
 
 
@@ -227,8 +229,13 @@ async def promote_step(
     step: int,
     max_bytes_in_flight: int = PROMOTE_BYTES_IN_FLIGHT,
     progress: Callable[[int, int], None] | None = None,
+    visiting: frozenset[tuple[int, str | None]] = frozenset(),
 ) -> Promotion:
     """Copy committed ``step``'s attempt from ``fast`` to ``durable``; its marker last.
+
+    ``visiting``: the incremental steps whose promotion is promoting this one first (a
+    base or a holder, `holders.make_durable`); meeting one again is a reference cycle,
+    `CorruptCheckpointError`, as is a chain deeper than `MAX_CHAIN`.
 
     The durable attempt's fate is claimed for this commit before anything is copied (the
     owner is named after the marker, so a resumed or concurrent promotion of the same
@@ -237,17 +244,20 @@ async def promote_step(
     taken back and `FencedError` raised (the ``DELETED`` record it leaves, checked after
     the marker is created)."""
     start = time.perf_counter()
-    key = layout.commit_key(step)
-    try:
-        marker_bytes = await fast.read(key)
-    except NotFoundError as exc:
+    found = await read_marker_bytes(fast, step)
+    if found is None:
         raise CheckpointNotFoundError(
-            f"step {step} is not committed on the fast tier", backend=fast.url, key=key
-        ) from exc
-    marker = Marker.from_bytes(marker_bytes, step=step, where=f"{fast.url}/{key}")
+            f"step {step} is not committed on the fast tier",
+            backend=fast.url,
+            key=layout.commit_key(step),
+        )
+    index, marker_bytes = found
+    key = layout.commit_key(step, index)
+    marker = Marker.from_bytes(marker_bytes, step=step, where=f"{fast.url}/{key}", index=index)
     manifest = await load_manifest(fast, marker)
+    visiting = _visit(visiting, step, marker.attempt)
     result = Promotion(step=step, attempt=marker.attempt)
-    if await _same_marker(durable, key, marker_bytes):
+    if await _same_marker(durable, step, marker_bytes):
         result.already = True
         return result
     fate = None
@@ -262,7 +272,9 @@ async def promote_step(
         if manifest.references:  # an incremental step: the attempts it reads from, first
 
             async def promote_first(at: int) -> Promotion:
-                return await promote_step(fast, durable, at, max_bytes_in_flight, progress)
+                return await promote_step(
+                    fast, durable, at, max_bytes_in_flight, progress, visiting
+                )
 
             async def copy_held(objects: list[ObjectInfo], root: str) -> tuple[int, int]:
                 await _check_fast_copy(fast, step, [root])  # the leaves this step reads there
@@ -295,9 +307,9 @@ async def promote_step(
     if held is not None:  # after its manifest landed: what it references is still kept
         await held.check(durable)
     try:
-        await durable.create(key, marker_bytes)
+        await create_marker(durable, step, marker_bytes)
     except AlreadyExistsError:
-        if not await _same_marker(durable, key, marker_bytes):
+        if not await _same_marker(durable, step, marker_bytes):
             raise  # the durable tier committed another attempt of this step
     if held is not None:
         await held.release(durable)
@@ -344,15 +356,37 @@ async def _check_fast_copy(fast: Backend, step: int, held_by: list[str] | None =
         raise StorageError(f"step {step} could not be read to verify it ({what}: {why})")
 
 
+#: The most incremental steps one promotion promotes first, each for the one before (its
+#: base or a holder's step): far beyond a real run's, which stay a step or two deep.
+MAX_CHAIN = 64
+
+
+def _visit(
+    visiting: frozenset[tuple[int, str | None]], step: int, attempt: str | None
+) -> frozenset[tuple[int, str | None]]:
+    """``visiting`` with this step added; `CorruptCheckpointError` on a cycle or a chain
+    too deep to be a real run's."""
+    if (step, attempt) in visiting:
+        chain = ", ".join(f"step {s}" for s, _ in sorted(visiting))
+        raise CorruptCheckpointError(
+            f"step {step} (attempt {attempt}) is in a reference cycle through its base or "
+            f"holders ({chain}); not promoted"
+        )
+    if len(visiting) >= MAX_CHAIN:
+        raise CorruptCheckpointError(
+            f"step {step}'s bases and holders chain more than {MAX_CHAIN} steps deep; not promoted"
+        )
+    return visiting | {(step, attempt)}
+
+
 async def _take_back(durable: Backend, step: int, marker_bytes: bytes) -> None:
     """Remove the durable copy a promotion just committed (its marker first), if the
-    durable marker is still this one."""
+    durable marker is still this one (`remove_step` revokes the very commit it checked)."""
+    marker = Marker.from_bytes(marker_bytes, step=step, where=f"{durable.url} (promoted)")
     try:
-        if await durable.read(layout.commit_key(step)) != marker_bytes:
-            return
-    except NotFoundError:
+        await remove_step(durable, step, attempt=marker.attempt)
+    except CheckpointNotFoundError:
         return
-    await delete_step(durable, step)
 
 
 async def copy_objects(
@@ -393,12 +427,12 @@ async def copy_objects(
         )
 
 
-async def _same_marker(durable: Backend, key: str, marker_bytes: bytes) -> bool:
-    try:
-        existing = await durable.read(key)
-    except NotFoundError:
+async def _same_marker(durable: Backend, step: int, marker_bytes: bytes) -> bool:
+    found = await read_marker_bytes(durable, step)
+    if found is None:
         return False
-    if existing != marker_bytes:
+    key = layout.commit_key(step, found[0])
+    if found[1] != marker_bytes:
         raise AlreadyExistsError(
             "the durable tier has this step committed from another attempt",
             backend=durable.url,
@@ -416,7 +450,7 @@ async def attempt_objects(fast: Backend, marker: Marker) -> list[ObjectInfo]:
     return [
         info
         async for info in fast.list(layout.step_dir(marker.step))
-        if info.key != layout.commit_key(marker.step)
+        if layout.parse_step_record(info.key.split("/")[1]) is None
         and not layout.is_attempt(info.key.split("/")[1])
     ]
 
@@ -426,10 +460,5 @@ async def trim_fast(fast: Backend, durable: Backend, keep: int) -> None:
     on_fast = await committed_steps(fast)
     on_durable = set(await committed_steps(durable))
     for step in on_fast[:-keep]:
-        if step in on_durable and await _marker_matches(fast, durable, step):
+        if step in on_durable and await same_commit(fast, durable, step):
             await trim_step(fast, step)
-
-
-async def _marker_matches(fast: Backend, durable: Backend, step: int) -> bool:
-    key = layout.commit_key(step)
-    return bool(await fast.read(key) == await durable.read(key))

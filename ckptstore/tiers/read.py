@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
-from ckptstore.checkpoint.commit import committed_steps, load_committed
+from ckptstore.checkpoint.commit import committed_steps, is_committed, load_committed
 from ckptstore.checkpoint.staged import read_staged
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
@@ -78,7 +78,7 @@ async def nearest(
     """
     async with tiers.opened() as (fast, durable):
         step = await _step(fast, durable, step)
-        if await fast.exists(layout.commit_key(step)):
+        if await is_committed(fast, step):
             try:
                 result = await read(fast, step)
                 log.info("ckptstore: step %d read from the fast tier", step)
@@ -86,7 +86,7 @@ async def nearest(
             except TreeMismatchError:
                 raise  # the caller's request: the durable copy holds the same tree
             except CkptStoreError as exc:  # damaged or partial: any typed error of a read
-                if not await durable.exists(layout.commit_key(step)):
+                if not await is_committed(durable, step):
                     raise  # nothing to fall back to: the damage is the answer
                 log.warning(
                     "ckptstore: fast copy of step %d is damaged, using the durable tier: %s",
@@ -120,7 +120,7 @@ async def host_copy(fast: Backend, durable: Backend, step: int) -> Manifest | No
     except CorruptCheckpointError as exc:
         log.warning("ckptstore: ignoring this host's fast copy of step %d: %s", step, exc)
         return None
-    if mine is None or not mine.host_view or not await durable.exists(layout.commit_key(step)):
+    if mine is None or not mine.host_view or not await is_committed(durable, step):
         return None
     manifest = await load_committed(durable, step)
     return manifest if manifest.attempt == mine.attempt else None
@@ -180,12 +180,12 @@ async def verify(
     async with tiers.opened() as (fast, durable):
         at = await _step(fast, durable, step)
         skipped: dict[str, str] = {}
-        if await fast.exists(layout.commit_key(at)):
+        if await is_committed(fast, at):
             report = await plain_verify.verify_step(
                 fast, at, max_inflight_bytes=max_inflight_bytes, progress=progress
             )
             report.tier = "fast"
-            if report.ok or not await durable.exists(layout.commit_key(at)):
+            if report.ok or not await is_committed(durable, at):
                 return report
             log.warning(
                 "ckptstore: fast copy of step %d is damaged (%d problems), checking the "

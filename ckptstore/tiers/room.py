@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +24,12 @@ import jax
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.cleanup import trim_step
-from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
+from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker, same_commit
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InsufficientSpaceError,
-    NotFoundError,
 )
 from ckptstore.format import layout
 from ckptstore.format.leaves import HostShards, LeafInfo
@@ -39,12 +38,19 @@ from ckptstore.tiers.hostlocal import drop_staged, is_promoted
 log = logging.getLogger("ckptstore")
 
 
-def bytes_to_write(named: Sequence[tuple[str, Any]], leaves: Sequence[LeafInfo], me: int) -> int:
-    """Payload bytes process ``me`` writes for these leaves: of each `jax.Array` its
-    addressable replica-0 shards (staged: its `HostShards`); every other value belongs to
-    process 0."""
+def bytes_to_write(
+    named: Sequence[tuple[str, Any]],
+    leaves: Sequence[LeafInfo],
+    me: int,
+    skip: Collection[str] = (),
+) -> int:
+    """Payload bytes process ``me`` writes for these leaves, but those named in ``skip``
+    (an incremental save references them): of each `jax.Array` its addressable replica-0
+    shards (staged: its `HostShards`); every other value belongs to process 0."""
     total = 0
     for (_, value), info in zip(named, leaves, strict=True):
+        if info.name in skip:
+            continue
         if isinstance(value, HostShards):
             total += sum(piece.nbytes for _, piece in value.pieces)
         elif isinstance(value, jax.Array):
@@ -73,17 +79,9 @@ async def promoted_steps(fast: Backend, durable: Backend) -> list[int]:
         if step not in on_durable:
             continue
         mine = await read_staged(fast, step) if step in staged else None
-        if await (is_promoted(durable, mine) if mine else _same_marker(fast, durable, step)):
+        if await (is_promoted(durable, mine) if mine else same_commit(fast, durable, step)):
             out.append(step)
     return out
-
-
-async def _same_marker(fast: Backend, durable: Backend, step: int) -> bool:
-    key = layout.commit_key(step)
-    try:
-        return bool(await fast.read(key) == await durable.read(key))
-    except NotFoundError:  # deleted meanwhile
-        return False
 
 
 async def _evict(fast: Backend, step: int) -> None:
@@ -121,9 +119,12 @@ async def _step_bytes(backend: Backend, step: int) -> int:
     return sum([info.size async for info in backend.list(layout.step_dir(step))])
 
 
-async def ensure_room(fast: Backend, room: Room, nbytes: int) -> list[int]:
+async def ensure_room(
+    fast: Backend, room: Room, nbytes: int, keep: Collection[int] = ()
+) -> list[int]:
     """Make sure ``fast`` has ``nbytes`` plus the margin free, evicting promoted steps
-    (oldest first) if that is what it takes; returns the evicted steps.
+    (oldest first, never those in ``keep``: the save's base) if that is what it takes;
+    returns the evicted steps.
 
     Raises `InsufficientSpaceError` (naming the tier, the bytes needed and free) when even
     evicting every promoted step would not be enough; then nothing is evicted.
@@ -132,7 +133,8 @@ async def ensure_room(fast: Backend, room: Room, nbytes: int) -> list[int]:
     needed = nbytes + room.margin
     if free is None or free >= needed:
         return []
-    candidates = await _freeing(fast, await promoted_steps(fast, room.durable))
+    promoted = [s for s in await promoted_steps(fast, room.durable) if s not in keep]
+    candidates = await _freeing(fast, promoted)
     sizes = await asyncio.gather(*(_step_bytes(fast, s) for s in candidates))
     if free + sum(sizes) < needed:
         raise InsufficientSpaceError(

@@ -27,6 +27,7 @@ from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import Fate, ensure_uncommitted
+from ckptstore.checkpoint.incremental import Unchanged
 from ckptstore.checkpoint.save import (
     PreparedItem,
     SaveHooks,
@@ -75,15 +76,31 @@ class TierHooks(SaveHooks):
             self.host_view = can_write_host_view(values, handoff.me)
         self.packs = self.merge = not self.host_local
 
+    async def before_write(
+        self,
+        backend: Backend,
+        items: dict[str, PreparedItem],
+        step: int,
+        handoff: Handoff,
+        same: Unchanged,
+    ) -> None:
+        """Room for what this process will write: not the leaves an incremental save
+        references, and never by evicting its base (its bytes would stay, referenced)."""
+        values = [value for item in items.values() for _, value in item.named]
+        keep = {same.base.manifest.step} if same.base is not None else set()
+
         async def make_room() -> dict[str, Any]:
             if self.host_local and await backend.exists(staged_key(step)):
                 raise AlreadyExistsError(
                     f"step {step} is already staged", backend=backend.url, key=staged_key(step)
                 )
-            mine = sum(bytes_to_write(i.named, i.leaves, handoff.me) for i in items.values())
+            mine = sum(
+                bytes_to_write(i.named, i.leaves, handoff.me, skip=same.leaves.get(name, set()))
+                for name, i in items.items()
+            )
             if self.host_view:
                 mine += host_view_bytes(values, handoff.me)
-            return {"evicted": await ensure_room(backend, self.room, mine)}
+            return {"evicted": await ensure_room(backend, self.room, mine, keep=keep)}
 
         await handoff.everyone(make_room)
         await handoff.primary(handoff.reports)

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import Marker, committed_steps
+from ckptstore.checkpoint.commit import committed_steps, read_marker
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
 from ckptstore.format import layout
@@ -72,10 +72,10 @@ async def status(tiered: Tiered) -> TierStatus:
 async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, float | None]:
     """The fraction of a step's bytes the durable tier holds (with the right size), and
     when the fast tier's marker was written."""
-    key = layout.commit_key(step)
     try:
-        if await fast.exists(key):
-            marker = Marker.from_bytes(await fast.read(key), step=step, where=key)
+        marker = await read_marker(fast, step)
+        if marker is not None:
+            key = marker.key
             root, objects = marker.where.root, await attempt_objects(fast, marker)
         else:
             key = staged_key(step)

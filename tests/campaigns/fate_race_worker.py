@@ -28,7 +28,12 @@ SHAPES = (
     "gc-save",  # gc with a grace of 1 ms while a save runs
     "two-managers",  # two managers save one step; the second starts with a 50 ms gc grace
     "delete-promote",  # delete_step on tiers while the step is promoted
+    "delete-resave",  # delete_step, while another job deletes the step and saves it again
+    "keep-rm",  # a manager's keep policy drops the step while `ckptstore rm` deletes it
+    "replace-base",  # an incremental manager saves on a base another job saves again
 )
+#: The later step each round's manager saves in "keep-rm" and "replace-base".
+LATER = 500
 
 PARTS = [{"a": np.arange(1000, dtype=np.float32)}, {"b": np.arange(500, dtype=np.int32)}]
 JITTER = 0.03  # seconds: each actor starts within this of the other
@@ -61,7 +66,14 @@ async def setup(shape: str, target: str, workdir: str, step: int) -> dict[str, A
         return {"attempt": session.attempt}
     if shape == "delete-promote":
         await ckptstore.save(fast_dir(workdir), tree(0, step), step=step)
+    if shape in ("delete-resave", "keep-rm"):
+        await ckptstore.save(target, tree(0, step), step=step)
     return {}
+
+
+def record(workdir: str, shape: str, step: int, role: int, doc: dict[str, Any]) -> None:
+    """What an actor did, for the judge (`test_fate_races.judge`)."""
+    Path(workdir, f"{shape}-{step}-{role}.json").write_text(json.dumps(doc))
 
 
 async def act(shape: str, role: int, target: str, workdir: str, step: int, info: dict) -> None:
@@ -99,8 +111,72 @@ async def act(shape: str, role: int, target: str, workdir: str, step: int, info:
             await ckptstore.promote(tiers, step=step)
         else:
             await ckptstore.delete_step(tiers, step)
+    elif shape == "delete-resave":
+        await delete_resave(role, target, workdir, step)
+    elif shape == "keep-rm":
+        if role == 0:
+            keep = ckptstore.policies.KeepLatest(1)
+            manager = await asyncio.to_thread(ckptstore.CheckpointManager, target, keep_policy=keep)
+            try:
+                await asyncio.to_thread(lambda: manager.save(step + LATER, tree(0, step)).wait())
+            finally:
+                await asyncio.to_thread(manager.close)  # the keep policy's error would raise
+        else:
+            await ckptstore.delete_step(target, step)
+    elif shape == "replace-base":
+        await replace_base(role, target, step)
     else:
         raise ValueError(f"unknown shape {shape!r}")
+
+
+async def delete_resave(role: int, target: str, workdir: str, step: int) -> None:
+    """Role 0 deletes the step; role 1 deletes it too (or finds it gone) and saves it again.
+    Each records what it removed or committed: role 0 may remove role 1's commit only by
+    having read its marker (then its removal names role 1's attempt)."""
+    import ckptstore
+
+    if role == 0:
+        removal = await ckptstore.delete_step(target, step)
+        record(workdir, "delete-resave", step, role, {"removed": removal.entries})
+        return
+    try:
+        await ckptstore.delete_step(target, step)
+    except ckptstore.CheckpointNotFoundError:
+        pass  # role 0 was first: the goal holds
+    result = await ckptstore.save(target, tree(1, step), step=step)
+    record(workdir, "delete-resave", step, role, {"attempt": result.attempt})
+
+
+async def replace_base(role: int, target: str, step: int) -> None:
+    """Role 0: an incremental manager saves ``step`` and then ``step + LATER`` from the same
+    arrays; role 1, once ``step`` is committed, replaces it with other values."""
+    import ckptstore
+
+    if role == 0:
+        options = ckptstore.ManagerOptions(incremental=True, handle_sigterm=False)
+        manager = await asyncio.to_thread(ckptstore.CheckpointManager, target, options=options)
+        arrays = frozen_tree(0, step)
+        try:
+            await asyncio.to_thread(lambda: manager.save(step, arrays).wait())
+            await asyncio.sleep(random.uniform(0, 4 * JITTER))
+            await asyncio.to_thread(lambda: manager.save(step + LATER, arrays).wait())
+        finally:
+            await asyncio.to_thread(manager.close)
+        return
+    deadline = time.monotonic() + 120
+    while step not in await ckptstore.list_steps(target):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"step {step} was never committed")
+        await asyncio.sleep(0.005)
+    await ckptstore.delete_step(target, step)
+    await ckptstore.save(target, frozen_tree(1, step), step=step)
+
+
+def frozen_tree(role: int, step: int) -> dict[str, Any]:
+    """`tree`, as JAX arrays (the manager vouches for the very objects it saved)."""
+    import jax.numpy as jnp
+
+    return {k: jnp.asarray(v) for k, v in tree(role, step).items()}
 
 
 def run(

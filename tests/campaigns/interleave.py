@@ -68,6 +68,8 @@ class Scheduler:
         # theirs may still pass a gate: it is released, never waited for)
         self._changed = asyncio.Event()
         self._one_at_a_time: dict[str, asyncio.Lock] = {}
+        #: (actor, operation) in the order they were released: what happened before what.
+        self.log: list[tuple[str, str]] = []
 
     @contextlib.asynccontextmanager
     async def gate(self, op: str) -> AsyncIterator[None]:
@@ -114,6 +116,7 @@ class Scheduler:
 
     def release(self, name: str) -> str:
         done, op = self.paused.pop(name)
+        self.log.append((name, op))
         if name not in self.done:
             self.running.add(name)
         done.set_result(None)
@@ -161,7 +164,10 @@ class World:
     #: (actor, step, tree): actors told their save or finalize committed that tree.
     told: list[tuple[str, int, Any]] = field(default_factory=list)
     deleted: set[int] = field(default_factory=set)  # steps a delete_step removed (ok)
+    #: (actor, step) of every delete_step that succeeded.
+    deletes: list[tuple[str, int]] = field(default_factory=list)
     outcomes: dict[str, str] = field(default_factory=dict)  # actor -> "ok" or the error
+    base_attempt: str = ""  # step 1's attempt as set up (`based`)
 
     @property
     def tiers(self) -> ckptstore.Tiered:
@@ -252,6 +258,61 @@ def delete_actor(tiered: bool = False, step: int = STEP) -> Actor:
     async def act(world: World) -> None:
         await ckptstore.delete_step(world.tiers if tiered else world.fast, step)
         world.deleted.add(step)
+        world.deletes.append((_name(), step))
+
+    return act
+
+
+def delete_then_save_actor(value: float) -> Actor:
+    """Another job: deletes step 1 (`ckptstore rm`), then saves it again."""
+
+    async def act(world: World) -> None:
+        await ckptstore.delete_step(world.fast, STEP)
+        world.deleted.add(STEP)
+        world.deletes.append((_name(), STEP))
+        want = tree(value)
+        world.candidates.setdefault(STEP, []).append(want)
+        await ckptstore.save(world.fast, want, step=STEP)
+        world.told.append((_name(), STEP, want))
+
+    return act
+
+
+def replace_base_actor(value: float) -> Actor:
+    """Another writer replaces base step 1 with other values: delete, then save again."""
+
+    async def act(world: World) -> None:
+        await ckptstore.delete_step(world.fast, STEP)
+        world.deleted.add(STEP)
+        world.deletes.append((_name(), STEP))
+        want = inc_tree(value)
+        frozen_too = {**want, "frozen": {k: np.asarray(v) + value for k, v in frozen().items()}}
+        world.candidates.setdefault(STEP, []).append(frozen_too)
+        await ckptstore.save(world.fast, frozen_too, step=STEP)
+        world.told.append((_name(), STEP, frozen_too))
+
+    return act
+
+
+def vouched_actor(step: int, value: float) -> Actor:
+    """A manager's incremental save: base step 1, vouching that the frozen leaves are the
+    very arrays it saved as step 1's attempt (`incremental.SameObjects`); a base gone is
+    a full save, once."""
+
+    async def act(world: World) -> None:
+        from ckptstore.api import save_items
+        from ckptstore.checkpoint.incremental import SameObjects
+
+        want = inc_tree(value)
+        world.candidates.setdefault(step, []).append(want)
+        vouched = SameObjects(world.base_attempt, {"state": set(FROZEN_LEAVES)})
+        try:
+            await save_items(
+                world.fast, {"state": want}, step=step, base=STEP, same_objects=vouched
+            )
+        except ckptstore.BaseStepGoneError:
+            await ckptstore.save(world.fast, want, step=step)
+        world.told.append((_name(), step, want))
 
     return act
 
@@ -364,11 +425,14 @@ def inc_tree(value: float) -> dict[str, Any]:
     return {"frozen": frozen(), "w": np.full(4, value, np.float32)}
 
 
+FROZEN_LEAVES = ("frozen/packed", "frozen/sharded")
+
+
 async def based(world: World) -> None:
     """Step 1 committed in full: the base (and holder) of an incremental save of step 2."""
     want = inc_tree(1.0)
     world.candidates[STEP] = [want]
-    await ckptstore.save(world.fast, want, step=STEP)
+    world.base_attempt = (await ckptstore.save(world.fast, want, step=STEP)).attempt
 
 
 async def chained(world: World) -> None:
@@ -388,7 +452,7 @@ async def check_world(world: World, scenario: Scenario) -> list[str]:
     target: Any = world.tiers if scenario.tiered else world.fast
     listed = set(await ckptstore.list_steps(target))
     for actor, step, _ in world.told:
-        if step in world.deleted:
+        if may_be_gone(world, actor, step):
             continue
         if step not in listed:
             problems.append(f"{actor} was told step {step} committed; it is not listed")
@@ -400,8 +464,8 @@ async def check_world(world: World, scenario: Scenario) -> list[str]:
             continue
         if not any(_same(got, want) for want in world.candidates.get(step, [])):
             problems.append(f"listed step {step} holds a tree no one committed")
-        told = [want for _, s, want in world.told if s == step]
-        if told and step not in world.deleted and not any(_same(got, w) for w in told):
+        told = [want for a, s, want in world.told if s == step and not may_be_gone(world, a, s)]
+        if told and not any(_same(got, w) for w in told):
             problems.append(f"step {step} holds another tree than the one its saver was told")
         report = await ckptstore.verify(target, step=step)
         if not report.ok:
@@ -411,6 +475,25 @@ async def check_world(world: World, scenario: Scenario) -> list[str]:
     if scenario.check is not None:
         problems += await scenario.check(world)
     return problems
+
+
+def may_be_gone(world: World, saver: str, step: int) -> bool:
+    """Whether a delete_step that succeeded may have removed what ``saver`` committed: one
+    that began after ``saver`` created the step's marker. A delete that began before (it
+    read an older marker) must leave the re-saved step alone."""
+    log = world.scheduler.log
+    marked = [
+        i
+        for i, (actor, op) in enumerate(log)
+        if actor == saver and op.startswith(f"create {step}/COMMITTED")
+    ]
+    if not marked:  # no gated marker creation of its own (a promotion's, say): any delete
+        return step in world.deleted
+    for deleter, deleted in world.deletes:
+        began = next((i for i, (actor, _) in enumerate(log) if actor == deleter), len(log))
+        if deleted == step and began > marked[-1]:
+            return True
+    return False
 
 
 async def stays_deleted(world: World) -> list[str]:
@@ -523,6 +606,12 @@ SCENARIOS = [
         committed,
         {"delete": delete_actor(), "save": save_actor(2.0)},
     ),
+    Scenario("two delete_steps of one step", committed, {"a": delete_actor(), "b": delete_actor()}),
+    Scenario(
+        "a stale delete_step races another job's delete and re-save",
+        committed,
+        {"delete": delete_actor(), "rm-and-save": delete_then_save_actor(2.0)},
+    ),
     Scenario(
         "delete_step on tiers races a promotion",
         promoted_half,
@@ -572,6 +661,11 @@ TRIPLES = [
         {"delete": delete_actor(tiered=True), "promote": promote_actor, "gc": gc_actor(True)},
         check=stays_deleted,
         tiered=True,
+    ),
+    Scenario(
+        "two delete_steps and a re-save of the step",
+        committed,
+        {"delete-a": delete_actor(), "delete-b": delete_actor(), "save": save_actor(2.0)},
     ),
     Scenario(
         "delete_step, restore and a save",
@@ -645,6 +739,14 @@ INCREMENTAL += [
         {"promote-step": promote_step_actor(2), "promote-base": promote_actor},
         check=survives_gc_on_tiers,
         tiered=True,
+    ),
+]
+INCREMENTAL += [
+    Scenario(
+        "a manager's incremental save races another writer replacing its base",
+        based,
+        {"save": vouched_actor(2, 2.0), "replace": replace_base_actor(5.0)},
+        check=survives_gc,
     ),
 ]
 INCREMENTAL_BOUNDED = 3

@@ -7,6 +7,7 @@ step may be lost or torn and no error may be untyped (tests/campaigns/fate_race_
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from collections import defaultdict
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from tests.campaigns.fate_race_worker import SHAPES, fast_dir, parts_tree, run, tree
+from tests.campaigns.fate_race_worker import LATER, SHAPES, fast_dir, parts_tree, run, tree
 from tests.checkpoint.test_partial import shared_target
 
 ROUNDS = {"local": 4, "s3": 2}
@@ -66,6 +67,8 @@ def judge(target: str, workdir: Path, shape: str, step: int, outcome: dict[int, 
         savers = ok if shape == "two-managers" else ok & {1}
         if savers and not listed:
             problems.append(f"saves by {sorted(savers)} reported success; step not listed")
+    if shape in ("delete-resave", "keep-rm", "replace-base"):
+        return problems + judge_v3_closed(target, workdir, shape, step, outcome)
     if shape == "delete-promote":
         tiers = ckptstore.Tiered(fast_dir(str(workdir)), target)
         if 1 in ok and step in ckptstore.list_steps_sync(tiers):
@@ -82,21 +85,54 @@ def judge(target: str, workdir: Path, shape: str, step: int, outcome: dict[int, 
     return problems
 
 
+def judge_v3_closed(
+    target: str, workdir: Path, shape: str, step: int, outcome: dict[int, str]
+) -> list[str]:
+    """The shapes of protocol v3's closing issue: a stale deletion, a keep policy racing
+    `rm`, a base replaced under an incremental manager."""
+    problems = []
+    listed = ckptstore.list_steps_sync(target)
+    if shape == "delete-resave" and outcome[1] == "ok":
+        saved = json.loads((workdir / f"{shape}-{step}-1.json").read_text())["attempt"]
+        deleter = workdir / f"{shape}-{step}-0.json"
+        removed = json.loads(deleter.read_text())["removed"] if deleter.exists() else []
+        if step in listed:
+            problems += [why for why in [restores_to(target, step, [tree(1, step)])] if why]
+        elif not any(entry.endswith(saved) for entry in removed):
+            problems.append("the re-saved step is gone, and no deletion read its marker")
+    if shape == "keep-rm":
+        if outcome[0] != "ok":
+            problems.append("the manager's keep policy failed although its goal held")
+        if step in listed:
+            problems.append("the step both deleted is listed")
+    if shape == "replace-base" and step + LATER in listed:
+        why = restores_to(target, step + LATER, [tree(0, step)])
+        if why:
+            problems.append(f"the manager's later step: {why}")
+    return problems
+
+
+def shapes() -> list[str]:
+    """Every shape, or those ``CKPTSTORE_RACE_SHAPES`` names (comma-separated)."""
+    chosen = os.environ.get("CKPTSTORE_RACE_SHAPES")
+    return [s for s in SHAPES if not chosen or s in chosen.split(",")]
+
+
 def race(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, list[str]]:
     # A root per shape: each gc scans only its own shape's steps.
-    targets = {shape: shared_target(kind, request, tmp_path, f"races-{shape}") for shape in SHAPES}
+    targets = {s: shared_target(kind, request, tmp_path, f"races-{s}") for s in shapes()}
     workdir = tmp_path / "work"
     workdir.mkdir()
     n = rounds(kind)
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    args = (list(SHAPES), targets, str(workdir), n, barrier, results)
+    args = (list(targets), targets, str(workdir), n, barrier, results)
     procs = [ctx.Process(target=run, args=(role, *args)) for role in (0, 1)]
     for p in procs:
         p.start()
     outcomes: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
     try:
-        for _ in range(2 * n * len(SHAPES)):
+        for _ in range(2 * n * len(targets)):
             shape, step, role, outcome = results.get(timeout=600)
             outcomes[(shape, step)][role] = outcome
     finally:

@@ -42,10 +42,15 @@ async def manifests(backend: Backend, steps: Iterable[int]) -> dict[int, Manifes
 async def committed_keys(backend: Backend, keys: set[str]) -> set[str]:
     """Those of ``keys`` that a committed step uses: its marker, its attempt, and the
     attempts its manifest references (held bytes of deleted bases among them)."""
-    steps = {layout.parse_step(k.split("/")[0]) for k in keys if k.endswith("/COMMITTED")}
+    steps = {
+        layout.parse_step(k.split("/")[0])
+        for k in keys
+        if k.count("/") == 1
+        and (layout.parse_step_record(k.split("/")[1]) or ("",))[0] == layout.COMMIT_MARKER
+    }
     markers = await asyncio.gather(*(read_marker(backend, s) for s in steps if s is not None))
     roots = [m.where.root + "/" for m in markers if m is not None]
-    marks = {layout.commit_key(m.step) for m in markers if m is not None}
+    marks = {m.key for m in markers if m is not None}
     found = await manifests(backend, [m.step for m in markers if m is not None])
     for manifest in found.values():
         for ref in manifest.references:

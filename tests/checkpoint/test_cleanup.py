@@ -123,7 +123,7 @@ async def test_gc_removes_parts_a_committed_attempt_does_not_use(any_backend: Ba
     assert_is_tree(restored, 4)
 
 
-async def test_delete_step(any_backend: Backend) -> None:
+async def test_delete_step(any_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     for step in (1, 2, 3):
         await ckptstore.save(any_backend, tree_of(step), step=step)
     loser = await crashed_attempt(any_backend, 2)
@@ -137,7 +137,37 @@ async def test_delete_step(any_backend: Backend) -> None:
     with pytest.raises(ckptstore.CheckpointNotFoundError):
         await ckptstore.delete_step(any_backend, 2)
     assert (await ckptstore.gc(any_backend, older_than=0)).entries == [loser.root]
-    assert [info.key async for info in any_backend.list("2")] == [loser.fate]  # its tombstone
+    left = [info.key async for info in any_backend.list("2")]
+    assert left == ["2/REVOKED.0", loser.fate]  # the revocation, the loser's tombstone
+    claim_ttl_over(monkeypatch)  # a day later, no stale deletion can name that commit
+    expired = (await ckptstore.gc(any_backend, older_than=0)).entries
+    assert sorted(expired) == ["2/REVOKED.0", loser.root]
+    assert [info.key async for info in any_backend.list("2")] == []
+    monkeypatch.undo()
+    await ckptstore.save(any_backend, tree_of(5), step=2)
+    assert_is_tree(await ckptstore.restore(any_backend, step=2), 5)
+
+
+async def test_a_stale_delete_never_removes_the_step_saved_again(any_backend: Backend) -> None:
+    """Two deletions of one step and a save of it committed between them: the slower
+    deletion (it read the old marker before the first one ran) revokes only the commit it
+    read, and the re-saved step stays, through gc too."""
+    await ckptstore.save(any_backend, tree_of(1), step=1)
+    stale = Stalled(any_backend, "create", "/DELETED")  # the marker read, about to act
+    task = asyncio.create_task(ckptstore.delete_step(stale, 1))
+    await asyncio.wait_for(stale.reached.wait(), 60)
+    await ckptstore.delete_step(any_backend, 1)
+    await ckptstore.save(any_backend, tree_of(2), step=1)
+    stale.release.set()
+    await task  # its goal holds: the commit it read is gone
+    assert await ckptstore.list_steps(any_backend) == [1]
+    await ckptstore.gc(any_backend, older_than=0)
+    assert_is_tree(await ckptstore.restore(any_backend, step=1), 2)
+    assert (await ckptstore.verify(any_backend, step=1)).ok
+    await ckptstore.delete_step(any_backend, 1)  # the re-saved commit is deletable in turn
+    assert await ckptstore.list_steps(any_backend) == []
+    await ckptstore.save(any_backend, tree_of(3), step=1)
+    assert_is_tree(await ckptstore.restore(any_backend, step=1), 3)
 
 
 async def test_delete_step_with_an_unreadable_marker(
@@ -152,8 +182,8 @@ async def test_delete_step_with_an_unreadable_marker(
     # Its attempt was claimed for a commit: which marker named it, nobody can tell, so gc
     # keeps it for the claim's lifetime (a finalize could still be committing it).
     assert len((await ckptstore.gc(any_backend, older_than=0)).kept_young) == 1
-    claim_ttl_over(monkeypatch)
-    assert len((await ckptstore.gc(any_backend, older_than=0)).entries) == 1
+    claim_ttl_over(monkeypatch)  # then it goes, and the revocation with it
+    assert len((await ckptstore.gc(any_backend, older_than=0)).entries) == 2
 
 
 KILLED_DELETE = textwrap.dedent(
@@ -165,9 +195,12 @@ KILLED_DELETE = textwrap.dedent(
     point = sys.argv[2]
 
     class DiesMidDelete(LocalBackend):
-        async def _delete(self, key):
-            if point == "before marker" and key.endswith("COMMITTED"):
+        async def _create(self, key, data):
+            if point == "before marker" and "/REVOKED." in key:  # the commit's revocation
                 os.kill(os.getpid(), signal.SIGKILL)
+            await super()._create(key, data)
+
+        async def _delete(self, key):
             await super()._delete(key)
             if point == "after marker" and key.endswith("COMMITTED"):
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -1,6 +1,8 @@
-"""No empty directories on local disk: `delete_step`, keep policies, tier eviction and trims,
-and `gc` (once a deleted step's tombstone expires) remove a step directory with its last
-entry; a writer whose directory a concurrent prune removes makes it again."""
+"""No empty directories on local disk: `delete_step`, keep policies, tier eviction and trims
+leave a deleted step's directory holding its revocation record alone (`REVOKED.<n>`, kept a
+day: docs/architecture.md), and `gc` (once that and the step's tombstones expire) removes
+the directory with its last entry; a writer whose directory a concurrent prune removes
+makes it again."""
 
 from __future__ import annotations
 
@@ -32,6 +34,15 @@ def step_dirs(root: Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
 
 
+def live_dirs(root: Path) -> list[int]:
+    """Step directories holding more than revocation records."""
+    return [
+        s
+        for s in step_dirs(root)
+        if any(not p.name.startswith("REVOKED.") for p in (root / str(s)).iterdir())
+    ]
+
+
 def tombstones_expire(monkeypatch: pytest.MonkeyPatch) -> None:
     """As if a day had passed since each deletion (`commit.CLAIM_TTL`)."""
     monkeypatch.setattr(commit_protocol, "CLAIM_TTL", 0.0)
@@ -47,9 +58,9 @@ def test_quick_start_loop_leaves_no_empty_directories(
             mgr.save(step, {"w": np.full((256,), step, np.float32), "step": step})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [28, 29, 30]
-    assert step_dirs(root) == [28, 29, 30] and empty_dirs(root) == []
+    assert live_dirs(root) == [28, 29, 30] and empty_dirs(root) == []
     ckptstore.delete_step_sync(root, 28)
-    assert step_dirs(root) == [29, 30] and empty_dirs(root) == []
+    assert live_dirs(root) == [29, 30] and empty_dirs(root) == []
     tombstones_expire(monkeypatch)
     ckptstore.gc_sync(root, older_than=0)
     assert step_dirs(root) == [29, 30] and empty_dirs(root) == []
@@ -69,11 +80,11 @@ async def test_tier_trims_evictions_and_tombstones_leave_no_empty_directories(
     assert await ckptstore.list_steps(tiers.fast) == [2, 3, 4]
     await ckptstore.promote(tiers)  # keep_fast=2 trims 2
     assert await ckptstore.list_steps(tiers.fast) == [3, 4]
-    assert step_dirs(fast) == [3, 4] and empty_dirs(fast) == []
+    assert live_dirs(fast) == [3, 4] and empty_dirs(fast) == []
     # delete_step on tiers leaves the fast copy's tombstone (for a promotion in flight) ...
     await ckptstore.delete_step(tiers, 3)
-    assert step_dirs(fast) == [3, 4] and empty_dirs(fast) == []
-    assert step_dirs(durable) == [1, 2, 4] and empty_dirs(durable) == []
+    assert live_dirs(fast) == [3, 4] and empty_dirs(fast) == []
+    assert live_dirs(durable) == [1, 2, 4] and empty_dirs(durable) == []
     # ... until gc collects it, a day later: then its directory goes too.
     tombstones_expire(monkeypatch)
     await ckptstore.gc(tiers, older_than=0)

@@ -355,3 +355,35 @@ def test_the_digest_is_blake3_of_the_little_endian_bytes() -> None:
     want = blake3.blake3(np.ascontiguousarray(data, dtype="<f4").tobytes()).hexdigest(16)
     assert digest(data) == want
     assert digest(data.astype("<f4")) == want
+
+
+async def test_verify_compares_referenced_bytes_with_their_recorded_digests(
+    tmp_path: Path,
+) -> None:
+    """A forged (re-signed) manifest whose reference points at another attempt of the same
+    shape, or whose recorded digest is false: a restore would return other values, and
+    `verify` says so instead of "intact"."""
+    from tests.checkpoint.test_commit import resign
+
+    backend = ckptstore.open_backend(str(tmp_path / "ckpt"))
+    other = {**lora(3), "base": {"w": FROZEN + 1, "norm": np.linspace(1, 2, 7, dtype=np.float32)}}
+    await ckptstore.save(backend, lora(1), step=1)
+    await ckptstore.save(backend, lora(2), step=2, base=1)
+    third = await ckptstore.save(backend, other, step=3)
+    assert (await ckptstore.verify(backend, step=2)).ok
+    honest = await backend.read(f"{await committed_root(backend, 2)}/manifest.json")
+
+    doc = json.loads(honest)
+    doc["references"] = [{"step": 3, "attempt": third.attempt}]  # same shapes, other bytes
+    await resign(backend, 2, json.dumps(doc).encode())
+    report = await ckptstore.verify(backend, step=2)
+    assert not report.ok
+    assert any("not the ones its save recorded" in why for why in report.problems.values())
+
+    doc = json.loads(honest)
+    table = doc["items"]["state"]["digests"]["base/w"]
+    table[next(iter(table))] = "0" * 32  # a false digest for bytes step 1 does hold
+    await resign(backend, 2, json.dumps(doc).encode())
+    assert not (await ckptstore.verify(backend, step=2)).ok
+    await resign(backend, 2, honest)
+    assert (await ckptstore.verify(backend, step=2)).ok

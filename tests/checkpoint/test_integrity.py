@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -170,3 +171,26 @@ async def test_blocking_twins_inside_a_running_loop(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     ckptstore.save_sync(root, {"a": np.arange(3)}, step=1)
     assert ckptstore.list_steps_sync(root) == [1]
+
+
+async def test_damage_no_restore_reads_is_told_apart_from_damage_that_changes_one(
+    tmp_path: Path,
+) -> None:
+    """Every leaf of this step is small, so packed: a restore never opens the item's merged
+    store. Damage there is reported under ``unused``, and ``ok`` stays true (the restore is
+    bit-exact); damage a restore reads still makes ``ok`` false."""
+    root = str(tmp_path / "ckpt")
+    tree = {"a": np.arange(10, dtype=np.float32), "b": np.ones(3, np.int32)}
+    await ckptstore.save(root, tree, step=1)
+    attempt = json.loads((tmp_path / "ckpt" / "1" / "COMMITTED").read_text())["attempt"]
+    (tmp_path / "ckpt" / "1" / attempt / "state" / "manifest.ocdbt").write_bytes(b"garbage")
+    got = await ckptstore.restore(root, step=1)
+    assert all(np.array_equal(got[k], tree[k]) for k in tree)
+    report = await ckptstore.verify(root, step=1)
+    assert report.ok and not report.problems
+    assert list(report.unused) == ["state/"] and "no leaf is read" in report.unused["state/"]
+    packs = sorted((tmp_path / "ckpt" / "1" / attempt / "state").rglob("pack-*"))
+    blob = bytearray(packs[0].read_bytes())
+    blob[-3] ^= 0x01  # inside a packed chunk: what a restore reads
+    packs[0].write_bytes(bytes(blob))
+    assert not (await ckptstore.verify(root, step=1)).ok

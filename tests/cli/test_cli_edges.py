@@ -194,3 +194,25 @@ def test_a_tiers_profile_by_name_lists_both_tiers(
     assert lines[1].split()[0] == "4" and "not promoted yet" in lines[1]
     assert main(["--profile", "tiers", "--endpoint", "http://127.0.0.1:1", "ls"]) == 2
     assert "--endpoint does not apply to the tiers of" in capsys.readouterr().err
+
+
+async def test_rm_of_a_step_another_process_deleted_meanwhile_succeeds_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ckptstore rm --step 1-2` lists steps 1 and 2; another process deletes step 1
+    before this one reads its marker: the goal holds, so rm exits 0 and says so."""
+    from ckptstore.backends.local import LocalBackend
+    from ckptstore.cli.output import Output
+    from ckptstore.cli.remove import StepSpec, cmd_rm
+    from tests.lifecycle.test_manager import _DeletedFirst
+
+    backend = _DeletedFirst(LocalBackend(tmp_path / "run"))
+    for step in (1, 2, 3):
+        await ckptstore.save(backend, {"w": np.zeros(4)}, step=step)
+    backend.armed = {1}
+    status = await cmd_rm(backend, "run", [StepSpec(1, 2, single=False)], None, False, Output())
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "1 step (1) already removed by another process" in out
+    assert "1 committed step remains: 3" in out
+    assert await ckptstore.list_steps(backend) == [3]

@@ -6,6 +6,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -480,3 +482,85 @@ def test_a_bad_target_fails_before_any_thread_starts(tmp_path: Path) -> None:
     with pytest.raises(ckptstore.ConfigError, match="does not exist"):
         ckptstore.CheckpointManager(str(tmp_path / "typo.toml"))
     assert threading.active_count() == before
+
+
+class _DeletedFirst(FaultyBackend):
+    """A backend on which another process deletes a step just before this one reads its
+    marker (armed by `_DropsOlder`)."""
+
+    def __init__(self, inner: Backend):
+        super().__init__(inner)
+        self.armed: set[int] = set()
+
+    async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
+        step = key.split("/")[0]
+        if "/COMMITTED" in key and step.isdigit() and int(step) in self.armed:
+            self.armed.discard(int(step))
+            await ckptstore.delete_step(self.inner, int(step))  # `ckptstore rm` elsewhere
+        return await self.inner.read(key, start, end)
+
+
+class _DropsOlder(pol.KeepPolicy):
+    """KeepLatest(1), arming `_DeletedFirst` for each step it drops."""
+
+    def __init__(self, backend: _DeletedFirst):
+        self.backend = backend
+
+    def keep(self, records: Any, now: float) -> set[int]:
+        latest = max(r.step for r in records)
+        self.backend.armed = {r.step for r in records if r.step != latest}
+        return {latest}
+
+
+def test_the_keep_policy_succeeds_when_another_process_deleted_the_step_first(
+    tmp_path: Path,
+) -> None:
+    from ckptstore.backends.local import LocalBackend
+
+    backend = _DeletedFirst(LocalBackend(tmp_path / "run"))
+    opts = ckptstore.ManagerOptions(handle_sigterm=False)
+    tree = {"w": np.arange(8, dtype=np.float32)}
+    with ckptstore.CheckpointManager(
+        backend, keep_policy=_DropsOlder(backend), options=opts
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, tree)
+            mgr.wait_until_finished()  # raised CheckpointNotFoundError before
+        assert mgr.all_steps() == [3]
+    assert ckptstore.list_steps_sync(str(tmp_path / "run")) == [3]
+
+
+NEVER_CLOSED = """
+import asyncio, sys
+import numpy as np
+import ckptstore
+from ckptstore.backends.local import LocalBackend
+
+class SlowMarker(LocalBackend):  # the save is still in flight when the script returns
+    async def _create(self, key, data):
+        if "COMMITTED" in key:
+            await asyncio.sleep(1.0)
+        await super()._create(key, data)
+
+opts = ckptstore.ManagerOptions(handle_sigterm=False)
+mgr = ckptstore.CheckpointManager(SlowMarker(sys.argv[1]), options=opts)
+mgr.save(7, {"w": np.arange(16, dtype=np.float32)})
+print("in flight" if not mgr._inflight.done() else "done", flush=True)
+"""
+
+
+def test_a_script_that_never_closes_its_manager_still_commits_its_last_save(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", NEVER_CLOSED, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "in flight"  # else this test shows nothing
+    assert "finishing the save of step 7 before exit" in proc.stderr
+    assert ckptstore.list_steps_sync(str(root)) == [7]
+    assert ckptstore.verify_sync(str(root), step=7).ok

@@ -301,3 +301,22 @@ def test_the_very_arrays_of_the_last_save_are_not_digested_again(
         for step, want in ((2, frozen), (3, frozen), (4, changed)):
             got = mgr.restore(step)
             np.testing.assert_array_equal(got["frozen"], np.asarray(want))
+
+
+def test_a_base_another_writer_saved_again_is_never_referenced(tmp_path: Path) -> None:
+    """The manager saves step 1 from arrays X; another writer deletes step 1 and saves it
+    again with values Y; the manager saves step 2 from the very same X objects. Step 2
+    holds X (saved in full once, as when a base goes), never Y's bytes by reference."""
+    root = str(tmp_path / "run")
+    x = {"frozen": jnp.arange(4096, dtype=jnp.float32), "w": jnp.ones(64, jnp.float32)}
+    y = {"frozen": np.full(4096, 7.0, np.float32), "w": np.full(64, 7.0, np.float32)}
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        mgr.save(1, x).wait()  # type: ignore[union-attr]
+        ckptstore.delete_step_sync(root, 1)  # another writer (`ckptstore rm`, then a save)
+        ckptstore.save_sync(root, y, step=1)
+        mgr.save(2, x).wait()  # type: ignore[union-attr]
+        stats = list(mgr.stats)
+    assert stats[1].bytes_referenced == 0 and stats[1].base is None
+    assert_bit_exact(ckptstore.restore_sync(root, step=2), host(x))
+    assert_bit_exact(ckptstore.restore_sync(root, step=1), y)
+    assert ckptstore.verify_sync(root, step=2).ok

@@ -5,7 +5,12 @@ promoting a later step of a LoRA run reads what changed, not the frozen base aga
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,3 +73,58 @@ async def test_a_damaged_holder_copied_for_the_step_is_refused(
         assert await ckptstore.list_steps(durable) == []
         copied = [o.key async for o in durable.list(holder) if "/state/" in o.key]
         assert copied == []
+
+
+def forge(fast: str, step: int, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite ``step``'s manifest with ``edit`` and re-sign its marker (a forger's work, or
+    a hand-edit with the digest fixed)."""
+    marker_path = Path(fast, str(step), "COMMITTED")
+    marker = json.loads(marker_path.read_text())
+    manifest_path = Path(fast, str(step), marker["attempt"], "manifest.json")
+    doc = json.loads(manifest_path.read_text())
+    edit(doc)
+    data = json.dumps(doc).encode()
+    manifest_path.write_bytes(data)
+    marker["manifest_digest"] = "sha256:" + hashlib.sha256(data).hexdigest()
+    marker_path.write_text(json.dumps(marker))
+
+
+def attempt_of(fast: str, step: int) -> dict[str, Any]:
+    marker = json.loads(Path(fast, str(step), "COMMITTED").read_text())
+    return {"step": step, "attempt": marker["attempt"]}
+
+
+async def test_reference_cycles_are_typed_errors_not_recursion(tiered: ckptstore.Tiered) -> None:
+    """A step naming itself as its base or referencing its own attempt is refused by every
+    reader; a base cycle between two steps (1 -> 2 -> 1) fails promotion typed, at once."""
+    fast = str(tiered.fast)
+    await ckptstore.save(fast, lora(1), step=1)
+    await ckptstore.save(fast, lora(2), step=2, base=1)
+    await ckptstore.save(fast, lora(3), step=3, base=1)
+    await ckptstore.save(fast, lora(4), step=4, base=1)
+
+    def base_is(ref: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+        def edit(doc: dict[str, Any]) -> None:
+            doc["base"] = ref
+
+        return edit
+
+    forge(fast, 3, base_is(attempt_of(fast, 3)))
+    forge(fast, 4, lambda doc: doc["references"].append(attempt_of(fast, 4)))
+    for step in (3, 4):
+        with pytest.raises(ckptstore.CorruptCheckpointError, match="reference cycle"):
+            await ckptstore.restore(fast, step=step)
+        with pytest.raises(ckptstore.CorruptCheckpointError, match="reference cycle"):
+            await ckptstore.promote(tiered, step=step)
+        assert not (await ckptstore.verify(fast, step=step)).ok
+
+    def cycle(doc: dict[str, Any]) -> None:  # 1 -> 2 -> 1, by base and by reference
+        doc["base"] = attempt_of(fast, 2)
+        doc["references"].append(attempt_of(fast, 2))
+
+    forge(fast, 1, cycle)
+    start = time.monotonic()
+    with pytest.raises(ckptstore.CorruptCheckpointError, match="reference cycle"):
+        await ckptstore.promote(tiered, step=2)
+    assert time.monotonic() - start < 60  # not minutes of recursion
+    assert await ckptstore.list_steps(tiered.durable) == []

@@ -127,3 +127,23 @@ async def test_host_parts_of_durable_steps_are_evictable(tmp_path: Path) -> None
     assert not (tmp_path / "nvme" / "1").exists() and (tmp_path / "nvme" / "2" / "STAGED").exists()
     with pytest.raises(ckptstore.InsufficientSpaceError):
         await ensure_room(fast, Room(durable, 0), 2 * STEP_BYTES)
+
+
+async def test_an_incremental_save_counts_what_it_writes_and_never_evicts_its_base(
+    tmp_path: Path,
+) -> None:
+    """Step 1 promoted and on the fast tier; too little room left for a full save, enough
+    for step 2's changed leaves: the incremental save on base 1 evicts nothing (step 1 is
+    its base, and its frozen leaves are only referenced) and references them."""
+    from tests.checkpoint.test_incremental import FROZEN, assert_same, lora
+
+    fast = SmallDisk(tmp_path / "nvme", capacity=1 << 40)
+    tiers = ckptstore.Tiered(fast, str(tmp_path / "bucket"), free_margin=4096)
+    await ckptstore.save(tiers, lora(1), step=1)
+    await ckptstore.promote(tiers)
+    used = fast.capacity - int(await fast.free_bytes() or 0)
+    fast.capacity = used + FROZEN.nbytes // 2  # room for the adapters, not for the base again
+    result = await ckptstore.save(tiers, lora(2), step=2, base=1)
+    assert result.bytes_referenced >= FROZEN.nbytes
+    assert await ckptstore.list_steps(tiers.fast) == [1, 2]
+    assert_same(await ckptstore.restore(tiers, step=2), lora(2))

@@ -427,3 +427,21 @@ async def test_ls_shows_each_steps_tiers_and_how_far_promotion_got(
     assert await asyncio.to_thread(main, ["ls", str(profile)]) == 0
     out = capsys.readouterr().out
     assert "promotion lag: none" in out and "fast only" not in out
+
+
+def test_a_restarted_manager_finishes_what_its_predecessor_left(tmp_path: Path) -> None:
+    """A run killed before its promotions left steps 1-5 on the fast tier only: a new
+    manager promotes them in the background, then applies its keep policy on both tiers."""
+    tiers = ckptstore.Tiered(fast=str(tmp_path / "nvme"), durable=str(tmp_path / "bucket"))
+    for step in range(1, 6):
+        ckptstore.save_sync(tiers.fast, tree(step), step=step)  # committed, never promoted
+    opts = ckptstore.ManagerOptions(handle_sigterm=False)
+    keep = ckptstore.policies.KeepLatest(3)
+    with ckptstore.CheckpointManager(tiers, keep_policy=keep, options=opts) as mgr:
+        mgr.wait_until_finished()
+        assert mgr.resumed_promotions == [1, 2, 3, 4, 5]
+        assert mgr.all_steps() == [3, 4, 5]
+    assert ckptstore.list_steps_sync(tiers.durable) == [3, 4, 5]
+    assert ckptstore.list_steps_sync(tiers.fast) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert_tree(ckptstore.restore_sync(tiers.durable, step=step), step)
