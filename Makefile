@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-wheel demo lint typecheck bench scale torture races clean
+.PHONY: test test-loaded test-wheel demo lint typecheck bench scale torture races clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check ckptstore tests benchmarks demo
 	$(VENV)/bin/mypy ckptstore
 	$(PY) -m pytest -q
+
+# `make test-loaded`: the same suite beside two busy CPU loops it starts and stops itself
+# (a shared machine's timing; ~1.5x as long as `make test`).
+test-loaded: $(STAMP)
+	$(PY) -m tests.campaigns.loaded --loops 2
 
 # The built wheel in a fresh venv next to another JAX in the supported range (~1.5 min,
 # needs the package index; skipped in `make test`).

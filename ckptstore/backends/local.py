@@ -10,7 +10,6 @@ resolve inside the root, symlinks included.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import errno
@@ -41,7 +40,7 @@ from ckptstore.errors import (
     PermissionDeniedError,
     StorageError,
 )
-from ckptstore.runtime.futures import finish_first
+from ckptstore.runtime.futures import finish_first, on_thread
 
 _ALIGN = 4096
 _DIRECT_MIN = 4 << 20  # below this, buffered write + fsync is as fast
@@ -200,7 +199,7 @@ class LocalBackend(Backend):
             def read() -> int:
                 return _pread_into(self._path(key), offset, outs)
 
-            return await asyncio.get_running_loop().run_in_executor(_READERS, read)
+            return await on_thread(_READERS, read)
         except OSError as exc:
             raise self._error(exc, key) from exc
 
@@ -451,7 +450,7 @@ async def _durable_put(
     path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: bool
 ) -> None:
     """`put_file` in a worker thread; cancelled, it still finishes first (see `finish_first`)."""
-    await finish_first(aiofiles.os.wrap(put_file)(path, parts, exclusive=exclusive, fsync=fsync))
+    await on_thread(None, lambda: put_file(path, parts, exclusive=exclusive, fsync=fsync))
 
 
 def put_file(path: Path, parts: Sequence[Buffer], *, exclusive: bool, fsync: bool = True) -> None:

@@ -31,7 +31,7 @@ from ckptstore.format.digests import PieceTable, digest, digest_off_loop, piece_
 from ckptstore.format.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
 from ckptstore.format.packs import PackRef, PackTarget, write_pack
 from ckptstore.runtime.bytebudget import ByteBudget
-from ckptstore.runtime.futures import finish_first, off_loop, wait_here
+from ckptstore.runtime.futures import finish_first, off_loop, on_thread, wait_here
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
@@ -233,7 +233,7 @@ async def write_leaves(
             policy = policy_of(context)
             limit = None if policy is None else policy.limit(nbytes)
 
-            await finish_first(asyncio.to_thread(encode_and_write))
+            await on_thread(None, encode_and_write)
             for info, pieces in owned:
                 for _ in pieces:
                     stats.leaves.append(info.name)

@@ -40,6 +40,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo
+from ckptstore.runtime.futures import on_thread
 from ckptstore.runtime.gcpause import gc_paused
 
 
@@ -148,7 +149,7 @@ async def write_pack(
     interpreter lock and a few cores), every pack would be ready only when the last is,
     and the storage would wait for all of them (tree c's saves: 1.66 s -> 1.45 s)."""
     async with encoding or contextlib.nullcontext():
-        parts, offsets = await asyncio.to_thread(pack_parts, leaves)
+        parts, offsets = await on_thread(None, lambda: pack_parts(leaves))
     await backend.write_gather(_join(prefix, key), parts)
     return [PackRef(key, offset) for offset in offsets]
 
@@ -229,7 +230,7 @@ class _RunReader:
             raise CorruptCheckpointError(
                 f"pack {first.key} of {names} is missing", leaf=leaves[indices[0]][0].name
             ) from exc
-        await asyncio.to_thread(self._decode, indices, stored, bufs)
+        await on_thread(None, lambda: self._decode(indices, stored, bufs))
 
     def _decode(
         self, indices: list[int], stored: list[bytearray], bufs: list[np.ndarray[Any, Any]]

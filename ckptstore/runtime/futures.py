@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import tensorstore as ts
 
@@ -52,12 +54,47 @@ async def finish_first(work: Awaitable[T]) -> T:
         raise
 
 
+class _Job(Generic[T]):
+    """One piece of work for a worker thread whose result reaches the caller without the
+    thread keeping a reference to it, or to what the work closed over.
+
+    An executor's worker holds what the function returned (and the function) until its
+    thread runs again after setting the future's result, while the awaiting coroutine may
+    already have returned: under load, a restore's buffers (or a save's arrays) outlived
+    the call that returned them. Here the worker's own result is None and the work is
+    dropped before the future is set; the caller takes the value out (`take`)."""
+
+    def __init__(self, work: Callable[[], T]):
+        self._work: Callable[[], T] | None = work
+        self._out: tuple[T] | None = None
+
+    def __call__(self) -> None:
+        work, self._work = self._work, None
+        assert work is not None, "a job runs once"
+        self._out = (work(),)
+
+    def take(self) -> T:
+        out, self._out = self._out, None
+        assert out is not None, "the job did not run"
+        return out[0]
+
+
+async def on_thread(executor: concurrent.futures.Executor | None, work: Callable[[], T]) -> T:
+    """``work()`` on ``executor`` (None: the loop's default one), in the caller's context;
+    a cancellation waits for it to end. Once this returns, no worker thread holds the
+    result or the work (`_Job`)."""
+    context = contextvars.copy_context()
+    job = _Job(functools.partial(context.run, work))
+    await finish_first(asyncio.get_running_loop().run_in_executor(executor, job))
+    return job.take()
+
+
 async def off_loop(work: Callable[[], T], nbytes: int) -> T:
     """``work()``, on a worker thread when it handles ``nbytes`` >= `THREAD_BYTES`; a
     cancellation waits for it to end (it may be writing into memory the caller owns)."""
     if nbytes < THREAD_BYTES:
         return work()
-    return await finish_first(asyncio.get_running_loop().run_in_executor(_CPU, work))
+    return await on_thread(_CPU, work)
 
 
 async def wait_all(futures: Sequence[ts.Future[Any]], limit: float | None = None) -> list[Any]:
@@ -72,7 +109,7 @@ async def wait_all(futures: Sequence[ts.Future[Any]], limit: float | None = None
     ``limit``: seconds for them all (a retry policy's deadline); past it every future is
     cancelled (TensorStore drops its requests) and `RetriesExhaustedError` is raised.
     """
-    return await finish_first(asyncio.to_thread(wait_here, futures, limit))
+    return await on_thread(None, lambda: wait_here(futures, limit))
 
 
 def wait_here(futures: Sequence[ts.Future[Any]], limit: float | None = None) -> list[Any]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import pytest
 import ckptstore
 from ckptstore.backends.local import LocalBackend
 from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.runtime import futures
 from ckptstore.runtime.gcpause import gc_paused
 
 
@@ -186,3 +189,34 @@ async def test_a_restored_trees_memory_goes_with_it_with_the_collector_off(
     buffers = [weakref.ref(_root(out[name])) for name in tree]
     del out
     assert [ref for ref in buffers if ref() is not None] == []
+
+
+class _LingeringExecutor(concurrent.futures.Executor):
+    """Like a `ThreadPoolExecutor` worker that the scheduler takes off the CPU right after
+    it set a future's result: its frame still holds the function and what it returned."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            result = fn(*args, **kwargs)
+            future.set_result(result)
+            time.sleep(0.5)  # `fn` and `result` are still referenced here
+            del result
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+
+async def test_a_worker_thread_holds_nothing_once_the_call_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What `off_loop` returns (a restore's decoded buffer) is the caller's alone once it
+    returns, however late the worker thread runs again (issue: a restored tree outlived
+    `del` under load)."""
+    monkeypatch.setattr(futures, "_CPU", _LingeringExecutor())
+    nbytes = 2 * futures.THREAD_BYTES
+    made = await futures.off_loop(lambda: np.ones(nbytes // 4, np.float32), nbytes)
+    ref = weakref.ref(made)
+    del made
+    assert ref() is None
