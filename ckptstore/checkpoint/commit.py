@@ -265,8 +265,9 @@ async def clear_attempt(backend: Backend, where: AttemptDir, *, keep_fate: bool)
             if name in groups:
                 await backend.delete(f"{where.root}/{name}")
                 removed += 1
-        await backend.delete_prefix(where.root)  # what is left: empty directories
-        await backend.prune_dirs(layout.step_dir(where.step))  # its step's, if now empty
+        # Only empty directories are left: pruned, never deleted blindly (once the records
+        # are gone a promotion may claim the attempt afresh and copy a holder into it).
+        await backend.prune_dirs(where.root)
     return removed
 
 
