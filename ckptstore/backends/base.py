@@ -255,10 +255,10 @@ class Backend(ABC):
         Nothing here: object stores have no directories."""
 
     async def prune_dirs(self, prefix: str) -> None:  # noqa: B027 - optional hook
-        """Remove the directory ``prefix`` and then each ancestor below the root, each only
-        while it is empty (a directory a writer has put something into stays), so deleting
-        the last object of a step leaves no empty directory behind. Nothing here: object
-        stores have no directories."""
+        """Remove the empty directories below ``prefix``, then ``prefix`` and each ancestor
+        below the root, each only while it is empty (a directory a writer has put something
+        into stays), so deleting the last object of a step leaves no empty directory behind.
+        Nothing here: object stores have no directories."""
 
     async def escapes(self, prefix: str) -> Names:
         """Keys below ``prefix`` that lead out of the root (symbolic links on a local

@@ -292,6 +292,9 @@ class LocalBackend(Backend):
         top = self._path(norm)
 
         def prune() -> None:
+            for below, _, _ in os.walk(top, topdown=False):  # links are not descended
+                if below != str(top):
+                    _remove_empty_dir(below)
             path = top
             while path != self.root and path.is_relative_to(self.root):
                 if not _remove_empty_dir(str(path)):
