@@ -329,8 +329,7 @@ async def remove_step(
         await mark_deleted(backend, scanned.marker.where, reason)
         keep = await referenced_elsewhere(backend, step)
     removal = Removal()
-    attempt = scanned.marker.attempt if scanned.marker is not None else None
-    await revoke(backend, step, scanned.index, attempt)  # from here on, the step is gone
+    await revoke(backend, step, scanned.index, named)  # from here on, the step is gone
     removal.entries.append(layout.commit_key(step, scanned.index))
     removal.objects += 1
     for entry in scanned.entries if scanned.marker is not None else []:

@@ -39,7 +39,13 @@ from ckptstore.errors import (
     storage_failed,
 )
 from ckptstore.format import layout
-from ckptstore.format.digests import ALGORITHM, PieceTable, digest_off_loop, parse_piece_key
+from ckptstore.format.digests import (
+    ALGORITHM,
+    PieceTable,
+    digest_off_loop,
+    parse_piece_key,
+    piece_size,
+)
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import read_packed
@@ -268,6 +274,14 @@ async def _reader(
 
         return from_pack
     assert source is not None  # a leaf not packed is in the store
+    return await _store_reader(spec, ctx, source, info)
+
+
+async def _store_reader(
+    spec: dict[str, Any], ctx: ts.Context, source: Chunks, info: LeafInfo
+) -> Callable[[Index], Awaitable[Any]]:
+    """A function reading a region of a leaf in the store as a restore reads it: chunks
+    straight from ``source`` where `RawLeaf` can, else through TensorStore."""
     raw = await RawLeaf.open(source, info)
     if raw is not None:
         return raw.read
@@ -294,8 +308,7 @@ async def _check_digests(
         index = parse_piece_key(key)
         if len(index) != len(info.shape):
             raise CorruptCheckpointError(f"leaf {info.name!r}: digest of bad bounds {key!r}")
-        sizes = [len(range(*s.indices(d))) for s, d in zip(index, info.shape, strict=True)]
-        nbytes = itemsize * math.prod(sizes)
+        nbytes = itemsize * piece_size(index, info.shape)
         async with budget.hold(nbytes):
             got = await digest_off_loop(await read(index), nbytes)
         if got != want:
@@ -319,15 +332,7 @@ async def _read_all(
     """Read every byte of a leaf through the restore's path (chunks from ``source``), a
     slab at a time, each slab held in ``budget`` while it is read and checked (and then
     passed to ``checked``)."""
-    raw = await RawLeaf.open(source, info)
-    if raw is not None:
-        read = raw.read
-    else:
-        arr = await open_leaf(spec, ctx, info)
-
-        async def read(index: Index) -> Any:
-            return await read_slice(arr, index, info.name)
-
+    read = await _store_reader(spec, ctx, source, info)
     if not info.shape or info.nbytes <= READ_BYTES:
         async with budget.hold(info.nbytes):
             await read(())

@@ -85,7 +85,7 @@ async def piece_table(
     """The digests of one leaf's ``pieces`` (as `owned_slices` gives them)."""
     out: PieceTable = {}
     for index, data, _ in pieces:
-        nbytes = _size(index, shape) * itemsize
+        nbytes = piece_size(index, shape) * itemsize
         out[piece_key(index, shape)] = await digest_off_loop(data, nbytes)
     return out
 
@@ -110,7 +110,8 @@ def check_table(leaf: str, table: Any) -> PieceTable:
     return dict(table)
 
 
-def _size(index: Index, shape: Sequence[int]) -> int:
+def piece_size(index: Index, shape: Sequence[int]) -> int:
+    """The number of elements in the piece ``index`` of an array of ``shape``."""
     n = 1
     for s, dim in zip(index, shape, strict=True):
         n *= len(range(*s.indices(dim)))

@@ -360,9 +360,7 @@ class CheckpointManager:
         same: SameObjects | None,
         objects: dict[tuple[str, str], weakref.ref[Any]],
     ) -> SaveStats:
-        target: Backend | Tiered = self.backend
-        if self.durable is not None and self.tiered is not None:  # checks room on the fast tier
-            target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
+        target = self._target()  # on tiers: room is checked on the fast tier
 
         async def save(base: int | None) -> SaveResult:
             return await save_items(
@@ -418,13 +416,19 @@ class CheckpointManager:
         self.stats.append(stats)
         return stats
 
+    def _target(self) -> Backend | Tiered:
+        """Where saves, promotions and deletes go: the open backend, or on tiers both open
+        tiers with the target's settings (``keep_fast``, the free margin)."""
+        if self.durable is not None and self.tiered is not None:
+            return dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
+        return self.backend
+
     async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
         """The step is promoted (tiered; every process takes part, see `tiers.promote`), then
         process 0 applies the keep policy; every process waits until it has."""
         if previous is not None:
             await asyncio.wrap_future(previous)  # its failure is this one's too
-        if self.durable is not None and self.tiered is not None:
-            on = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
+        if isinstance(on := self._target(), Tiered):
             try:
                 await promote(on, step, timeout=self.options.timeout)
             except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`): nothing to do
@@ -437,9 +441,7 @@ class CheckpointManager:
         """On tiers, at start: finish what a predecessor left behind, in the background (its
         error surfaces like a keep policy's): promote every step the durable tier lacks,
         then apply the keep policy to both tiers."""
-        assert self.durable is not None and self.tiered is not None
-        on = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
-        done = await promote(on, timeout=self.options.timeout)
+        done = await promote(self._target(), timeout=self.options.timeout)
         self.resumed_promotions = [p.step for p in done if not p.already]
         if self.resumed_promotions:
             log.info(
@@ -459,9 +461,7 @@ class CheckpointManager:
         keep.add(max(r.step for r in records))  # never the latest committed step
         # On tiers, the one tier-aware delete: the fast tier first, leaving the deletion
         # record that stops a promotion in flight in any process (`promote_step`).
-        target: Backend | Tiered = self.backend
-        if self.durable is not None and self.tiered is not None:
-            target = dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
+        target = self._target()
         for record in records:
             if record.step not in keep:
                 try:

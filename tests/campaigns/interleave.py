@@ -202,12 +202,24 @@ class Scenario:
 # ---- actors ----
 
 
+async def saved(world: World, want: Any, step: int) -> None:
+    """Save ``want`` as ``step`` on the fast tier, recording it as a candidate and, once
+    committed, what this actor was told."""
+    world.candidates.setdefault(step, []).append(want)
+    await ckptstore.save(world.fast, want, step=step)
+    world.told.append((_name(), step, want))
+
+
+async def deleted(world: World, target: Any, step: int) -> None:
+    """`delete_step` of ``step`` on ``target``, recorded once it succeeded."""
+    await ckptstore.delete_step(target, step)
+    world.deleted.add(step)
+    world.deletes.append((_name(), step))
+
+
 def save_actor(value: float, step: int = STEP) -> Actor:
     async def act(world: World) -> None:
-        want = tree(value)
-        world.candidates.setdefault(step, []).append(want)
-        await ckptstore.save(world.fast, want, step=step)
-        world.told.append((_name(), step, want))
+        await saved(world, tree(value), step)
 
     return act
 
@@ -256,9 +268,7 @@ def gc_actor(tiered: bool = False) -> Actor:
 
 def delete_actor(tiered: bool = False, step: int = STEP) -> Actor:
     async def act(world: World) -> None:
-        await ckptstore.delete_step(world.tiers if tiered else world.fast, step)
-        world.deleted.add(step)
-        world.deletes.append((_name(), step))
+        await deleted(world, world.tiers if tiered else world.fast, step)
 
     return act
 
@@ -267,13 +277,8 @@ def delete_then_save_actor(value: float) -> Actor:
     """Another job: deletes step 1 (`ckptstore rm`), then saves it again."""
 
     async def act(world: World) -> None:
-        await ckptstore.delete_step(world.fast, STEP)
-        world.deleted.add(STEP)
-        world.deletes.append((_name(), STEP))
-        want = tree(value)
-        world.candidates.setdefault(STEP, []).append(want)
-        await ckptstore.save(world.fast, want, step=STEP)
-        world.told.append((_name(), STEP, want))
+        await deleted(world, world.fast, STEP)
+        await saved(world, tree(value), STEP)
 
     return act
 
@@ -282,14 +287,9 @@ def replace_base_actor(value: float) -> Actor:
     """Another writer replaces base step 1 with other values: delete, then save again."""
 
     async def act(world: World) -> None:
-        await ckptstore.delete_step(world.fast, STEP)
-        world.deleted.add(STEP)
-        world.deletes.append((_name(), STEP))
-        want = inc_tree(value)
-        frozen_too = {**want, "frozen": {k: np.asarray(v) + value for k, v in frozen().items()}}
-        world.candidates.setdefault(STEP, []).append(frozen_too)
-        await ckptstore.save(world.fast, frozen_too, step=STEP)
-        world.told.append((_name(), STEP, frozen_too))
+        await deleted(world, world.fast, STEP)
+        frozen_too = {k: np.asarray(v) + value for k, v in frozen().items()}
+        await saved(world, {**inc_tree(value), "frozen": frozen_too}, STEP)
 
     return act
 
