@@ -76,8 +76,8 @@ from benchmarks.trees import TREES
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec, write_leaves
-from ckptstore.format.chunks import aligned_empty
 from ckptstore.format.leaves import describe_leaf
+from ckptstore.runtime.hostpool import aligned_empty
 
 PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpoint", "psutil"]
 # Each phase interleaves its contenders side by side. The disk comparison runs apart from

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ckptstore.format.chunks import aligned_empty
+from ckptstore.runtime.hostpool import aligned_empty
 
 MiB = 1 << 20
 Built = tuple[dict[str, Any], dict[str, Any]]

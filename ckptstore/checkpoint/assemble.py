@@ -37,6 +37,7 @@ from ckptstore.format.leaves import (
 )
 from ckptstore.format.tree import path_name, rebuild
 from ckptstore.runtime.bytebudget import ByteBudget
+from ckptstore.runtime.hostpool import pooled
 from ckptstore.runtime.membudget import check_fits
 
 
@@ -48,8 +49,29 @@ async def restore_stored(
     cast: bool,
     budget: ByteBudget | None = None,
 ) -> Any:
-    """Build the tree ``like`` asks for (the saved one when None) from ``stored``."""
+    """Build the tree ``like`` asks for (the saved one when None) from ``stored``.
+
+    Onto accelerators, the bytes read land in reused host buffers (`pooled`): what is read
+    ahead is bounded by ``budget``, so the pool keeps up to twice that and reuses it."""
     budget = budget or ByteBudget(MAX_INFLIGHT_BYTES)
+    if not _onto_accelerators(like):
+        return await _restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+    with pooled(2 * budget.limit):
+        return await _restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+
+
+def _onto_accelerators(like: Any) -> bool:
+    """Whether ``like`` puts some leaf on devices other than CPUs."""
+    shardings = {getattr(leaf, "sharding", None) for leaf in jax.tree_util.tree_leaves(like)}
+    return any(
+        isinstance(s, jax.sharding.Sharding) and not placement.on_host(list(s.device_set))
+        for s in shardings
+    )
+
+
+async def _restore_stored(
+    stored: StoredItem, like: Any, *, partial: bool, cast: bool, budget: ByteBudget
+) -> Any:
     if like is None:
         names = list(stored.leaves)
         # Typed PRNG keys come back as typed keys of the implementation they were saved from.

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ckptstore.format.chunks import ALIGNMENT, aligned_empty
 from ckptstore.runtime.futures import off_loop
+from ckptstore.runtime.hostpool import ALIGNMENT, aligned_empty
 
 
 def adoptable(data: np.ndarray[Any, Any]) -> bool:

@@ -24,6 +24,7 @@ from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.runtime.futures import off_loop
+from ckptstore.runtime.hostpool import aligned_empty
 
 
 class RawLeaf:
@@ -165,7 +166,7 @@ class _Region:
             and all(a == c * n for a, c, n in zip(starts, self.coords[0], sizes, strict=True))
         ):
             return pieces[self.keys[0]]
-        out = chunks.aligned_empty(self.shape, dtype_of(info.dtype))  # devices adopt it as is
+        out = aligned_empty(self.shape, dtype_of(info.dtype))  # devices adopt it as is
         for coord, key in zip(self.coords, self.keys, strict=True):
             dst, src = [], []
             for (a, b), c, n in zip(self.bounds, coord, sizes, strict=True):

@@ -34,14 +34,12 @@ import tensorstore as ts
 
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format.leaves import LeafInfo, dtype_of, zarr_spec
+from ckptstore.runtime.hostpool import aligned_empty
 
 #: Leaves up to this size whose array is a single chunk are written as raw keys. Above
 #: it an open's fixed cost is small next to the write, and TensorStore avoids a copy.
 MAX_SMALL_BYTES = 4 << 20
 _CRC_BYTES = 4
-#: Decoded chunks start on this boundary: JAX's CPU client adopts such buffers as device
-#: memory without copying them (`ckptstore.datapath.placement`).
-ALIGNMENT = 64
 T = TypeVar("T")
 
 
@@ -173,14 +171,6 @@ def checksum(data: np.ndarray[Any, np.dtype[np.uint8]]) -> bytes:
     ``crc32c`` releases the GIL for buffers of 32 KiB and more, so checksums on worker
     threads run beside Python work elsewhere in the process."""
     return int(crc32c.crc32c(data.data)).to_bytes(_CRC_BYTES, "little")
-
-
-def aligned_empty(shape: Sequence[int], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """An uninitialized writable array whose data starts on an `ALIGNMENT` boundary."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype).reshape(tuple(shape))
 
 
 def _little(dtype: np.dtype[Any]) -> np.dtype[Any]:

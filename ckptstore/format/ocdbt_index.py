@@ -28,7 +28,7 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.errors import CorruptCheckpointError, NotFoundError, ShortReadError
-from ckptstore.format.chunks import aligned_empty
+from ckptstore.runtime.hostpool import aligned_empty
 
 #: Neighbouring values of one data file closer than this are fetched in one read.
 MAX_GAP = 1 << 20

@@ -42,6 +42,7 @@ from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.runtime.futures import on_thread
 from ckptstore.runtime.gcpause import gc_paused
+from ckptstore.runtime.hostpool import aligned_empty
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class _RunReader:
         leaves, metas = self.leaves, self.metas
         first = leaves[indices[0]][1]
         stored = [bytearray(len(metas[i])) for i in indices]
-        bufs = [chunks.aligned_empty((chunks.stored_size(leaves[i][0]),), _BYTE) for i in indices]
+        bufs = [aligned_empty((chunks.stored_size(leaves[i][0]),), _BYTE) for i in indices]
         views = [
             v for meta, buf in zip(stored, bufs, strict=True) for v in (memoryview(meta), buf.data)
         ]

@@ -133,8 +133,8 @@ def test_replicated_leaves_placed_by_jax_own_transfer_equal_device_put(dtype: st
     """`placement.put_replicated` (JAX's transfer without `jax.device_put`'s Python layers)
     is taken with the JAX this project pins, and builds what `jax.device_put` builds."""
     from ckptstore.datapath import placement
-    from ckptstore.format.chunks import aligned_empty
     from ckptstore.format.leaves import dtype_of
+    from ckptstore.runtime.hostpool import aligned_empty
 
     assert placement._device_put is not None, "JAX's transfer entry point moved"
     m = mesh((4, 2))

@@ -16,6 +16,7 @@ from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo, describe_leaf, zarr_spec
 from ckptstore.runtime.bytebudget import ByteBudget
+from ckptstore.runtime.hostpool import ALIGNMENT, aligned_empty
 
 DTYPES = ["float32", "bfloat16", "float8_e4m3fn", "bool", "complex64", "int8", "uint64"]
 SHAPES = [(), (3,), (2, 5), (1, 1, 7)]
@@ -390,10 +391,10 @@ def test_aligned_empty_gives_aligned_writable_arrays_that_cpu_devices_adopt(nbyt
     without a copy (a restore's single host copy per byte depends on it)."""
     import jax
 
-    arr = chunks.aligned_empty((nbytes // 4,), np.dtype(np.float32))
+    arr = aligned_empty((nbytes // 4,), np.dtype(np.float32))
     assert arr.shape == (nbytes // 4,) and arr.dtype == np.float32
     assert arr.flags.writeable and arr.flags.c_contiguous
-    assert arr.ctypes.data % chunks.ALIGNMENT == 0
+    assert arr.ctypes.data % ALIGNMENT == 0
     arr[...] = np.arange(arr.size, dtype=np.float32)
     on_device = jax.device_put(arr, jax.devices()[0])
     assert on_device.unsafe_buffer_pointer() == arr.ctypes.data
