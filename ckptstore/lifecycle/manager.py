@@ -70,18 +70,22 @@ class SaveStats:
     step: int
     attempt: str
     waited: float  # save() blocked on the previous save still in flight (if_busy="wait")
-    staging: float  # copying to host memory: with ``waited``, the pause of the training loop
+    staging: float  # copying the state (on the devices or to the host): with ``waited``, the pause
     write: float  # this process's shards to storage
     merge: float  # process 0; 0 elsewhere
     commit: float  # manifest and marker, process 0
     durable: float  # from the call to save() until the step was committed
     bytes: int  # payload of the whole step
     bytes_written: int  # by this process
-    staged_bytes: int  # held for the save by this process: host copies, or views ("view")
+    staged_bytes: int  # held for the save by this process: copies (device or host), or views
     #: Incremental saves (``ManagerOptions(incremental=True)``): payload bytes not written
     #: because ``base`` holds them, and the step the save referenced (None: a full save).
     bytes_referenced: int = 0
     base: int | None = None
+    #: How the state was staged ("device", "host" or "view": `ckptstore.lifecycle.staging`)
+    #: and why that way.
+    staging_mode: str = "host"
+    staging_reason: str = ""
 
 
 class SaveHandle:
@@ -149,6 +153,7 @@ class CheckpointManager:
         self._loop = background_loop()  # the `_sync` twins' loop thread (`runtime.blocking`)
         self._open = True
         self._stager = Stager(max_bytes=options.max_staging_bytes)
+        self._warmed = False  # whether the stager was given a state to compile for
         self._inflight: SaveHandle | None = None
         self._retention: concurrent.futures.Future[None] | None = None  # after the last save
         self._last_time: float | None = None
@@ -237,6 +242,9 @@ class CheckpointManager:
         trees = _items(state, items, self.options.item)
         start = time.perf_counter()
         if not self._decide(step, force):
+            if not self.stats and not self._warmed:  # once, before the first save: then
+                self._warmed = True  # its device copy is compiled, as the later ones'
+                self._stager.warm(trees, self.options.staging)
             return None
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
@@ -256,7 +264,11 @@ class CheckpointManager:
         configs = {n: as_json_item(n, v) for n, v in trees.items() if not is_array_tree(v)}
         arrays = {n: v for n, v in trees.items() if n not in configs}
         same, objects = self._same_objects(arrays) if self.options.incremental else ({}, {})
-        staged = self._stager.stage(arrays, self.options.staging, host_view=host_view)
+        # An incremental save reads its pieces twice (digests, then the write): device
+        # copies stay until the save ends instead of going as each piece is written.
+        staged = self._stager.stage(
+            arrays, self.options.staging, host_view=host_view, drain=not self.options.incremental
+        )
         self._last_step, self._last_time = step, time.monotonic()
         base = self._base if self.options.incremental else None
         vouched = SameObjects(self._base_attempt, same) if self._base_attempt and same else None
@@ -412,6 +424,8 @@ class CheckpointManager:
             staged_bytes=staged.nbytes,
             bytes_referenced=result.bytes_referenced,
             base=base if result.bytes_referenced else None,
+            staging_mode=staged.mode,
+            staging_reason=staged.reason,
         )
         self.stats.append(stats)
         return stats

@@ -14,7 +14,7 @@ keep_every_steps = 10000
 keep_best = { n = 1, metric = "val_acc", mode = "max" }
 keep_for = "7d"
 if_busy = "wait"                 # or "skip": what save() does while a save is in flight
-staging = "auto"                 # or "host", "view" (see ckptstore.lifecycle.staging)
+staging = "auto"                 # or "device", "host", "view" (see ckptstore.lifecycle.staging)
 max_staging_bytes = 68719476736
 timeout = "10m"                  # cross-process waits
 gc_on_start = true
@@ -62,7 +62,7 @@ class ManagerOptions:
     if_busy: Literal["wait", "skip"] = "wait"
     #: "host" copies into reused host buffers before save() returns; "view" holds zero-copy
     #: views of CPU device buffers; "auto": "view" where devices are CPUs, else "host".
-    staging: Literal["auto", "host", "view"] = "auto"
+    staging: Literal["auto", "device", "host", "view"] = "auto"
     max_staging_bytes: int | None = None
     timeout: float = 600.0
     gc_on_start: bool = True
@@ -77,8 +77,10 @@ class ManagerOptions:
     def __post_init__(self) -> None:
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
-        if self.staging not in ("auto", "host", "view"):
-            raise ConfigError(f"staging must be 'auto', 'host' or 'view', got {self.staging!r}")
+        if self.staging not in ("auto", "device", "host", "view"):
+            raise ConfigError(
+                f"staging must be 'auto', 'device', 'host' or 'view', got {self.staging!r}"
+            )
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"incremental must be True or False, got {self.incremental!r}")
         if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:

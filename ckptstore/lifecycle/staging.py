@@ -1,7 +1,13 @@
 """Staging: copy what a save needs from a training state into memory the save owns.
 
 A training loop may donate, delete or overwrite its arrays as soon as `Stager.stage`
-returns, so every piece a save will write is copied first. Two ways:
+returns, so every piece a save will write is copied first. Three ways:
+
+- "device": on accelerators with room for it, each `jax.Array` is copied on its own
+  devices by one compiled program (`ckptstore.lifecycle.devicecopy`): the pause is that
+  copy, at the device memory's speed. The save then moves each piece to the host as it
+  writes it, and frees the piece on its device once its bytes are out (`DrainedPiece`),
+  so host memory holds only what is being written.
 
 - "host": of each `jax.Array`, the addressable shards with replica id 0 are copied to
   host memory (as `HostShards`), into buffers kept from one save to the next (same leaf,
@@ -18,7 +24,9 @@ returns, so every piece a save will write is copied first. Two ways:
   An earlier version copied the views into the reused buffers on the save's thread; on
   the training-loop benchmark that copy was 10-20% of a save's time to durable.
   "auto" picks this where every array is
-  on CPU devices, else "host".
+  on CPU devices, else "device" where every device holding the state has room for a
+  copy of its shards (`devicecopy.device_room`), else "host". Which one a save used,
+  and why, is in `Staged.mode` and `Staged.reason` (and the manager's `SaveStats`).
 
 A typed PRNG key array is staged as its key data (`jax.random.key_data`, the same
 buffers), its implementation recorded in `HostShards.prng_impl`.
@@ -43,10 +51,16 @@ from ckptstore.errors import CkptStoreError
 from ckptstore.errors import StagingBudgetError as StagingBudgetError  # old home re-exports
 from ckptstore.format.leaves import HostShards, Index, is_key_array, key_impl_name
 from ckptstore.format.tree import flatten
+from ckptstore.lifecycle.devicecopy import (
+    DeviceCopier,
+    DrainedPiece,
+    bytes_per_device,
+    device_room,
+)
 
 Bounds = tuple[tuple[int, int], ...]
 
-Mode = Literal["auto", "host", "view"]
+Mode = Literal["auto", "host", "view", "device"]
 
 #: Copies smaller than this run inline; thread hand-off costs more than it saves.
 THREAD_MIN_BYTES = 1 << 20
@@ -61,9 +75,11 @@ class Staged:
     (reused staging buffers, or in "view" mode zero-copy views of the arrays' buffers)."""
 
     tree: Any
-    nbytes: int  # bytes the staged tree holds: staging buffers and views
-    copied: int  # of which copied into staging buffers
+    nbytes: int  # bytes the staged tree holds: staging buffers, views and device copies
+    copied: int  # of which copied (into staging buffers, or on the devices)
     seconds: float  # how long `Stager.stage` took: the pause it caused
+    mode: str = "host"  # how: "host", "view" or "device"
+    reason: str = ""  # why that way, in words
 
 
 class Stager:
@@ -76,6 +92,8 @@ class Stager:
         self._pool = ThreadPoolExecutor(
             max_workers=threads or min(8, os.cpu_count() or 1), thread_name_prefix="ckpt-stage"
         )
+        self._copier = DeviceCopier()
+        self._on_devices: dict[Any, int] = {}  # bytes per device of the last device copy
 
     @property
     def held_bytes(self) -> int:
@@ -84,10 +102,27 @@ class Stager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._copier.close()
         self._buffers.clear()
 
-    def stage(self, tree: Any, mode: Mode = "auto", *, host_view: bool = False) -> Staged:
+    def warm(self, tree: Any, mode: Mode = "auto") -> None:
+        """Compile, in the background, what staging ``tree`` on its devices will run, so
+        that the first save pauses no longer than later ones (the manager calls this on
+        the steps it does not save)."""
+        if mode not in ("auto", "device"):
+            return
+        arrays = [_data(a) for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)]
+        if arrays and (mode == "device" or not all(_on_cpu(a) for a in arrays)):
+            self._copier.warm(arrays)
+
+    def stage(
+        self, tree: Any, mode: Mode = "auto", *, host_view: bool = False, drain: bool = True
+    ) -> Staged:
         """Copy every piece of ``tree`` a save writes (see the module docstring for ``mode``).
+
+        ``drain`` (device staging): each piece is freed on its device when the save moves
+        it to the host, so the save may read each piece once only; false where a save may
+        read its pieces twice (an incremental save digests them before writing).
 
         ``host_view``: also the addressable slices held as replicas whose replica 0 is on
         another process (`HostShards.extra`), which a save on a host-local fast tier writes
@@ -102,19 +137,18 @@ class Stager:
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
                 raise CkptStoreError(f"leaf {name!r} was deleted (donated?) before staging")
         arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
-        views = mode == "view" or (mode == "auto" and all(_on_cpu(a) for a in arrays))
+        chosen, reason = self._choose(mode, arrays)
+        views = chosen == "view"
         self._used = set()
+        if chosen == "device":
+            return self._on_device(names, leaves, treedef, host_view, drain, reason, start)
         plan = [
             self._plan(n, leaf, views, host_view) for n, leaf in zip(names, leaves, strict=True)
         ]
         copies = [c for _, cs, _ in plan for c in cs]
         copied = sum(dst.nbytes for _, dst in copies)
         needed = copied + sum(v.nbytes for _, _, views in plan for v in views)
-        if self.max_bytes is not None and needed > self.max_bytes:
-            raise StagingBudgetError(
-                f"staging this state needs {needed} bytes of host memory; "
-                f"the manager may use {self.max_bytes} (options.max_staging_bytes)"
-            )
+        self._check_budget(needed)
         for key in set(self._buffers) - self._used:
             del self._buffers[key]  # shards no longer in the state (or resharded)
         self._run(copies)
@@ -123,6 +157,66 @@ class Stager:
             nbytes=needed,
             copied=copied,
             seconds=time.perf_counter() - start,
+            mode=chosen,
+            reason=reason,
+        )
+
+    def _check_budget(self, needed: int) -> None:
+        if self.max_bytes is not None and needed > self.max_bytes:
+            raise StagingBudgetError(
+                f"staging this state needs {needed} bytes of host memory; "
+                f"the manager may use {self.max_bytes} (options.max_staging_bytes)"
+            )
+
+    def _choose(self, mode: Mode, arrays: list[jax.Array]) -> tuple[str, str]:
+        """The way to stage ``arrays`` asked for as ``mode``, and why."""
+        if mode in ("host", "view"):
+            return mode, "asked for"
+        on_cpu = all(_on_cpu(a) for a in arrays)
+        if mode == "auto" and on_cpu:
+            return "view", "every array is in host memory (CPU devices)"
+        room, why = device_room([_data(a) for a in arrays], self._on_devices)
+        if room or (room is None and mode == "device"):
+            return "device", why if mode == "auto" else "asked for"
+        return "host", why
+
+    def _on_device(
+        self,
+        names: list[str],
+        leaves: list[Any],
+        treedef: Any,
+        extra: bool,
+        drain: bool,
+        reason: str,
+        start: float,
+    ) -> Staged:
+        """Stage on the devices: every `jax.Array` copied there at once, numpy arrays
+        into reused host buffers."""
+        plan = [
+            self._plan(n, leaf, False, False) if _host(leaf) else (leaf, [], [])
+            for n, leaf in zip(names, leaves, strict=True)
+        ]
+        copies_on_host = [c for _, cs, _ in plan for c in cs]
+        host_bytes = sum(dst.nbytes for _, dst in copies_on_host)
+        self._check_budget(host_bytes)
+        for key in set(self._buffers) - self._used:
+            del self._buffers[key]
+        self._run(copies_on_host)
+        positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+        sources = [_data(leaves[k]) for k in positions]
+        self._on_devices = bytes_per_device(sources)
+        values = [value for value, _, _ in plan]
+        on_devices = sum(int(a.nbytes) for a in sources)
+        # The copies themselves are dropped here: their pieces hold what the save writes.
+        for k, copy in zip(positions, self._copier.copy(sources), strict=True):
+            values[k] = _device_shards(copy, leaves[k], extra, drain)
+        return Staged(
+            tree=jax.tree_util.tree_unflatten(treedef, values),
+            nbytes=host_bytes + on_devices,
+            copied=host_bytes + on_devices,
+            seconds=time.perf_counter() - start,
+            mode="device",
+            reason=reason,
         )
 
     def _run(self, copies: list[Copy]) -> None:
@@ -189,6 +283,35 @@ class Stager:
         if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
             buf = self._buffers[key] = np.empty(shape, dtype)
         return buf
+
+
+def _data(leaf: jax.Array) -> jax.Array:
+    """What staging copies of ``leaf``: a typed PRNG key array's key data, else itself."""
+    return jax.random.key_data(leaf) if is_key_array(leaf) else leaf
+
+
+def _host(leaf: Any) -> bool:
+    return not isinstance(leaf, jax.Array)
+
+
+def _device_shards(copy: jax.Array, leaf: jax.Array, extra: bool, drain: bool) -> HostShards:
+    """``copy`` (of ``leaf``, made by staging) as the pieces a save writes; the copy's
+    other replicas are freed at once, unless a host-local tier's ``extra`` needs them."""
+    own = [s for s in copy.addressable_shards if s.replica_id == 0]
+    others = _other_replicas(copy, own) if extra else []
+
+    def pieces(shards: list[Any]) -> tuple[tuple[Index, Any], ...]:
+        return tuple((tuple(s.index), DrainedPiece(s.data) if drain else s.data) for s in shards)
+
+    # The pieces hold their own buffers: the copy's other replicas go with the copy.
+    return HostShards(
+        tuple(copy.shape),
+        np.dtype(copy.dtype),
+        copy.sharding,
+        pieces(own),
+        pieces(others) if extra else None,
+        prng_impl=key_impl_name(leaf.dtype) if is_key_array(leaf) else None,
+    )
 
 
 def _other_replicas(leaf: jax.Array, own: list[Any]) -> list[Any]:

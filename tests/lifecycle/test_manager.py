@@ -77,7 +77,7 @@ def options(**kw: Any) -> ckptstore.ManagerOptions:
 # ---- staging ----
 
 
-STAGING = ["host", "view"]
+STAGING = ["host", "view", "device"]
 
 
 @pytest.mark.parametrize("staging", STAGING)
@@ -96,6 +96,7 @@ def test_donating_and_deleting_right_after_save_returns(root: str, staging: str)
                     leaf.delete()
             stats = handle.wait()
             assert stats.step == step and stats.staged_bytes > 0
+            assert stats.staging_mode == staging
             assert_same(mgr.restore(step), expected)
             assert ckptstore.verify_sync(root, step=step).ok
 

@@ -1,0 +1,161 @@
+"""Device staging: a save's pause is an on-device copy of the state, drained to the host later.
+
+On an accelerator the copy of a state into device memory runs at the memory's speed (4 GiB
+in about 14 ms on a TPU v5e), where a copy to the host runs at the link's (about 1.4 s).
+So a save may copy the state on its devices, return, and move the copy to the host in the
+background while training goes on; each copied piece is freed on its device as soon as
+its bytes are on the host (`DrainedPiece`).
+
+- `DeviceCopier` copies many arrays with one compiled program (one dispatch for the whole
+  state), compiled once per signature (shapes, dtypes, shardings) and kept; `warm`
+  compiles it on a background thread, so that the first save need not pay for it.
+- `device_room` says whether every device holding the state has room for a copy of its
+  shards, from `Device.memory_stats` (the peak the training loop reached, with a margin).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Room left on a device besides the copy: a share of its memory and a fixed amount, for
+#: the allocator's fragmentation and what the next training step allocates beyond its peak.
+MARGIN_SHARE = 0.05
+MARGIN_BYTES = 256 << 20
+
+Signature = tuple[tuple[tuple[int, ...], Any, jax.sharding.Sharding], ...]
+
+
+class DrainedPiece:
+    """A piece of an on-device copy that the save owns; `np.asarray` of it moves it to the
+    host and frees its device buffer at once (the write path converts each piece once).
+    A second conversion is an error, not a silent read of freed memory."""
+
+    def __init__(self, array: jax.Array) -> None:
+        self._array: jax.Array | None = array
+        self.shape = tuple(array.shape)
+        self.dtype = np.dtype(array.dtype)
+        self.nbytes = int(array.nbytes)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        array = self._array
+        if array is None:
+            raise RuntimeError("this staged piece was already moved to the host and freed")
+        self._array = None
+        host = np.asarray(array)
+        array.delete()  # the bytes are out: the device memory goes back to the loop
+        return host if dtype is None else host.astype(dtype, copy=False)
+
+    def release(self) -> None:
+        """Free the device buffer unread (a save that failed or did not need it)."""
+        array, self._array = self._array, None
+        if array is not None and not array.is_deleted():
+            array.delete()
+
+
+class DeviceCopier:
+    """On-device copies of lists of arrays, one compiled program per signature."""
+
+    def __init__(self) -> None:
+        self._programs: dict[Signature, Future[Any]] = {}
+        self._lock = threading.Lock()
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-compile")
+
+    def close(self) -> None:
+        self._compiler.shutdown(wait=True)
+        self._programs.clear()
+
+    def warm(self, arrays: Sequence[jax.Array]) -> None:
+        """Compile the copy of ``arrays`` on a background thread, if not compiled yet."""
+        for group in _by_devices(arrays).values():
+            self._program([arrays[k] for k in group])
+
+    def copy(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+        """Copies of ``arrays`` on the same devices with the same shardings, done (on the
+        devices) when this returns. One program per set of devices (a program runs on
+        one), all dispatched before any is waited for."""
+        groups = list(_by_devices(arrays).values())
+        programs = [self._program([arrays[k] for k in group]) for group in groups]
+        out: list[Any] = [None] * len(arrays)
+        for group, program in zip(groups, programs, strict=True):
+            copies = program.result()([arrays[k] for k in group])
+            for k, copy in zip(group, copies, strict=True):
+                out[k] = copy
+        for copy in out:
+            copy.block_until_ready()
+        return out
+
+    def _program(self, arrays: Sequence[jax.Array]) -> Future[Any]:
+        key: Signature = tuple((tuple(a.shape), a.dtype, a.sharding) for a in arrays)
+        with self._lock:
+            program = self._programs.get(key)
+            if program is None:
+                program = self._programs[key] = self._compiler.submit(_compile, key)
+        return program
+
+
+def _by_devices(arrays: Sequence[jax.Array]) -> dict[frozenset[Any], list[int]]:
+    """The positions of ``arrays`` grouped by the set of devices each lies on."""
+    groups: dict[frozenset[Any], list[int]] = {}
+    for k, array in enumerate(arrays):
+        groups.setdefault(frozenset(array.sharding.device_set), []).append(k)
+    return groups
+
+
+def _compile(key: Signature) -> Any:
+    shardings = [sharding for _, _, sharding in key]
+    avals = [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=s)  # type: ignore[no-untyped-call]
+        for shape, dtype, s in key
+    ]
+    # `jnp.copy`, not the identity: jit forwards an input returned as it is, with no copy.
+    program = jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=shardings)
+    return program.lower(avals).compile()
+
+
+def device_room(
+    arrays: Sequence[jax.Array], earlier: dict[Any, int] | None = None
+) -> tuple[bool | None, str]:
+    """Whether each device holding ``arrays`` has room for a copy of its shards of them
+    (None: a device does not say), and why, in words for `SaveStats.staging_reason`.
+
+    The room is what is left below the device's limit above the peak the training loop
+    reached, less a margin. ``earlier``: bytes per device of an earlier copy of this
+    stager, which that peak may include and which is gone by now.
+    """
+    for device, nbytes in bytes_per_device(arrays).items():
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None, f"{device} does not report its free memory"
+        room = room_for_copy(stats, (earlier or {}).get(device, 0))
+        if nbytes > room:
+            return False, (
+                f"{device} has {max(room, 0) >> 20} MiB free beyond its peak use and a "
+                f"margin; a copy of its shards needs {nbytes >> 20} MiB"
+            )
+    return True, "every device has room for a copy of its shards"
+
+
+def room_for_copy(stats: dict[str, Any], earlier: int = 0) -> int:
+    """Bytes a copy may take on a device whose `Device.memory_stats` are ``stats``: its
+    limit, less the peak use (less ``earlier``, an earlier copy that peak may include),
+    less `MARGIN_SHARE` of the limit and `MARGIN_BYTES`."""
+    limit = int(stats["bytes_limit"])
+    peak = int(stats.get("peak_bytes_in_use", 0)) - earlier
+    used = max(peak, int(stats.get("bytes_in_use", 0)))
+    return limit - used - int(limit * MARGIN_SHARE) - MARGIN_BYTES
+
+
+def bytes_per_device(arrays: Sequence[jax.Array]) -> dict[Any, int]:
+    """How many bytes of ``arrays`` each addressable device holds."""
+    out: dict[Any, int] = {}
+    for array in arrays:
+        for shard in array.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + int(shard.data.nbytes)
+    return out

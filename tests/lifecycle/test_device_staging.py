@@ -1,0 +1,128 @@
+"""Device staging (`ckptstore.lifecycle.devicecopy`): on-device copies that a save drains to
+the host piece by piece, the room check that chooses it, and its compile ahead of the first
+save. On CPU devices here: the same code paths an accelerator runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ckptstore
+from ckptstore.format.leaves import HostShards
+from ckptstore.lifecycle.devicecopy import (
+    MARGIN_BYTES,
+    DeviceCopier,
+    DrainedPiece,
+    device_room,
+    room_for_copy,
+)
+from ckptstore.lifecycle.staging import Stager
+
+GiB = 1 << 30
+
+
+def state() -> dict[str, Any]:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    return {
+        "w": jax.device_put(
+            np.arange(64 * 32, dtype=np.float32).reshape(64, 32), NamedSharding(mesh, P("x", "y"))
+        ),
+        "r": jax.device_put(np.arange(16.0), NamedSharding(mesh, P())),
+        "one": jax.numpy.ones(5, jax.numpy.int8),  # on one device: another program
+        "key": jax.random.key(7),
+        "host": np.arange(4),
+        "n": 3,
+    }
+
+
+def test_device_staging_copies_each_array_where_it_lies_and_drains_each_piece_once() -> None:
+    tree = state()
+    stager = Stager()
+    try:
+        staged = stager.stage(tree, "device")
+    finally:
+        stager.close()
+    assert staged.mode == "device" and staged.reason == "asked for"
+    w = staged.tree["w"]
+    assert isinstance(w, HostShards) and w.sharding == tree["w"].sharding
+    assert len(w.pieces) == 8  # each device's own shard, replica 0
+    assert staged.tree["key"].prng_impl is not None
+    assert len(staged.tree["r"].pieces) == 1  # a replicated array: one piece written
+    index, piece = w.pieces[3]
+    assert isinstance(piece, DrainedPiece)
+    for leaf in jax.tree.leaves(tree):  # the originals may go at once
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+    want = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)[index]
+    assert np.array_equal(np.asarray(piece), want)
+    with pytest.raises(RuntimeError, match="already moved to the host"):
+        np.asarray(piece)  # its device buffer is gone: never a read of freed memory
+
+
+def test_the_copy_is_compiled_once_per_signature_and_ahead_of_the_first_save() -> None:
+    tree = state()
+    arrays = [tree["w"], tree["r"], tree["one"]]
+    copier = DeviceCopier()
+    try:
+        copier.warm(arrays)  # two device sets: two programs
+        assert len(copier._programs) == 2
+        copies = copier.copy(arrays)
+        assert len(copier._programs) == 2  # the warm ones were used
+        for copy, array in zip(copies, arrays, strict=True):
+            assert copy.sharding == array.sharding
+            assert np.array_equal(np.asarray(copy), np.asarray(array))
+            for mine, theirs in zip(copy.addressable_shards, array.addressable_shards, strict=True):
+                pointer = mine.data.unsafe_buffer_pointer()
+                assert pointer != theirs.data.unsafe_buffer_pointer()  # a copy, not the array
+    finally:
+        copier.close()
+
+
+def test_a_manager_compiles_the_device_copy_on_a_step_it_does_not_save(tmp_path: Any) -> None:
+    opts = ckptstore.ManagerOptions(staging="device", handle_sigterm=False)
+    policy = ckptstore.policies.EveryNSteps(2)
+    with ckptstore.CheckpointManager(str(tmp_path), save_policy=policy, options=opts) as mgr:
+        tree = state()
+        assert mgr.save(1, tree) is None
+        programs = mgr._stager._copier._programs
+        assert len(programs) == 2
+        handle = mgr.save(2, tree)
+        assert handle is not None and handle.wait().staging_mode == "device"
+        assert len(programs) == 2  # no compile in the save's pause
+        restored = mgr.restore(2, like=tree)
+        assert np.array_equal(np.asarray(restored["w"]), np.asarray(tree["w"]))
+
+
+def test_auto_stages_views_on_cpu_devices_and_says_why(tmp_path: Any) -> None:
+    opts = ckptstore.ManagerOptions(handle_sigterm=False)
+    with ckptstore.CheckpointManager(str(tmp_path), options=opts) as mgr:
+        handle = mgr.save(1, state(), force=True)
+        assert handle is not None
+        stats = handle.wait()
+    assert stats.staging_mode == "view"
+    assert "CPU devices" in stats.staging_reason
+
+
+def test_device_room_is_unknown_where_a_device_does_not_report_its_memory() -> None:
+    room, why = device_room([state()["w"]])
+    assert room is None and "does not report" in why
+
+
+@pytest.mark.parametrize(
+    ("peak", "earlier", "fits"),
+    [
+        (4 * GiB, 0, True),  # 16 GiB limit, 4 GiB peak: 4 GiB fits beside it
+        (11 * GiB, 0, False),  # 11 GiB peak: 5 GiB left, less the margin
+        (11 * GiB, 4 * GiB, True),  # the peak held the earlier copy: 9 GiB left
+    ],
+)
+def test_a_copy_fits_below_the_peak_use_with_a_margin(peak: int, earlier: int, fits: bool) -> None:
+    stats = {"bytes_limit": 16 * GiB, "peak_bytes_in_use": peak, "bytes_in_use": 2 * GiB}
+    room = room_for_copy(stats, earlier)
+    assert room == 16 * GiB - max(peak - earlier, 2 * GiB) - int(16 * GiB * 0.05) - MARGIN_BYTES
+    assert (4 * GiB <= room) is fits
