@@ -94,11 +94,17 @@ def test_scale_benchmark_quick_run() -> None:
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
 
 
-def test_gpu_benchmark_dry_run() -> None:
-    # The GPU script's code paths on 8 CPU devices (staging, buffer reuse, restore onto the
-    # devices, Orbax side by side), so that a GPU machine's minutes go to running it.
+def test_accelerator_benchmark_dry_run() -> None:
+    # The accelerator script's code paths on 8 CPU devices (device staging, times to
+    # durable, peak RSS, restore onto the devices, Orbax side by side), so that an
+    # accelerator machine's minutes go to running it.
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--dry", "--no-write-results"],
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "accelerator.py"),
+            "--dry",
+            "--no-write-results",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -106,8 +112,9 @@ def test_gpu_benchmark_dry_run() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     out = proc.stdout
-    for row in ("save pause (host staging)", "later save's RSS growth", "restore onto devices"):
+    for row in ("pause_device", "durable_device", "rss_orbax", "restore_ckptstore"):
         assert f"| {row} " in out, out
+    assert "| first_pause_vs_later " in out and "not judged on CPU devices" in out, out
     assert "floors: not judged on CPU devices" in out, out
     scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
