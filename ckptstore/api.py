@@ -105,36 +105,31 @@ async def save_items(
     step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
     if base is not None:
         base = layout.check_step(base)
-    tiers = as_tiered(target)
-    if tiers is not None:  # committed (or staged, on host-local fast tiers) on the fast tier
-        async with tiers.opened() as (fast, durable):
-            hooks = tier_save.hooks(tiers, durable, incremental=base is not None)
-            return await plain_save.save_prepared(
-                fast,
-                prepared,
-                step,
-                metadata,
-                timeout,
-                timings or {},
-                hooks,
-                configs,
-                base,
-                same_objects,
-                digests,
-            )
-    async with opened(single(target)) as backend:
-        return await plain_save.save_prepared(
+
+    def request(
+        backend: Backend, hooks: plain_save.SaveHooks = plain_save.PLAIN
+    ) -> plain_save.SaveRequest:
+        return plain_save.SaveRequest(
             backend,
             prepared,
             step,
-            metadata,
             timeout,
-            timings or {},
+            metadata=metadata,
+            timings=timings or {},
+            hooks=hooks,
             configs=configs,
             base=base,
             same_objects=same_objects,
             digests=digests,
         )
+
+    tiers = as_tiered(target)
+    if tiers is not None:  # committed (or staged, on host-local fast tiers) on the fast tier
+        async with tiers.opened() as (fast, durable):
+            hooks = tier_save.hooks(tiers, durable, incremental=base is not None)
+            return await plain_save.save_prepared(request(fast, hooks))
+    async with opened(single(target)) as backend:
+        return await plain_save.save_prepared(request(backend))
 
 
 async def partial_save(

@@ -61,9 +61,9 @@ from ckptstore.checkpoint.incremental import (
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.parts import Part as Part  # its old home re-exports it
 from ckptstore.checkpoint.parts import created, join, nesting_conflicts, session_base
-from ckptstore.checkpoint.save import SaveResult
+from ckptstore.checkpoint.save import PreparedItem, SaveResult
 from ckptstore.checkpoint.target import Target, opened
-from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
+from ckptstore.datapath.arrays import write_store
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -76,10 +76,10 @@ from ckptstore.errors import (
 from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
 from ckptstore.format import layout
 from ckptstore.format.layout import AttemptDir
-from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.packs import PackRef
-from ckptstore.format.tree import check_structure, describe, flatten
+from ckptstore.format.tree import check_structure
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 
@@ -276,10 +276,8 @@ class PartialSave:
         longer committed as the attempt the session recorded.
         """
         self._check_open()
-        named = flatten(subtree)
-        infos = [describe_leaf(name, value) for name, value in named]
-        if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
-            named = [(name, storable(value)) for name, value in named]
+        prepared = PreparedItem.of(subtree)  # as a save prepares an item
+        infos = prepared.leaves
         saved = self.leaves
         nested = nesting_conflicts(set(saved), [info.name for info in infos])
         if nested:
@@ -291,7 +289,7 @@ class PartialSave:
         index = self.parts[-1].index + 1 if self.parts else 0  # same on every process
         handoff = Handoff(f"partial/{self.step}/add/{index}", self.timeout)
         await self._check_undecided()
-        values = [value for _, value in named]
+        values = [value for _, value in prepared.named]
         same = Unchanged({self.item: set()}, {})
         if self.base is not None:  # every process: its pieces, then one agreement round
             step, attempt = int(self.base["step"]), str(self.base["attempt"])
@@ -307,15 +305,14 @@ class PartialSave:
         async def write_mine() -> dict[str, Any]:
             store = self.where.part_store(self.item, part_dir, handoff.me)
             digests = dict(same.digested.get(self.item, {}))
-            with self.backend.write_behind(store):
-                stats = await write_leaves(
-                    ocdbt_spec(self.backend.kvstore_spec(store)),
-                    self.backend.ts_context,
-                    [(i, v) for i, v in zip(infos, values, strict=True) if i.name not in held],
-                    process=handoff.me,
-                    write_metadata=handoff.me == 0,
-                    digests=digests,
-                )
+            stats = await write_store(
+                self.backend,
+                store,
+                [(i, v) for i, v in zip(infos, values, strict=True) if i.name not in held],
+                process=handoff.me,
+                write_metadata=handoff.me == 0,
+                digests=digests,
+            )
             digested = await write_digests(self.backend, store, digests)
             return {**stats.to_json(), _DIGESTED: digested}
 
@@ -332,7 +329,7 @@ class PartialSave:
             index=index,
             dir=part_dir,
             leaves={info.name: info for info in infos},
-            structure=describe(subtree),
+            structure=prepared.structure,
             replace=replace,
             processes=[],
             refs=refs,

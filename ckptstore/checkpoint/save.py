@@ -23,6 +23,7 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,6 @@ from ckptstore.checkpoint.commit import (
     new_owner,
 )
 from ckptstore.checkpoint.incremental import (
-    Base,
     References,
     SameObjects,
     Unchanged,
@@ -50,7 +50,7 @@ from ckptstore.checkpoint.incremental import (
     write_digests,
 )
 from ckptstore.checkpoint.merge import merge
-from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
+from ckptstore.datapath.arrays import write_store
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.digests import PieceTable
@@ -189,38 +189,69 @@ class SaveHooks:
 PLAIN = SaveHooks()
 
 
-async def save_prepared(
-    backend: Backend,
-    items: dict[str, PreparedItem],
-    step: int,
-    metadata: dict[str, Any] | None,
-    timeout: float,
-    timings: dict[str, float],
-    hooks: SaveHooks = PLAIN,
-    configs: dict[str, JsonItem] | None = None,
-    base: int | None = None,
-    same_objects: SameObjects | None = None,
-    digests: bool = True,
-) -> SaveResult:
-    """The save of prepared ``items`` as ``step`` on ``backend``, every process taking
-    part (the module docstring's protocol, with ``hooks``' additions). With ``base`` (a
-    committed step), leaves unchanged since it are referenced, not written
-    (`ckptstore.checkpoint.incremental`; ``same_objects``: see `unchanged`).
+@dataclass(frozen=True)
+class SaveRequest:
+    """One save of prepared items as ``step`` on ``backend``, every process taking part.
 
+    ``hooks``: what the kind of storage adds, phase by phase (`SaveHooks`). With ``base``
+    (a committed step), leaves unchanged since it are referenced, not written
+    (`ckptstore.checkpoint.incremental`; ``same_objects``: see `unchanged`).
     ``digests`` false: no piece digests are recorded (they cost a hash of every byte
     written), so a later incremental save on this step finds no equal pieces and writes
     every leaf. An incremental save (``base``) always records them."""
+
+    backend: Backend
+    items: dict[str, PreparedItem]
+    step: int
+    timeout: float
+    metadata: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # earlier phases (staging)
+    hooks: SaveHooks = PLAIN
+    configs: dict[str, JsonItem] | None = None
+    base: int | None = None
+    same_objects: SameObjects | None = None
+    digests: bool = True
+
+
+@dataclass(frozen=True)
+class ProcessReport:
+    """What one process wrote in phase 2, as it reports it to process 0."""
+
+    process: int
+    shards: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    packed: dict[str, int] = field(default_factory=dict)  # per item, leaves it packed
+    digested: dict[str, int] = field(default_factory=dict)  # per item, leaves it digested
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProcessReport:
+        return cls(**data)
+
+    def written(self) -> dict[str, Any]:
+        """What the manifest records of it (`Manifest.processes`)."""
+        return {
+            "process": self.process,
+            "shards": self.shards,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 6),
+        }
+
+
+async def save_prepared(request: SaveRequest) -> SaveResult:
+    """The save ``request`` describes: the module docstring's protocol, with its hooks'
+    additions. Phase 1 (`_references`), the attempt agreed; phase 2 (`_write_mine`); phase
+    3 on process 0 (`_manifest`, then the hooks' `finish`); phase 4."""
     start = time.perf_counter()
-    record_digests = digests or base is not None
-    handoff = Handoff(f"save/{step}", timeout)
+    backend, step, hooks = request.backend, request.step, request.hooks
+    handoff = Handoff(f"save/{step}", request.timeout)
     await ensure_uncommitted(backend, step)
-    await hooks.before_attempt(backend, items, step, handoff)
-    same = Unchanged({name: set() for name in items}, {})
-    if base is not None:  # every process reads it: a base gone is typed, nothing written
-        pairs = {n: (i.leaves, [v for _, v in i.named]) for n, i in items.items()}
-        same = await unchanged(backend, base, pairs, handoff, same_objects)
-    await hooks.before_write(backend, items, step, handoff, same)
-    based: Base | None = same.base
+    await hooks.before_attempt(backend, request.items, step, handoff)
+    same = await _references(request, handoff)
+    await hooks.before_write(backend, request.items, step, handoff, same)
 
     async def fresh_attempt() -> str:
         return layout.new_attempt()
@@ -229,41 +260,12 @@ async def save_prepared(
     owner = new_owner()  # process 0's name in the attempt's fate record
 
     async def write_mine() -> dict[str, Any]:
-        total: dict[str, Any] = {"process": handoff.me, "shards": 0, "bytes": 0, "seconds": 0.0}
-        packed: dict[str, int] = {}  # per item, the leaves this process packed
-        digested: dict[str, int] = {}  # per item, the leaves this process digested
-        for name, item in items.items():
-            store = where.process_store(name, handoff.me)
-            packs = PackTarget(backend, where.item(name), _last(store)) if hooks.packs else None
-            skip = same.leaves.get(name, set())
-            tables = dict(same.digested.get(name, {})) if record_digests else None
-            with backend.write_behind(store):
-                stats = await write_leaves(
-                    ocdbt_spec(backend.kvstore_spec(store)),
-                    backend.ts_context,
-                    [
-                        (info, value)
-                        for info, (_, value) in zip(item.leaves, item.named, strict=True)
-                        if info.name not in skip
-                    ],
-                    process=handoff.me,
-                    write_metadata=handoff.me == 0,
-                    packs=packs,
-                    digests=tables,
-                )
-            for key in ("shards", "bytes", "seconds"):
-                total[key] += stats.to_json()[key]
-            if stats.packed:
-                await write_index(backend, store, stats.packed)
-            packed[name] = len(stats.packed)
-            digested[name] = 0 if tables is None else await write_digests(backend, store, tables)
-        total[_PACKED] = packed
-        total[_DIGESTED] = digested
-        await hooks.after_write(backend, where, items, handoff)
-        return total
+        report = await _write_mine(request, where, same, handoff.me)
+        await hooks.after_write(backend, where, request.items, handoff)
+        return report.to_json()
 
     try:
-        mine = await handoff.everyone(write_mine)
+        mine = ProcessReport.from_json(await handoff.everyone(write_mine))
     except NotFoundError as exc:
         if (missing := await _root_missing(backend)) is not None:  # a missing bucket
             raise NotFoundError(
@@ -276,72 +278,17 @@ async def save_prepared(
         raise
     written = time.perf_counter()
     phases: dict[str, float] = {}
-
     committing = False  # from the commit (or staging) on, nothing of the attempt is discarded
 
     async def merge_and_commit() -> None:
         nonlocal committing
-        reports = await handoff.reports()
+        reports = [ProcessReport.from_json(r) for r in await handoff.reports()]
         fate = await claim(backend, where, COMMIT, owner)  # before the first shared write
-        processes = [{k: v for k, v in p.items() if k not in (_PACKED, _DIGESTED)} for p in reports]
-        manifest_items = {}
-        references = References([])
-        for name, item in items.items():
-            stores = [where.process_store(name, i) for i in range(handoff.count)]
-            packed = await _packed(backend, where, name, item.leaves, reports)
-            infos = {info.name: info for info in item.leaves}
-            held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
-            if hooks.merge:
-                unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
-                await merge(backend, where.item(name), stores, unpacked)
-                await check_packs(
-                    backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
-                )
-            # A host-local fast tier holds only process 0's store here: the others' digests
-            # stay on their hosts, and this step serves as a base for process 0's pieces only.
-            readable = reports if hooks.merge else reports[:1]
-            digests = await _digests(backend, where, name, readable)
-            refs: dict[str, int] = {}
-            for leaf in sorted(held):
-                assert based is not None
-                refs[leaf] = references.index(based.holder(name, leaf))
-                digests[leaf] = based.digests(name, leaf)
-                ref = based.packed(name, leaf)
-                if ref is not None:  # in its holder's pack, which the reference names
-                    packed[leaf] = ref
-            manifest_items[name] = ItemManifest(
-                structure=item.structure,
-                leaves=infos,
-                parts=[_last(s) for s in stores],
-                packed={
-                    info.name: packed[info.name] for info in item.leaves if info.name in packed
-                },
-                digests={
-                    info.name: digests[info.name] for info in item.leaves if info.name in digests
-                },
-                refs=refs,
-            )
-        merged = time.perf_counter()
-        phases["merge"] = merged - written
-        manifest = Manifest(
-            step=step,
-            attempt=where.attempt,
-            items=manifest_items,
-            processes=processes,
-            metadata=metadata or {},
-            json_items=configs or {},
-            references=references.holders,
-            base=based.ref if based is not None and references.holders else None,
-            format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
-            timings={
-                **timings,
-                "write": max(p["seconds"] for p in processes),
-                "merge": phases["merge"],
-            },
-        )
+        manifest = await _manifest(request, where, same, reports, written)
+        phases["merge"] = manifest.timings["merge"]
         committing = True
         await hooks.finish(backend, where, manifest, fate, handoff)
-        phases["commit"] = time.perf_counter() - merged
+        phases["commit"] = time.perf_counter() - written - phases["merge"]
 
     try:
         await handoff.primary(merge_and_commit)
@@ -350,11 +297,12 @@ async def save_prepared(
             await _discard(backend, where, handoff, owner)
         raise
     await hooks.after_finish(backend, where, handoff)
+    items = request.items
     return SaveResult(
         step=step,
         attempt=str(where.attempt),
         bytes=sum(info.nbytes for item in items.values() for info in item.leaves),
-        bytes_written=int(mine["bytes"]),
+        bytes_written=mine.bytes,
         seconds=time.perf_counter() - start,
         merge_seconds=phases.get("merge", 0.0),
         timings={"write": written - start, **phases},
@@ -367,8 +315,118 @@ async def save_prepared(
     )
 
 
-_PACKED = "packed"  # a process's report: per item, how many leaves it packed
-_DIGESTED = "digested"  # ... and how many leaves it digested (`DIGESTS` beside its store)
+async def _references(request: SaveRequest, handoff: Handoff) -> Unchanged:
+    """Phase 1 of an incremental save, every process: the leaves the base step holds
+    unchanged (a base gone is typed, nothing written); nothing for a full save."""
+    if request.base is None:
+        return Unchanged({name: set() for name in request.items}, {})
+    pairs = {n: (i.leaves, [v for _, v in i.named]) for n, i in request.items.items()}
+    return await unchanged(request.backend, request.base, pairs, handoff, request.same_objects)
+
+
+async def _write_mine(
+    request: SaveRequest, where: layout.AttemptDir, same: Unchanged, me: int
+) -> ProcessReport:
+    """Phase 2, every process: its shards of every item into its own store (small leaves
+    into packs where the hooks say so), with piece digests where they are recorded."""
+    backend = request.backend
+    record_digests = request.digests or request.base is not None
+    total = ProcessReport(process=me)
+    for name, item in request.items.items():
+        store = where.process_store(name, me)
+        packs = PackTarget(backend, where.item(name), _last(store)) if request.hooks.packs else None
+        skip = same.leaves.get(name, set())
+        tables = dict(same.digested.get(name, {})) if record_digests else None
+        stats = await write_store(
+            backend,
+            store,
+            [
+                (info, value)
+                for info, (_, value) in zip(item.leaves, item.named, strict=True)
+                if info.name not in skip
+            ],
+            process=me,
+            write_metadata=me == 0,
+            packs=packs,
+            digests=tables,
+        )
+        if stats.packed:
+            await write_index(backend, store, stats.packed)
+        total = dataclasses.replace(
+            total,
+            shards=total.shards + stats.shards,
+            bytes=total.bytes + stats.bytes,
+            seconds=total.seconds + stats.seconds,
+            packed={**total.packed, name: len(stats.packed)},
+            digested={
+                **total.digested,
+                name: 0 if tables is None else await write_digests(backend, store, tables),
+            },
+        )
+    return total
+
+
+async def _manifest(
+    request: SaveRequest,
+    where: layout.AttemptDir,
+    same: Unchanged,
+    reports: list[ProcessReport],
+    written: float,
+) -> Manifest:
+    """Phase 3, process 0: each item's stores merged (where the hooks merge here), its
+    packs checked, and the attempt's manifest with every leaf, digest and reference."""
+    backend, based = request.backend, same.base
+    manifest_items = {}
+    references = References([])
+    for name, item in request.items.items():
+        stores = [where.process_store(name, i) for i in range(len(reports))]
+        packed = await _packed(backend, where, name, item.leaves, reports)
+        infos = {info.name: info for info in item.leaves}
+        held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
+        if request.hooks.merge:
+            unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
+            await merge(backend, where.item(name), stores, unpacked)
+            await check_packs(
+                backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
+            )
+        # A host-local fast tier holds only process 0's store here: the others' digests
+        # stay on their hosts, and this step serves as a base for process 0's pieces only.
+        readable = reports if request.hooks.merge else reports[:1]
+        digests = await _digests(backend, where, name, readable)
+        refs: dict[str, int] = {}
+        for leaf in sorted(held):
+            assert based is not None
+            refs[leaf] = references.index(based.holder(name, leaf))
+            digests[leaf] = based.digests(name, leaf)
+            ref = based.packed(name, leaf)
+            if ref is not None:  # in its holder's pack, which the reference names
+                packed[leaf] = ref
+        manifest_items[name] = ItemManifest(
+            structure=item.structure,
+            leaves=infos,
+            parts=[_last(s) for s in stores],
+            packed={info.name: packed[info.name] for info in item.leaves if info.name in packed},
+            digests={info.name: digests[info.name] for info in item.leaves if info.name in digests},
+            refs=refs,
+        )
+    return Manifest(
+        step=request.step,
+        attempt=where.attempt,
+        items=manifest_items,
+        processes=[report.written() for report in reports],
+        metadata=request.metadata or {},
+        json_items=request.configs or {},
+        references=references.holders,
+        base=based.ref if based is not None and references.holders else None,
+        format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
+        timings={
+            **request.timings,
+            "write": max(report.seconds for report in reports),
+            "merge": time.perf_counter() - written,
+        },
+    )
+
+
 #: How long process 0 of a failed save waits for the others to stop writing (each reports
 #: when its writes end) before it removes the attempt; past it, `gc` removes it later.
 DISCARD_WAIT = 60.0
@@ -379,14 +437,14 @@ async def _packed(
     where: layout.AttemptDir,
     item: str,
     leaves: Sequence[LeafInfo],
-    reports: Sequence[dict[str, Any]],
+    reports: Sequence[ProcessReport],
 ) -> dict[str, PackRef]:
     """Every process's packed leaves of ``item`` (from the index each wrote beside its
     packs), in the saved leaves' order. A leaf two processes packed, or one the tree does
     not have, is a bug worth stopping the save for."""
     found: dict[str, PackRef] = {}
     for i, report in enumerate(reports):
-        if not report.get(_PACKED, {}).get(item):
+        if not report.packed.get(item):
             continue
         for leaf, ref in (await read_index(backend, where.process_store(item, i))).items():
             if leaf in found:
@@ -399,13 +457,13 @@ async def _packed(
 
 
 async def _digests(
-    backend: Backend, where: layout.AttemptDir, item: str, reports: Sequence[dict[str, Any]]
+    backend: Backend, where: layout.AttemptDir, item: str, reports: Sequence[ProcessReport]
 ) -> dict[str, PieceTable]:
     """Every process's piece digests of ``item``, joined per leaf."""
     stores = [
         where.process_store(item, i)
         for i, report in enumerate(reports)
-        if report.get(_DIGESTED, {}).get(item)
+        if report.digested.get(item)
     ]
     return await read_digests(backend, stores)
 

@@ -23,6 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends._errors import gather_first_error
+from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import policy_of, within
 from ckptstore.backends.tserrors import write_error
 from ckptstore.errors import CkptStoreError
@@ -136,6 +137,18 @@ Select = Callable[[Any, int], "list[tuple[Index, Any, bool]] | None"]
 # ---- writing ----
 
 
+async def write_store(
+    backend: Backend, store: str, leaves: Sequence[tuple[LeafInfo, Any]], **options: Any
+) -> WriteStats:
+    """`write_leaves` into the OCDBT store at key ``store`` of ``backend`` (a process's
+    store of an attempt or a part), with the backend's page-cache handling around it
+    (`Backend.write_behind`). ``options``: `write_leaves`' keyword arguments."""
+    with backend.write_behind(store):
+        return await write_leaves(
+            ocdbt_spec(backend.kvstore_spec(store)), backend.ts_context, leaves, **options
+        )
+
+
 async def write_leaves(
     store: dict[str, Any],
     context: ts.Context,
@@ -159,143 +172,118 @@ async def write_leaves(
     each piece written of a leaf not in it yet is digested as it is written
     (`ckptstore.format.digests`), into ``digests[leaf][piece bounds]``.
     """
-    stats = WriteStats(process=process)
-    start = time.perf_counter()
-    budget = ByteBudget(max_inflight_bytes)
+    kv = await ts.KvStore.open(store, context=context)
+    writer = LeafWriter(
+        store,
+        context,
+        kv,
+        process=process,
+        write_metadata=write_metadata,
+        budget=ByteBudget(max_inflight_bytes),
+        select=select,
+        packs=packs,
+        digests=digests,
+    )
+    return await writer.write(leaves)
 
-    def pieces_of(value: Any) -> list[tuple[Index, Any, bool]]:
-        pieces = select(value, process)
+
+class LeafWriter:
+    """One process's write of leaves into one OCDBT store (`write_leaves`).
+
+    Big leaves go through TensorStore's zarr3 driver, a piece (shard) at a time
+    (`big_leaf`, `piece`); small single-chunk leaves in groups, either as raw OCDBT keys
+    (`small_leaves`: no TensorStore open per leaf) or into packs (`packed_leaves`). Every
+    copy a write makes is held in ``budget`` until TensorStore has it written.
+    """
+
+    def __init__(
+        self,
+        store: dict[str, Any],
+        context: ts.Context,
+        kv: ts.KvStore,
+        *,
+        process: int,
+        write_metadata: bool,
+        budget: ByteBudget,
+        select: Select,
+        packs: PackTarget | None,
+        digests: dict[str, PieceTable] | None,
+    ) -> None:
+        self.store, self.context, self.kv = store, context, kv
+        self.process, self.write_metadata = process, write_metadata
+        self.budget, self.select, self.packs, self.digests = budget, select, packs, digests
+        self.stats = WriteStats(process=process)
+        self._encoding = asyncio.Lock()  # packs are encoded one at a time (see `write_pack`)
+
+    async def write(self, leaves: Sequence[tuple[LeafInfo, Any]]) -> WriteStats:
+        """Write every leaf; one failed write cancels (and awaits) the others before the
+        error is raised, typed."""
+        start = time.perf_counter()
+        small = [(info, value) for info, value in leaves if chunks.small(info)]
+        groups = chunks.groups(small, self.budget.limit // 4)
+        smalls = (
+            [self.small_leaves(group) for group in groups]
+            if self.packs is None
+            else [self.packed_leaves(k, group) for k, group in enumerate(groups)]
+        )
+        big = [self.big_leaf(info, value) for info, value in leaves if not chunks.small(info)]
+        try:
+            await gather_first_error([*big, *smalls])
+        except Exception as exc:
+            raise write_error(exc, "checkpoint data") from exc
+        self.stats.seconds = time.perf_counter() - start
+        return self.stats
+
+    def pieces_of(self, value: Any) -> list[tuple[Index, Any, bool]]:
+        pieces = self.select(value, self.process)
         if pieces is None:
             raise CkptStoreError("a staged leaf lacks the pieces this write needs")
         return pieces
 
-    async def one_leaf(info: LeafInfo, value: Any) -> None:
-        pieces = pieces_of(value)
-        if not pieces and not write_metadata:
+    def table_for(self, info: LeafInfo) -> PieceTable | None:
+        """The digest table this write fills for ``info`` (None: not digested here)."""
+        if self.digests is None or info.name in self.digests:
+            return None
+        return self.digests.setdefault(info.name, {})
+
+    def count(self, info: LeafInfo, nbytes: int) -> None:
+        self.stats.leaves.append(info.name)
+        self.stats.shards += 1
+        self.stats.bytes += nbytes
+
+    async def big_leaf(self, info: LeafInfo, value: Any) -> None:
+        """A leaf of several chunks: its zarr.json (process 0) and its pieces."""
+        pieces = self.pieces_of(value)
+        if not pieces and not self.write_metadata:
             return
-        what = f"opening leaf {info.name!r}"
+        context, what = self.context, f"opening leaf {info.name!r}"
         meta: list[Any] = []
-        if write_metadata and not chunks.known(info):  # TensorStore writes the zarr.json
-            opening = ts.open(zarr_spec(store, info), create=True, context=context)
+        if self.write_metadata and not chunks.known(info):  # TensorStore writes the zarr.json
+            opening = ts.open(zarr_spec(self.store, info), create=True, context=context)
             arr = await finish_first(within(opening, context, 0, what))
         else:
             # The metadata comes from process 0, which writes it as one more key beside the
             # chunks: one OCDBT commit takes both, where `create=True` would commit the
             # zarr.json alone first (a serial commit per save, ~10-30 ms) before any chunk.
             opening = ts.open(
-                zarr_spec(store, info), open=True, assume_metadata=True, context=context
+                zarr_spec(self.store, info), open=True, assume_metadata=True, context=context
             )
             arr = await within(opening, context, 0, what)
-            if write_metadata:
-                encoded = chunks.encode_metadata(info)
-                meta.append(_metadata_written(kv, chunks.metadata_key(info), encoded))
+            if self.write_metadata:
+                meta.append(self.metadata(info))
         if pieces:
-            stats.leaves.append(info.name)
-        table = _table_for(info) if pieces else None  # no empty tables
-        writes = (write_piece(arr, *piece, table=table) for piece in pieces)
+            self.stats.leaves.append(info.name)
+        table = self.table_for(info) if pieces else None  # no empty tables
+        writes = (self.piece(arr, *piece, table=table) for piece in pieces)
         await gather_first_error([*meta, *writes])
 
-    async def _metadata_written(kv: ts.KvStore, key: str, encoded: bytes) -> None:
-        await finish_first(
-            within(kv.write(key, encoded), context, len(encoded), "writing metadata")
-        )
+    async def metadata(self, info: LeafInfo) -> None:
+        encoded = chunks.encode_metadata(info)
+        write = self.kv.write(chunks.metadata_key(info), encoded)
+        await finish_first(within(write, self.context, len(encoded), "writing metadata"))
 
-    async def small_leaves(group: list[tuple[LeafInfo, Any]]) -> None:
-        # Each is one chunk, so at most one piece (the whole array); no TensorStore opens.
-        nbytes = sum(info.nbytes for info, _ in group)  # at most: some may not be ours
-        owned: list[tuple[LeafInfo, list[tuple[Index, Any, bool]]]] = []
-        async with budget.hold(nbytes):  # the encoded copies live until written
-
-            def encode_and_write() -> None:
-                # Shards, copies, checksums and TensorStore's copy of each value, all off
-                # the loop; every write issued is waited for here, so a cancelled save
-                # (which waits for this thread) leaves none running behind it.
-                owned.extend((info, pieces_of(value)) for info, value in group)
-                writes = []
-                try:
-                    for info, pieces in owned:
-                        if write_metadata:
-                            key = chunks.metadata_key(info)
-                            writes.append(kv.write(key, chunks.encode_metadata(info)))
-                        table = _table_for(info) if pieces else None  # no empty tables
-                        for index, data, _ in pieces:
-                            host = np.asarray(data)
-                            chunk = chunks.encode_chunk(info, host)
-                            writes.append(kv.write(chunks.chunk_key(info), chunk))
-                            if table is not None:
-                                table[piece_key(index, info.shape)] = digest(host)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        wait_here(writes, limit)  # the ones already issued end first
-                    raise
-                wait_here(writes, limit)
-
-            policy = policy_of(context)
-            limit = None if policy is None else policy.limit(nbytes)
-
-            await on_thread(None, encode_and_write)
-            for info, pieces in owned:
-                for _ in pieces:
-                    stats.leaves.append(info.name)
-                    stats.shards += 1
-                    stats.bytes += info.nbytes
-
-    async def packed_leaves(k: int, group: list[tuple[LeafInfo, Any]]) -> None:
-        assert packs is not None
-        async with budget.hold(sum(info.nbytes for info, _ in group)):  # device-to-host copies
-            indexed = [(info, p) for info, value in group for p in pieces_of(value)]
-            if not indexed:
-                return
-            owned = [(info, data) for info, (_, data, _) in indexed]
-            write = write_pack(packs.backend, packs.prefix, packs.key(k), owned, encoding=encoding)
-            tables = [
-                (_table_for(info), piece_key(index, info.shape), data)
-                for info, (index, data, _) in indexed
-            ]
-            if any(table is not None for table, _, _ in tables):
-
-                def digest_all() -> list[str | None]:
-                    return [digest(d) if t is not None else None for t, _, d in tables]
-
-                # The digests (CPU) while the pack is written (mostly the disk's time):
-                # tree c's 5,000 small leaves saved in 0.87-0.89x the time of digesting
-                # each pack after its write (two runs of 6-8 interleaved saves).
-                nbytes = sum(i.nbytes for i, _ in owned)
-                wrote, hexes = await gather_first_error(
-                    [finish_first(write), off_loop(digest_all, nbytes)]
-                )
-                refs = cast("list[PackRef]", wrote)
-                found = cast("list[str | None]", hexes)
-                for (table, key, _), hexed in zip(tables, found, strict=True):
-                    if table is not None and hexed is not None:
-                        table[key] = hexed
-            else:
-                refs = await finish_first(write)
-            for (info, _), ref in zip(owned, refs, strict=True):
-                stats.packed[info.name] = ref
-                stats.leaves.append(info.name)
-                stats.shards += 1
-                stats.bytes += info.nbytes
-
-    def _table_for(info: LeafInfo) -> PieceTable | None:
-        """The table this write fills for ``info`` (None: not digested here)."""
-        if digests is None or info.name in digests:
-            return None
-        return digests.setdefault(info.name, {})
-
-    async def written(
-        arr: ts.TensorStore, index: Index, host: Any, reference: bool, nbytes: int, hashed: bool
-    ) -> str | None:
-        """Write ``host`` at ``index``, digesting it meanwhile when ``hashed``."""
-        write = arr[index].write(host, can_reference_source_data_indefinitely=reference)
-        writing = finish_first(within(write, context, nbytes, "writing checkpoint data"))
-        if not hashed:
-            await writing
-            return None
-        hexed, _ = await gather_first_error([digest_off_loop(host, nbytes), writing])
-        return str(hexed)
-
-    async def write_piece(
+    async def piece(
+        self,
         arr: ts.TensorStore,
         index: Index,
         data: Any,
@@ -303,38 +291,116 @@ async def write_leaves(
         *,
         table: PieceTable | None = None,
     ) -> None:
+        """One piece of a big leaf: written from its own memory where it is host memory,
+        else copied to the host first within the budget."""
         nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
         hashed = table is not None
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
-            hexed = await written(arr, index, view, True, nbytes, hashed)
+            hexed = await self.written(arr, index, view, True, nbytes, hashed)
         else:
-            async with budget.hold(nbytes):
+            async with self.budget.hold(nbytes):
                 host = await off_loop(lambda: np.asarray(data), nbytes)  # device to host
                 # A numpy leaf is the caller's array: TensorStore copies it.
-                hexed = await written(arr, index, host, private, nbytes, hashed)
+                hexed = await self.written(arr, index, host, private, nbytes, hashed)
         if table is not None and hexed is not None:
             table[piece_key(index, arr.shape)] = hexed
-        stats.shards += 1
-        stats.bytes += nbytes
+        self.stats.shards += 1
+        self.stats.bytes += nbytes
 
-    small = [(info, value) for info, value in leaves if chunks.small(info)]
-    encoding = asyncio.Lock()  # packs are encoded one at a time (see `write_pack`)
-    kv = await ts.KvStore.open(store, context=context)
-    groups = chunks.groups(small, max_inflight_bytes // 4)
-    smalls = (
-        [small_leaves(group) for group in groups]
-        if packs is None
-        else [packed_leaves(k, group) for k, group in enumerate(groups)]
-    )
-    try:  # one failed write cancels (and awaits) the others before the error is raised
-        await gather_first_error(
-            [*(one_leaf(info, value) for info, value in leaves if not chunks.small(info)), *smalls]
-        )
-    except Exception as exc:
-        raise write_error(exc, "checkpoint data") from exc
-    stats.seconds = time.perf_counter() - start
-    return stats
+    async def written(
+        self,
+        arr: ts.TensorStore,
+        index: Index,
+        host: Any,
+        reference: bool,
+        nbytes: int,
+        hashed: bool,
+    ) -> str | None:
+        """Write ``host`` at ``index``, digesting it meanwhile when ``hashed``."""
+        write = arr[index].write(host, can_reference_source_data_indefinitely=reference)
+        writing = finish_first(within(write, self.context, nbytes, "writing checkpoint data"))
+        if not hashed:
+            await writing
+            return None
+        hexed, _ = await gather_first_error([digest_off_loop(host, nbytes), writing])
+        return str(hexed)
+
+    async def small_leaves(self, group: list[tuple[LeafInfo, Any]]) -> None:
+        """Single-chunk leaves as raw OCDBT keys: at most one piece each (the whole array),
+        no TensorStore open."""
+        nbytes = sum(info.nbytes for info, _ in group)  # at most: some may not be ours
+        owned: list[tuple[LeafInfo, list[tuple[Index, Any, bool]]]] = []
+        policy = policy_of(self.context)
+        limit = None if policy is None else policy.limit(nbytes)
+
+        def encode_and_write() -> None:
+            # Shards, copies, checksums and TensorStore's copy of each value, all off the
+            # loop; every write issued is waited for here, so a cancelled save (which waits
+            # for this thread) leaves none running behind it.
+            owned.extend((info, self.pieces_of(value)) for info, value in group)
+            writes = []
+            try:
+                for info, pieces in owned:
+                    if self.write_metadata:
+                        key = chunks.metadata_key(info)
+                        writes.append(self.kv.write(key, chunks.encode_metadata(info)))
+                    table = self.table_for(info) if pieces else None  # no empty tables
+                    for index, data, _ in pieces:
+                        host = np.asarray(data)
+                        chunk = chunks.encode_chunk(info, host)
+                        writes.append(self.kv.write(chunks.chunk_key(info), chunk))
+                        if table is not None:
+                            table[piece_key(index, info.shape)] = digest(host)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    wait_here(writes, limit)  # the ones already issued end first
+                raise
+            wait_here(writes, limit)
+
+        async with self.budget.hold(nbytes):  # the encoded copies live until written
+            await on_thread(None, encode_and_write)
+        for info, pieces in owned:
+            for _ in pieces:
+                self.count(info, info.nbytes)
+
+    async def packed_leaves(self, k: int, group: list[tuple[LeafInfo, Any]]) -> None:
+        """Single-chunk leaves into pack ``k`` of `packs`, digested while it is written."""
+        packs = self.packs
+        assert packs is not None
+        async with self.budget.hold(sum(info.nbytes for info, _ in group)):  # host copies
+            indexed = [(info, p) for info, value in group for p in self.pieces_of(value)]
+            if not indexed:
+                return
+            owned = [(info, data) for info, (_, data, _) in indexed]
+            write = write_pack(
+                packs.backend, packs.prefix, packs.key(k), owned, encoding=self._encoding
+            )
+            tables = [
+                (self.table_for(info), piece_key(index, info.shape), data)
+                for info, (index, data, _) in indexed
+            ]
+            if any(table is not None for table, _, _ in tables):
+
+                def digest_all() -> list[str | None]:
+                    return [digest(d) if t is not None else None for t, _, d in tables]
+
+                # The digests (CPU) while the pack is written (mostly the disk's time).
+                nbytes = sum(i.nbytes for i, _ in owned)
+                wrote, hexes = await gather_first_error(
+                    [finish_first(write), off_loop(digest_all, nbytes)]
+                )
+                refs = cast("list[PackRef]", wrote)
+                for (table, key, _), hexed in zip(
+                    tables, cast("list[str | None]", hexes), strict=True
+                ):
+                    if table is not None and hexed is not None:
+                        table[key] = hexed
+            else:
+                refs = await finish_first(write)
+            for (info, _), ref in zip(owned, refs, strict=True):
+                self.stats.packed[info.name] = ref
+                self.count(info, info.nbytes)
 
 
 def host_view(data: Any) -> np.ndarray[Any, Any] | None:

@@ -45,8 +45,7 @@ from ckptstore.checkpoint.staged import Staged, staged_key
 from ckptstore.datapath.arrays import (
     addressable_indices,
     host_view_slices,
-    ocdbt_spec,
-    write_leaves,
+    write_store,
 )
 from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError
 from ckptstore.format import layout
@@ -139,15 +138,9 @@ async def write_host_view(
     devices hold. Returns the bytes written.
     """
     store = where.local_store(item, me)
-    with fast.write_behind(store):
-        stats = await write_leaves(
-            ocdbt_spec(fast.kvstore_spec(store)),
-            fast.ts_context,
-            leaves,
-            process=me,
-            write_metadata=me != 0,
-            select=host_view_slices,
-        )
+    stats = await write_store(
+        fast, store, leaves, process=me, write_metadata=me != 0, select=host_view_slices
+    )
     regions = {info.name: addressable_indices(value) for info, value in leaves}
     children = [where.process_store(item, me), store]
     await merge(fast, where.item(item), children, [i for i, _ in leaves], regions=regions)

@@ -293,7 +293,7 @@ async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
             running = [
                 t
                 for t in asyncio.all_tasks()
-                if "write_leaves" in getattr(t.get_coro(), "__qualname__", "")
+                if "LeafWriter." in getattr(t.get_coro(), "__qualname__", "")
             ]
             assert running == []
             await asyncio.sleep(0.5)

@@ -162,11 +162,11 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
     import asyncio, sys, time
     import numpy as np
     import ckptstore
-    import ckptstore.checkpoint.partial as partial_module
+    import ckptstore.datapath.arrays as arrays_module
     from tests.campaigns.killpoints import first_bytes
     from tests.checkpoint.test_partial import part_tree
 
-    real_write = partial_module.write_leaves
+    real_write = arrays_module.write_leaves
     calls = 0
 
     async def write_leaves(*args, **kwargs):
@@ -179,7 +179,7 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
             time.sleep(60)  # killed here, while part 3 is being written
         return await task
 
-    partial_module.write_leaves = write_leaves
+    arrays_module.write_leaves = write_leaves
 
     async def main():
         session = await ckptstore.partial_save(sys.argv[1], step=7)

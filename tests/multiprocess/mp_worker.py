@@ -89,22 +89,22 @@ def main() -> None:
     shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
 
     if (mode, int(pid)) in (("fail", 1), ("fail0", 0)):
-        import ckptstore.checkpoint.save as save_module
+        import ckptstore.datapath.arrays as arrays_module
 
         async def broken(*args: object, **kwargs: object) -> None:
             raise RuntimeError("disk on fire")
 
-        save_module.write_leaves = broken  # type: ignore[assignment]
+        arrays_module.write_leaves = broken  # type: ignore[assignment]
     if mode == "die" and int(pid) == 1:
-        import ckptstore.checkpoint.save as save_module
+        import ckptstore.datapath.arrays as arrays_module
 
-        real_write = save_module.write_leaves
+        real_write = arrays_module.write_leaves
 
         async def write_then_die(*args, **kwargs):  # type: ignore[no-untyped-def]
             await real_write(*args, **kwargs)
             os._exit(3)  # a crash: no report, no cleanup, no shutdown
 
-        save_module.write_leaves = write_then_die
+        arrays_module.write_leaves = write_then_die
     if mode == "late" and int(pid) == 0:
         import ckptstore.checkpoint.save as save_module
 
