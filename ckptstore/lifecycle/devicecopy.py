@@ -6,9 +6,9 @@ So a save may copy the state on its devices, return, and move the copy to the ho
 background while training goes on; each copied piece is freed on its device as soon as
 its bytes are on the host (`DrainedPiece`).
 
-- `DeviceCopier` copies many arrays with one compiled program (one dispatch for the whole
-  state), compiled once per signature (shapes, dtypes, shardings) and kept; `warm`
-  compiles it on a background thread, so that the first save need not pay for it.
+- `DeviceCopier` copies each array with a compiled program, one per kind of array (shape,
+  dtype, sharding), compiled once and kept; `warm` compiles them on a background thread,
+  so that the first save need not pay for it.
 - `device_room` says whether every device holding the state has room for a copy of its
   shards, from `Device.memory_stats` (the peak the training loop reached, with a margin).
 """
@@ -29,7 +29,7 @@ import numpy as np
 MARGIN_SHARE = 0.05
 MARGIN_BYTES = 256 << 20
 
-Signature = tuple[tuple[tuple[int, ...], Any, jax.sharding.Sharding], ...]
+Signature = tuple[tuple[int, ...], Any, jax.sharding.Sharding]  # shape, dtype, sharding
 
 
 class DrainedPiece:
@@ -60,7 +60,9 @@ class DrainedPiece:
 
 
 class DeviceCopier:
-    """On-device copies of lists of arrays, one compiled program per signature."""
+    """On-device copies of arrays: one compiled program per kind of array (shape, dtype,
+    sharding), kept, so that the leaves of a model that share a shape share a program
+    (a transformer's layers: a few programs for thousands of leaves)."""
 
     def __init__(self) -> None:
         self._programs: dict[Signature, Future[Any]] = {}
@@ -72,27 +74,23 @@ class DeviceCopier:
         self._programs.clear()
 
     def warm(self, arrays: Sequence[jax.Array]) -> None:
-        """Compile the copy of ``arrays`` on a background thread, if not compiled yet."""
-        for group in _by_devices(arrays).values():
-            self._program([arrays[k] for k in group])
+        """Compile the copies of ``arrays`` on a background thread, where not compiled yet."""
+        for array in arrays:
+            self._program(array)
 
     def copy(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
         """Copies of ``arrays`` on the same devices with the same shardings, done (on the
-        devices) when this returns. One program per set of devices (a program runs on
-        one), all dispatched before any is waited for."""
-        groups = list(_by_devices(arrays).values())
-        programs = [self._program([arrays[k] for k in group]) for group in groups]
-        out: list[Any] = [None] * len(arrays)
-        for group, program in zip(groups, programs, strict=True):
-            copies = program.result()([arrays[k] for k in group])
-            for k, copy in zip(group, copies, strict=True):
-                out[k] = copy
+        devices) when this returns; all dispatched before any is waited for."""
+        programs = [self._program(array) for array in arrays]
+        out: list[jax.Array] = [
+            program.result()(array) for program, array in zip(programs, arrays, strict=True)
+        ]
         for copy in out:
             copy.block_until_ready()
         return out
 
-    def _program(self, arrays: Sequence[jax.Array]) -> Future[Any]:
-        key: Signature = tuple((tuple(a.shape), a.dtype, a.sharding) for a in arrays)
+    def _program(self, array: jax.Array) -> Future[Any]:
+        key: Signature = (tuple(array.shape), array.dtype, array.sharding)
         with self._lock:
             program = self._programs.get(key)
             if program is None:
@@ -100,23 +98,11 @@ class DeviceCopier:
         return program
 
 
-def _by_devices(arrays: Sequence[jax.Array]) -> dict[frozenset[Any], list[int]]:
-    """The positions of ``arrays`` grouped by the set of devices each lies on."""
-    groups: dict[frozenset[Any], list[int]] = {}
-    for k, array in enumerate(arrays):
-        groups.setdefault(frozenset(array.sharding.device_set), []).append(k)
-    return groups
-
-
 def _compile(key: Signature) -> Any:
-    shardings = [sharding for _, _, sharding in key]
-    avals = [
-        jax.ShapeDtypeStruct(shape, dtype, sharding=s)  # type: ignore[no-untyped-call]
-        for shape, dtype, s in key
-    ]
+    shape, dtype, sharding = key
+    aval = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # type: ignore[no-untyped-call]
     # `jnp.copy`, not the identity: jit forwards an input returned as it is, with no copy.
-    program = jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=shardings)
-    return program.lower(avals).compile()
+    return jax.jit(jnp.copy, out_shardings=sharding).lower(aval).compile()
 
 
 def device_room(

@@ -4,7 +4,7 @@ A training loop may donate, delete or overwrite its arrays as soon as `Stager.st
 returns, so every piece a save will write is copied first. Three ways:
 
 - "device": on accelerators with room for it, each `jax.Array` is copied on its own
-  devices by one compiled program (`ckptstore.lifecycle.devicecopy`): the pause is that
+  devices by a compiled program (`ckptstore.lifecycle.devicecopy`): the pause is that
   copy, at the device memory's speed. The save then moves each piece to the host as it
   writes it, and frees the piece on its device once its bytes are out (`DrainedPiece`),
   so host memory holds only what is being written.

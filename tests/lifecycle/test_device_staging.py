@@ -64,15 +64,15 @@ def test_device_staging_copies_each_array_where_it_lies_and_drains_each_piece_on
         np.asarray(piece)  # its device buffer is gone: never a read of freed memory
 
 
-def test_the_copy_is_compiled_once_per_signature_and_ahead_of_the_first_save() -> None:
+def test_the_copy_is_compiled_once_per_kind_of_array_and_ahead_of_the_first_save() -> None:
     tree = state()
     arrays = [tree["w"], tree["r"], tree["one"]]
     copier = DeviceCopier()
     try:
-        copier.warm(arrays)  # two device sets: two programs
-        assert len(copier._programs) == 2
+        copier.warm([*arrays, arrays[0] + 1])  # three kinds of array: three programs
+        assert len(copier._programs) == 3
         copies = copier.copy(arrays)
-        assert len(copier._programs) == 2  # the warm ones were used
+        assert len(copier._programs) == 3  # the warm ones were used
         for copy, array in zip(copies, arrays, strict=True):
             assert copy.sharding == array.sharding
             assert np.array_equal(np.asarray(copy), np.asarray(array))
@@ -90,10 +90,10 @@ def test_a_manager_compiles_the_device_copy_on_a_step_it_does_not_save(tmp_path:
         tree = state()
         assert mgr.save(1, tree) is None
         programs = mgr._stager._copier._programs
-        assert len(programs) == 2
+        assert len(programs) == 4  # w, r, one, the key's data
         handle = mgr.save(2, tree)
         assert handle is not None and handle.wait().staging_mode == "device"
-        assert len(programs) == 2  # no compile in the save's pause
+        assert len(programs) == 4  # no compile in the save's pause
         restored = mgr.restore(2, like=tree)
         assert np.array_equal(np.asarray(restored["w"]), np.asarray(tree["w"]))
 
