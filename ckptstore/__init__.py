@@ -73,10 +73,8 @@ _PUBLIC = {
     ),
     "ckptstore.backends.retry": ("RetryPolicy",),
     "ckptstore.checkpoint.cleanup": ("Removal",),
-    "ckptstore.checkpoint.partial": (
-        "Part",
-        "PartialSave",
-    ),
+    "ckptstore.checkpoint.partial": ("PartialSave",),
+    "ckptstore.checkpoint.parts": ("Part",),
     "ckptstore.checkpoint.save": ("SaveResult",),
     "ckptstore.checkpoint.verify": ("VerifyReport",),
     "ckptstore.lifecycle.manager": (
@@ -120,7 +118,8 @@ if TYPE_CHECKING:
     from ckptstore.backends.registry import load_profile, open_backend
     from ckptstore.backends.retry import RetryPolicy
     from ckptstore.checkpoint.cleanup import Removal
-    from ckptstore.checkpoint.partial import Part, PartialSave
+    from ckptstore.checkpoint.partial import PartialSave
+    from ckptstore.checkpoint.parts import Part
     from ckptstore.checkpoint.save import SaveResult
     from ckptstore.checkpoint.verify import VerifyReport
     from ckptstore.lifecycle import policies

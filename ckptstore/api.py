@@ -19,7 +19,8 @@ from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
 from ckptstore.checkpoint.commit import committed_steps
 from ckptstore.checkpoint.incremental import SameObjects
-from ckptstore.checkpoint.partial import Part, PartialSave
+from ckptstore.checkpoint.partial import PartialSave
+from ckptstore.checkpoint.parts import Part
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.checkpoint.target import Target, opened

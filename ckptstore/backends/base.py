@@ -28,7 +28,6 @@ from ckptstore.errors import (
     RetriesExhaustedError,
     ShortReadError,
 )
-from ckptstore.runtime.futures import finish_first as finish_first  # its old home re-exports it
 
 T = TypeVar("T")
 #: What a write takes: any contiguous buffer of bytes.

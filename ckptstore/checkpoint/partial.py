@@ -59,8 +59,7 @@ from ckptstore.checkpoint.incremental import (
     write_digests,
 )
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.parts import Part as Part  # its old home re-exports it
-from ckptstore.checkpoint.parts import created, join, nesting_conflicts, session_base
+from ckptstore.checkpoint.parts import Part, created, join, nesting_conflicts, session_base
 from ckptstore.checkpoint.save import PreparedItem, SaveResult
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import write_store
@@ -69,11 +68,11 @@ from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     CorruptCheckpointError,
+    DuplicateLeafError,
     FencedError,
     NotFoundError,
     TreeError,
 )
-from ckptstore.errors import DuplicateLeafError as DuplicateLeafError  # old home re-exports it
 from ckptstore.format import layout
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo

@@ -18,7 +18,7 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import within
 from ckptstore.checkpoint.assemble import in_memory, restore_stored
-from ckptstore.checkpoint.commit import committed_steps, latest_manifest
+from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
@@ -39,12 +39,6 @@ from ckptstore.runtime.gcpause import gc_paused
 # `asyncio.run(restore(...))` formats the restored tree with `reprlib` when it ends (Python
 # 3.11, `ckptstore.runtime.shortrepr`): jax arrays there are described, never copied.
 shortrepr.install()
-
-
-async def list_steps(target: Target) -> list[int]:
-    """Committed steps, ascending. Steps without a commit marker are ignored."""
-    async with opened(target) as backend:
-        return await committed_steps(backend)
 
 
 async def read_manifest(target: Target, step: int | None = None) -> Manifest:
@@ -225,13 +219,6 @@ class _Reader:
         ]
 
 
-async def chunk_source(
-    backend: Backend, manifest: Manifest, item: str, store: dict[str, Any]
-) -> Chunks:
-    """Where the item's chunk bytes are read from (`chunk_source_at` its directory)."""
-    return await chunk_source_at(backend, item_dir(manifest, item), store)
-
-
 async def chunk_source_at(backend: Backend, prefix: str, store: dict[str, Any]) -> Chunks:
     """Where the chunk bytes of the merged store ``store`` at ``prefix`` are read from: its
     data files directly where `direct_chunks` can, else TensorStore's kvstore."""
@@ -270,8 +257,3 @@ def leaf_dir(manifest: Manifest, item: str, leaf: str) -> str:
         return item_dir(manifest, item)
     holder = manifest.references[k]
     return layout.AttemptDir(int(holder["step"]), str(holder["attempt"])).item(item)
-
-
-def item_store(backend: Backend, manifest: Manifest, item: str) -> dict[str, Any]:
-    """The TensorStore spec of one item's merged store in the attempt ``manifest`` describes."""
-    return ocdbt_spec(backend.kvstore_spec(item_dir(manifest, item)))

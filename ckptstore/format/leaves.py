@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.errors import UnsupportedLeafError as UnsupportedLeafError  # old home re-exports
+from ckptstore.errors import UnsupportedLeafError
 
 #: Chunks are split until they are at most this big, so resharded reads stay cheap.
 TARGET_CHUNK_BYTES = 64 << 20

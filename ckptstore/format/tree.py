@@ -21,7 +21,7 @@ from urllib.parse import quote, unquote
 import jax
 import numpy as np
 
-from ckptstore.errors import TreeError as TreeError  # its old home re-exports it
+from ckptstore.errors import TreeError
 from ckptstore.format.leaves import HostShards
 
 SAFE = "-_.~"  # besides ASCII letters and digits, kept as is in storage names

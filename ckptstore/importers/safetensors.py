@@ -31,7 +31,7 @@ import numpy as np
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target
-from ckptstore.errors import SafetensorsError as SafetensorsError  # its old home re-exports it
+from ckptstore.errors import SafetensorsError
 from ckptstore.format.tree import segment
 from ckptstore.runtime.membudget import check_fits
 from ckptstore.runtime.progress import Progress

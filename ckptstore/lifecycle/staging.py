@@ -47,8 +47,7 @@ import jax
 import numpy as np
 
 from ckptstore.datapath.arrays import host_view
-from ckptstore.errors import CkptStoreError
-from ckptstore.errors import StagingBudgetError as StagingBudgetError  # old home re-exports
+from ckptstore.errors import CkptStoreError, StagingBudgetError
 from ckptstore.format.leaves import HostShards, Index, is_key_array, key_impl_name
 from ckptstore.format.tree import flatten
 from ckptstore.lifecycle.devicecopy import (

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from ckptstore.errors import OrbaxExportError as OrbaxExportError  # its old home re-exports it
-from ckptstore.errors import UnsupportedLeafError
+from ckptstore.errors import OrbaxExportError, UnsupportedLeafError
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax.keys import RANDOM_KEY_IMPL
 from ckptstore.orbax.read import DICT, SEQUENCE

@@ -56,8 +56,7 @@ from ckptstore.tiers.hostlocal import (
     merge_on_durable,
     promoted_part,
 )
-from ckptstore.tiers.target import AnyTarget, as_tiered
-from ckptstore.tiers.target import Tiered as Tiered  # re-exported
+from ckptstore.tiers.target import AnyTarget, Tiered, as_tiered
 
 log = logging.getLogger("ckptstore")
 
