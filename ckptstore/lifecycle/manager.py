@@ -30,7 +30,7 @@ import jax
 
 from ckptstore.api import delete_step, restore, save_items
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import load_profile
+from ckptstore.backends.registry import env_profile, load_profile
 from ckptstore.checkpoint.cleanup import gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
@@ -119,13 +119,14 @@ class SaveHandle:
 class CheckpointManager:
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
-    ``target`` is anything `ckptstore.save` accepts; a ``.toml`` profile may carry a
-    ``[manager]`` table with the options. Use it as a context manager, or call `close`.
+    ``target`` is anything `ckptstore.save` accepts (None: the profile
+    ``$CKPTSTORE_PROFILE`` names); a ``.toml`` profile may carry a ``[manager]`` table
+    with the options. Use it as a context manager, or call `close`.
     """
 
     def __init__(
         self,
-        target: Target | Tiered,
+        target: Target | Tiered | None,
         *,
         save_policy: P.SavePolicy | None = None,
         keep_policy: P.KeepPolicy | None = None,
@@ -736,8 +737,12 @@ def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[st
     return trees
 
 
-def _options_from_profile(target: Target | Tiered) -> ManagerOptions:
-    if isinstance(target, (Backend, Tiered)):
+def _options_from_profile(target: Target | Tiered | None) -> ManagerOptions:
+    """The ``[manager]`` table of the profile ``target`` is (None: the profile
+    ``$CKPTSTORE_PROFILE`` names, as for the plain functions), else the defaults."""
+    if target is None:
+        target = env_profile()  # unset: the defaults, and `open_target` says what is missing
+    if target is None or isinstance(target, (Backend, Tiered)):
         return ManagerOptions()
     path = os.fspath(target)
     if path.endswith(".toml") and os.path.isfile(path):
