@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -169,6 +170,14 @@ class CheckpointManager:
             committed = self._call(self._committed_steps())
             if not committed:
                 self._orbax_steps = self._call(self._find_orbax_steps())
+            #: Why every `save` is refused (an Orbax root; None: saves go ahead), said once
+            #: now as a warning so that a job learns it at start, not when the policy says yes.
+            self._read_only: str | None = None
+            if self._orbax_steps:
+                self._read_only = self._call(self._orbax_refusal())
+                log.warning(
+                    "ckptstore: %s; every save() raises UnsupportedOperationError", self._read_only
+                )
             steps = committed or self._orbax_steps
             self._last_step: int | None = steps[-1] if steps else None
             #: The base of the next incremental save: the last step committed (an Orbax
@@ -239,6 +248,7 @@ class CheckpointManager:
         and `AlreadyExistsError` (before staging anything) when ``step`` is committed.
         """
         step = layout.check_step(step)
+        self._refuse_orbax_root()  # whatever the policy would say: the job learns it now
         self._raise_unobserved()
         trees = _items(state, items, self.options.item)
         start = time.perf_counter()
@@ -250,7 +260,6 @@ class CheckpointManager:
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
         waited = time.perf_counter() - before
-        self._refuse_orbax_root()
         # A committed step is refused here, before anything is staged, as `save_sync` does;
         # the write would only fail later, at `wait()` or the next save.
         self._call(self._ensure_uncommitted(step))
@@ -314,14 +323,35 @@ class CheckpointManager:
         """`UnsupportedOperationError` on an Orbax root, before anything is written: its
         steps and ours would then share step numbers, directories and listings (Orbax's
         `all_steps` would show our step directories as its own, and ours its)."""
-        if not self._orbax_steps:
-            return
-        url, latest = self.backend.url, self._orbax_steps[-1]
-        raise UnsupportedOperationError(
-            f"{url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the manager "
-            "restores its steps but does not save beside them. To resume in ckptstore format, "
-            f"import the step into a new root (`ckptstore import-orbax {url} NEW_ROOT --step "
-            f"{latest}`) and point the manager there"
+        if self._read_only is not None:
+            raise UnsupportedOperationError(self._read_only)
+
+    async def _orbax_refusal(self) -> str:
+        """What `_refuse_orbax_root` says, with the way on that fits the latest Orbax step:
+        ``ckptstore import-orbax`` converts one item per step (and without ``--item`` only
+        the one item, or "state"), so a step of several items is carried over by restoring
+        them here and saving them with a manager on a new root."""
+        latest = self._orbax_steps[-1]
+        holder = self.backend
+        if self.durable is not None and not await orbax.is_finalized(holder, latest):
+            holder = self.durable
+        names = sorted(await orbax.item_names(holder, layout.step_dir(latest)))
+        said = (
+            f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
+            "manager restores its steps but does not save beside them"
+        )
+        if len(names) <= 1:
+            return (
+                f"{said}. To resume in ckptstore format, import the latest step into a new "
+                f"root (`ckptstore import-orbax {shlex.quote(holder.url)} NEW_ROOT --step "
+                f"{latest}`) and point the manager there"
+            )
+        items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"
+        return (
+            f"{said}. Its step {latest} has items {names}, and `ckptstore import-orbax` "
+            "imports one item per step: to resume in ckptstore format with all of them, "
+            f"restore them here (`mgr.restore({latest}, items={items})`) and save them with "
+            f"a CheckpointManager on a new root (`.save({latest}, items=..., force=True)`)"
         )
 
     async def _ensure_uncommitted(self, step: int) -> None:
