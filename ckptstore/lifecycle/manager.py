@@ -362,6 +362,18 @@ class CheckpointManager:
         )
 
     def _decide(self, step: int, force: bool) -> bool:
+        wanted, go = self._policy_says(step, force)
+        agreed_alone = force or (self.save_policy.deterministic and self.options.if_busy == "wait")
+        if self._count > 1 and not agreed_alone:  # clocks and progress differ: process 0 decides
+            go = self._call(self._agree(step, go))
+        if wanted and not go:
+            log.warning("ckptstore: skipped saving step %d: the previous save is running", step)
+        return go
+
+    def _policy_says(self, step: int, force: bool) -> tuple[bool, bool]:
+        """(whether the policy wants ``step``, whether this process would save it now),
+        from this process's view alone; nothing changes but the preemption flag, which
+        follows the signal or JAX's sync point."""
         busy = self._inflight is not None and not self._inflight.done()
         preempted = self._check_preemption(step)
         ctx = P.SaveContext(
@@ -375,12 +387,7 @@ class CheckpointManager:
         wanted = force or self.save_policy.should_save(ctx)
         # A preemption's save is never skipped: it waits for the one in flight.
         go = wanted and not (busy and self.options.if_busy == "skip" and not preempted)
-        agreed_alone = force or (self.save_policy.deterministic and self.options.if_busy == "wait")
-        if self._count > 1 and not agreed_alone:  # clocks and progress differ: process 0 decides
-            go = self._call(self._agree(step, go))
-        if wanted and not go:
-            log.warning("ckptstore: skipped saving step %d: the previous save is running", step)
-        return go
+        return wanted, go
 
     async def _agree(self, step: int, go: bool) -> bool:
         handoff = Handoff(f"manager/decide/{step}", self.options.timeout)
@@ -549,6 +556,10 @@ class CheckpointManager:
                 concurrent.futures.wait([self._inflight._future])
             else:
                 self._inflight.wait()
+        self._raise_retention_error()
+
+    def _raise_retention_error(self) -> None:
+        """The keep policy's (or a promotion's) failure, once, if it is over and failed."""
         retention = self._retention
         if retention is not None and retention.done() and retention.exception() is not None:
             self._retention = None
