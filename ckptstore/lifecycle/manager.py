@@ -51,6 +51,7 @@ from ckptstore.format.tree import flatten
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
+from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
 from ckptstore.lifecycle.staging import Staged, Stager
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
@@ -117,12 +118,13 @@ class SaveHandle:
         return f"<SaveHandle step {self.step} {state}>"
 
 
-class CheckpointManager:
+class CheckpointManager(OrbaxCompat):
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
     ``target`` is anything `ckptstore.save` accepts (None: the profile
     ``$CKPTSTORE_PROFILE`` names); a ``.toml`` profile may carry a ``[manager]`` table
-    with the options. Use it as a context manager, or call `close`.
+    with the options. Use it as a context manager, or call `close`. Orbax's other names
+    (`best_step`, `should_save`, `delete`, `reload`, `metadata`, ...) are `OrbaxCompat`'s.
     """
 
     def __init__(
