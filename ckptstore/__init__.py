@@ -83,6 +83,7 @@ _PUBLIC = {
         "SaveStats",
     ),
     "ckptstore.lifecycle.options": ("ManagerOptions",),
+    "ckptstore.lifecycle.orbaxcompat": ("StepMetadata",),
     "ckptstore.tiers.target": ("Tiered",),
     "ckptstore.lifecycle": ("policies",),  # a module
 }
@@ -125,6 +126,7 @@ if TYPE_CHECKING:
     from ckptstore.lifecycle import policies
     from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
     from ckptstore.lifecycle.options import ManagerOptions
+    from ckptstore.lifecycle.orbaxcompat import StepMetadata
     from ckptstore.tiers.target import Tiered
 
 _LAZY = {name: module for module, names in _PUBLIC.items() for name in names}

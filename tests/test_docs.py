@@ -146,3 +146,16 @@ def test_migrating_from_orbax_table_names_real_api() -> None:
     for method in ("save", "restore", "wait_until_finished", "latest_step", "all_steps", "close"):
         assert hasattr(manager, method) and hasattr(ocp.CheckpointManager, method)
     assert hasattr(manager, "metrics") and hasattr(ckptstore, "read_manifest_sync")
+    # Each row's `mngr.NAME`s exist on its side's manager, and a row maps each of these
+    # Orbax methods (what an Orbax user reaches for) to the manager's own.
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| `")]
+    for orbax, ours in ((r[0], r[1]) for r in rows):
+        for name in re.findall(r"mngr\.(\w+)", orbax):
+            assert hasattr(ocp.CheckpointManager, name), orbax
+        for name in re.findall(r"mngr\.(\w+)", ours):
+            assert hasattr(manager, name), ours
+    mapped = {n for r in rows for n in re.findall(r"mngr\.(\w+)", r[0])}
+    mapped &= {n for r in rows for n in re.findall(r"mngr\.(\w+)", r[1])}
+    wanted = {"best_step", "should_save", "delete", "reload", "metadata", "item_metadata"}
+    wanted |= {"directory", "is_saving_in_progress", "check_for_errors", "metrics"}
+    assert wanted <= mapped, sorted(wanted - mapped)

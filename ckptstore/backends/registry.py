@@ -184,6 +184,13 @@ def resolve_profile(profile: str | os.PathLike[str]) -> Path:
     return file
 
 
+def env_profile() -> Path | None:
+    """The profile file ``$CKPTSTORE_PROFILE`` names (a path or a name, see
+    `resolve_profile`), or None when it is unset: what a target of None means."""
+    named = os.environ.get(PROFILE_ENV)
+    return resolve_profile(named) if named else None
+
+
 def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a profile (a path or a name): ``{"url": str, "options": {...}}``
     with env refs expanded and relative paths made absolute against the profile's folder

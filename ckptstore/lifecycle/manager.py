@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -30,7 +31,7 @@ import jax
 
 from ckptstore.api import delete_step, restore, save_items
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import load_profile
+from ckptstore.backends.registry import env_profile, load_profile
 from ckptstore.checkpoint.cleanup import gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
@@ -50,6 +51,7 @@ from ckptstore.format.tree import flatten
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
+from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
 from ckptstore.lifecycle.staging import Staged, Stager
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
@@ -116,16 +118,18 @@ class SaveHandle:
         return f"<SaveHandle step {self.step} {state}>"
 
 
-class CheckpointManager:
+class CheckpointManager(OrbaxCompat):
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
-    ``target`` is anything `ckptstore.save` accepts; a ``.toml`` profile may carry a
-    ``[manager]`` table with the options. Use it as a context manager, or call `close`.
+    ``target`` is anything `ckptstore.save` accepts (None: the profile
+    ``$CKPTSTORE_PROFILE`` names); a ``.toml`` profile may carry a ``[manager]`` table
+    with the options. Use it as a context manager, or call `close`. Orbax's other names
+    (`best_step`, `should_save`, `delete`, `reload`, `metadata`, ...) are `OrbaxCompat`'s.
     """
 
     def __init__(
         self,
-        target: Target | Tiered,
+        target: Target | Tiered | None,
         *,
         save_policy: P.SavePolicy | None = None,
         keep_policy: P.KeepPolicy | None = None,
@@ -168,6 +172,14 @@ class CheckpointManager:
             committed = self._call(self._committed_steps())
             if not committed:
                 self._orbax_steps = self._call(self._find_orbax_steps())
+            #: Why every `save` is refused (an Orbax root; None: saves go ahead), said once
+            #: now as a warning so that a job learns it at start, not when the policy says yes.
+            self._read_only: str | None = None
+            if self._orbax_steps:
+                self._read_only = self._call(self._orbax_refusal())
+                log.warning(
+                    "ckptstore: %s; every save() raises UnsupportedOperationError", self._read_only
+                )
             steps = committed or self._orbax_steps
             self._last_step: int | None = steps[-1] if steps else None
             #: The base of the next incremental save: the last step committed (an Orbax
@@ -238,6 +250,7 @@ class CheckpointManager:
         and `AlreadyExistsError` (before staging anything) when ``step`` is committed.
         """
         step = layout.check_step(step)
+        self._refuse_orbax_root()  # whatever the policy would say: the job learns it now
         self._raise_unobserved()
         trees = _items(state, items, self.options.item)
         start = time.perf_counter()
@@ -249,7 +262,6 @@ class CheckpointManager:
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen
         waited = time.perf_counter() - before
-        self._refuse_orbax_root()
         # A committed step is refused here, before anything is staged, as `save_sync` does;
         # the write would only fail later, at `wait()` or the next save.
         self._call(self._ensure_uncommitted(step))
@@ -313,14 +325,35 @@ class CheckpointManager:
         """`UnsupportedOperationError` on an Orbax root, before anything is written: its
         steps and ours would then share step numbers, directories and listings (Orbax's
         `all_steps` would show our step directories as its own, and ours its)."""
-        if not self._orbax_steps:
-            return
-        url, latest = self.backend.url, self._orbax_steps[-1]
-        raise UnsupportedOperationError(
-            f"{url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the manager "
-            "restores its steps but does not save beside them. To resume in ckptstore format, "
-            f"import the step into a new root (`ckptstore import-orbax {url} NEW_ROOT --step "
-            f"{latest}`) and point the manager there"
+        if self._read_only is not None:
+            raise UnsupportedOperationError(self._read_only)
+
+    async def _orbax_refusal(self) -> str:
+        """What `_refuse_orbax_root` says, with the way on that fits the latest Orbax step:
+        ``ckptstore import-orbax`` converts one item per step (and without ``--item`` only
+        the one item, or "state"), so a step of several items is carried over by restoring
+        them here and saving them with a manager on a new root."""
+        latest = self._orbax_steps[-1]
+        holder = self.backend
+        if self.durable is not None and not await orbax.is_finalized(holder, latest):
+            holder = self.durable
+        names = sorted(await orbax.item_names(holder, layout.step_dir(latest)))
+        said = (
+            f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
+            "manager restores its steps but does not save beside them"
+        )
+        if len(names) <= 1:
+            return (
+                f"{said}. To resume in ckptstore format, import the latest step into a new "
+                f"root (`ckptstore import-orbax {shlex.quote(holder.url)} NEW_ROOT --step "
+                f"{latest}`) and point the manager there"
+            )
+        items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"
+        return (
+            f"{said}. Its step {latest} has items {names}, and `ckptstore import-orbax` "
+            "imports one item per step: to resume in ckptstore format with all of them, "
+            f"restore them here (`mgr.restore({latest}, items={items})`) and save them with "
+            f"a CheckpointManager on a new root (`.save({latest}, items=..., force=True)`)"
         )
 
     async def _ensure_uncommitted(self, step: int) -> None:
@@ -331,6 +364,18 @@ class CheckpointManager:
         )
 
     def _decide(self, step: int, force: bool) -> bool:
+        wanted, go = self._policy_says(step, force)
+        agreed_alone = force or (self.save_policy.deterministic and self.options.if_busy == "wait")
+        if self._count > 1 and not agreed_alone:  # clocks and progress differ: process 0 decides
+            go = self._call(self._agree(step, go))
+        if wanted and not go:
+            log.warning("ckptstore: skipped saving step %d: the previous save is running", step)
+        return go
+
+    def _policy_says(self, step: int, force: bool) -> tuple[bool, bool]:
+        """(whether the policy wants ``step``, whether this process would save it now),
+        from this process's view alone; nothing changes but the preemption flag, which
+        follows the signal or JAX's sync point."""
         busy = self._inflight is not None and not self._inflight.done()
         preempted = self._check_preemption(step)
         ctx = P.SaveContext(
@@ -344,12 +389,7 @@ class CheckpointManager:
         wanted = force or self.save_policy.should_save(ctx)
         # A preemption's save is never skipped: it waits for the one in flight.
         go = wanted and not (busy and self.options.if_busy == "skip" and not preempted)
-        agreed_alone = force or (self.save_policy.deterministic and self.options.if_busy == "wait")
-        if self._count > 1 and not agreed_alone:  # clocks and progress differ: process 0 decides
-            go = self._call(self._agree(step, go))
-        if wanted and not go:
-            log.warning("ckptstore: skipped saving step %d: the previous save is running", step)
-        return go
+        return wanted, go
 
     async def _agree(self, step: int, go: bool) -> bool:
         handoff = Handoff(f"manager/decide/{step}", self.options.timeout)
@@ -518,6 +558,10 @@ class CheckpointManager:
                 concurrent.futures.wait([self._inflight._future])
             else:
                 self._inflight.wait()
+        self._raise_retention_error()
+
+    def _raise_retention_error(self) -> None:
+        """The keep policy's (or a promotion's) failure, once, if it is over and failed."""
         retention = self._retention
         if retention is not None and retention.done() and retention.exception() is not None:
             self._retention = None
@@ -736,8 +780,12 @@ def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[st
     return trees
 
 
-def _options_from_profile(target: Target | Tiered) -> ManagerOptions:
-    if isinstance(target, (Backend, Tiered)):
+def _options_from_profile(target: Target | Tiered | None) -> ManagerOptions:
+    """The ``[manager]`` table of the profile ``target`` is (None: the profile
+    ``$CKPTSTORE_PROFILE`` names, as for the plain functions), else the defaults."""
+    if target is None:
+        target = env_profile()  # unset: the defaults, and `open_target` says what is missing
+    if target is None or isinstance(target, (Backend, Tiered)):
         return ManagerOptions()
     path = os.fspath(target)
     if path.endswith(".toml") and os.path.isfile(path):

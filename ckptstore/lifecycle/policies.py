@@ -200,9 +200,14 @@ class KeepBest(KeepPolicy):
             raise ConfigError(f"KeepBest.mode must be 'max' or 'min', got {self.mode!r}")
 
     def keep(self, records: Sequence[StepRecord], now: float) -> set[int]:
+        return set(self.ranked(records)[: self.n])
+
+    def ranked(self, records: Sequence[StepRecord]) -> list[int]:
+        """The steps with a finite ``metric``, best first (what `keep` keeps the first
+        ``n`` of, and `CheckpointManager.best_step` the first of)."""
         scored = [(r.metrics[self.metric], r.step) for r in records if _number(r, self.metric)]
         scored.sort(reverse=self.mode == "max")
-        return {step for _, step in scored[: self.n]}
+        return [step for _, step in scored]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import PROFILE_ENV, load_profile, redact, resolve_profile
+from ckptstore.backends.registry import env_profile, load_profile, redact
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import ConfigError
 
@@ -132,10 +132,9 @@ def as_tiered(target: AnyTarget | None) -> Tiered | None:
     if isinstance(target, Backend):
         return None
     if target is None:
-        named = os.environ.get(PROFILE_ENV)
-        if not named:
+        target = env_profile()
+        if target is None:
             return None
-        target = resolve_profile(named)
     path = os.fspath(target)
     if path.endswith(".toml") and os.path.isfile(path) and "tiers" in load_profile(path):
         return Tiered.from_profile(path)

@@ -468,6 +468,30 @@ def test_options_from_the_profile(tmp_path: Path) -> None:
         ckptstore.CheckpointManager(str(profile))
 
 
+def test_none_means_the_profile_of_the_environment_with_its_manager_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: "With CKPTSTORE_PROFILE set, pass None" (the plain functions accept it); the
+    manager crashed with a TypeError before opening anything."""
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "run.toml").write_text(
+        f'url = "{tmp_path / "run"}"\n[manager]\nsave_every_steps = 2\nkeep_latest = 1\n'
+        "handle_sigterm = false\n"
+    )
+    monkeypatch.setenv("CKPTSTORE_PROFILES_DIR", str(profiles))
+    monkeypatch.setenv("CKPTSTORE_PROFILE", "run")  # by name, as the plain functions take it
+    with ckptstore.CheckpointManager(None) as mgr:
+        assert mgr.save_policy == pol.EveryNSteps(2) and not mgr.options.handle_sigterm
+        for step in range(1, 6):
+            mgr.save(step, {"x": np.full(2, step)})
+    assert ckptstore.list_steps_sync(None) == [4]
+    assert ckptstore.list_steps_sync(str(tmp_path / "run")) == [4]
+    monkeypatch.delenv("CKPTSTORE_PROFILE")
+    with pytest.raises(ckptstore.InvalidURLError, match="CKPTSTORE_PROFILE"):
+        ckptstore.CheckpointManager(None)
+
+
 async def test_usable_from_async_code(root: str) -> None:
     async with ckptstore.CheckpointManager(root, options=options()) as mgr:
         handle = mgr.save(1, {"x": np.arange(5)})

@@ -4,7 +4,10 @@ written, naming ``ckptstore import-orbax``), and its start-up gc leaves them alo
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import ckptstore
+from ckptstore.cli.main import main as cli_main
 from ckptstore.errors import UnsupportedOperationError
 
 
@@ -99,3 +103,57 @@ def test_the_advised_import_resumes_in_a_new_root(tmp_path: Path) -> None:
         mgr.wait_until_finished()
         assert mgr.all_steps() == [20, 21]
     assert ckptstore.list_steps_sync(root) == [1, 20]  # the Orbax run is untouched
+
+
+def test_an_orbax_root_refuses_the_first_save_whatever_the_policy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With EveryNSteps(1000) the refusal came 1,000 steps into the job: it is now a warning
+    at construction and an error at the first save() (and should_save()), and the command it
+    names converts the run."""
+    root, new = tmp_path / "run", tmp_path / "resumed"
+    orbax_root(root)
+    before = snapshot(root)
+    opts = ckptstore.ManagerOptions(handle_sigterm=False)
+    policy = ckptstore.policies.EveryNSteps(1000)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        mgr = ckptstore.CheckpointManager(root, save_policy=policy, options=opts)
+    with mgr:
+        assert "Orbax CheckpointManager root" in caplog.text and "import-orbax" in caplog.text
+        assert_tree(mgr.restore(), tree(20))  # reading stays allowed
+        with pytest.raises(UnsupportedOperationError, match="Orbax CheckpointManager root") as e:
+            mgr.save(21, tree(21))  # the policy says no to step 21: refused all the same
+    assert snapshot(root) == before
+    command = re.search(r"`(ckptstore import-orbax [^`]*)`", str(e.value))
+    assert command is not None, str(e.value)
+    argv = shlex.split(command.group(1).replace("NEW_ROOT", shlex.quote(str(new))))
+    assert cli_main(argv[1:]) == 0  # the advised command works as printed
+    with ckptstore.CheckpointManager(new, options=opts) as resumed:
+        assert resumed.all_steps() == [20]
+        assert_tree(resumed.restore(), tree(20))
+
+
+def test_the_refusal_on_a_root_of_several_items_names_what_converts_all_of_them(
+    tmp_path: Path,
+) -> None:
+    """``import-orbax`` writes one item per step (without --item it takes "state" alone),
+    so on a Composite run the message gives the way that keeps every item."""
+    root, new = tmp_path / "run", tmp_path / "resumed"
+    extra = {"seen": np.arange(5, dtype=np.int64)}
+    with ocp.CheckpointManager(root, item_names=("state", "data")) as manager:
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(tree(20)), data=ocp.args.StandardSave(extra)
+        )
+        manager.save(20, args=args)
+        manager.wait_until_finished()
+    opts = ckptstore.ManagerOptions(handle_sigterm=False)
+    with ckptstore.CheckpointManager(root, options=opts) as mgr:
+        with pytest.raises(UnsupportedOperationError, match="one item per step") as e:
+            mgr.save(21, tree(21))
+        assert "items={'data': None, 'state': None}" in str(e.value)
+        items = mgr.restore(20, items={"data": None, "state": None})  # as the message says
+    with ckptstore.CheckpointManager(new, options=opts) as resumed:
+        resumed.save(20, items=items, force=True)
+        resumed.wait_until_finished()
+        assert_tree(resumed.restore(item="state"), tree(20))
+        assert_tree(resumed.restore(item="data"), extra)
