@@ -94,7 +94,7 @@ class PreparedItem:
     @classmethod
     def of(cls, tree: Any) -> PreparedItem:
         # The collector paused for this short, synchronous step only (see `gcpause`): a
-        # full collection here cost 5,000-leaf saves ~80 ms (median 151 -> 70 ms).
+        # full collection here was half of a many-leaf save's time (docs/benchmarks.md).
         with gc_paused():
             named = flatten(tree)
             infos = [describe_leaf(n, v) for n, v in named]

@@ -40,9 +40,8 @@ MAX_INFLIGHT_BYTES = 256 << 20
 #: OCDBT starts writing a data file once it holds this many bytes, so a save's data files
 #: are written (and fsync'd) in parallel while later chunks are still being encoded,
 #: instead of one big file per commit (TensorStore's default target is 2 GiB). 16 MiB
-#: against 64 MiB on local disk: saves of four workloads in 0.82-0.99x the time, the fifth
-#: (two huge leaves) 1.04-1.06x, restores within noise (`benchmarks/data_files.py`); on
-#: the S3 and GCS emulators 1.2-1.4x the throughput (`benchmarks/object_reads.py`).
+#: was chosen against larger targets with `benchmarks/data_files.py` (local disk) and
+#: `benchmarks/object_reads.py` (S3 and GCS emulators); docs/benchmarks.md has the figures.
 DATA_FILE_BYTES = 16 << 20
 
 

@@ -2,9 +2,9 @@
 
 Thousands of small leaves written through TensorStore's OCDBT writer cost several
 copies of every byte (ours into one Python ``bytes`` per chunk, TensorStore's into
-its own buffer, the kernel's into the page cache) and two keys each; on this
-project's test machine that path wrote a 5,000-leaf tree at ~0.45x the speed of
-``dd oflag=direct`` (`docs/benchmarks.md`). A pack holds the stored chunks of many
+its own buffer, the kernel's into the page cache) and two keys each; that path wrote a
+tree of thousands of small leaves at about half the speed of ``dd oflag=direct``
+(`docs/benchmarks.md`). A pack holds the stored chunks of many
 small single-chunk leaves (`ckptstore.format.chunks.small`), one after another: each
 leaf's ``zarr.json`` (the document TensorStore would store for it) and then its
 chunk in the very bytes a zarr3 chunk has (data, then its crc32c). It is written

@@ -1,7 +1,8 @@
 """Device staging: a save's pause is an on-device copy of the state, drained to the host later.
 
-On an accelerator the copy of a state into device memory runs at the memory's speed (4 GiB
-in about 14 ms on a TPU v5e), where a copy to the host runs at the link's (about 1.4 s).
+On an accelerator the copy of a state into device memory runs at the memory's speed, where
+a copy to the host runs at the link's: on a TPU v5e about a hundred times slower
+(docs/benchmarks.md, "On a TPU").
 So a save may copy the state on its devices, return, and move the copy to the host in the
 background while training goes on; each copied piece is freed on its device as soon as
 its bytes are on the host (`DrainedPiece`).

@@ -3,8 +3,8 @@ objects.
 
 A tree of thousands of leaves allocates tens of thousands of long-lived objects
 (leaf records, arrays, shardings), and every so many of them the collector runs a
-full collection that visits every object of the process: in a JAX process about
-70 ms each, two or three per 5,000-leaf restore (`docs/benchmarks.md`). None of
+full collection that visits every object of the process: in a JAX process tens of
+milliseconds each, several per restore of thousands of leaves (`docs/benchmarks.md`). None of
 those objects is garbage. Reference counting frees memory as usual while paused;
 only cycles wait, and the collector is back on (as it was) when the last pausing
 operation of the process ends.

@@ -4,8 +4,9 @@
 data starts on an `ALIGNMENT` boundary (CPU devices adopt such a buffer without a copy).
 
 Fresh host memory is expensive: every new page is faulted in and zeroed by the kernel,
-which on an accelerator host can cost more than the read itself (a TPU v5e host read 4 GiB
-of files into new memory at 0.91 GB/s, into reused buffers at 4 GB/s). So a restore onto
+which on an accelerator host can cost more than the read itself (a TPU v5e host read files
+into reused buffers about four times as fast as into new memory: docs/benchmarks.md, "On a
+TPU"). So a restore onto
 accelerators runs `pooled`: while it runs, `aligned_empty` hands out buffers of a
 `HostPool` that are free again, and makes new ones only while none is.
 
