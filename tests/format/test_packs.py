@@ -315,7 +315,7 @@ async def test_index_roundtrip_and_a_malformed_one_is_corruption(tmp_path: Path)
 async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
     """Process 0 reads the index of each process that reports packed leaves (several
     writers: the coordination service carries counts, not tables)."""
-    from ckptstore.checkpoint.save import _packed
+    from ckptstore.checkpoint.save import ProcessReport, _packed
     from ckptstore.format import layout
 
     backend = LocalBackend(tmp_path)
@@ -323,11 +323,11 @@ async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
     infos = [info for info, _ in leaves_of(assorted())[:3]]
     await write_index(backend, where.process_store("state", 0), {"m/t2": PackRef("a/pack-0", 0)})
     await write_index(backend, where.process_store("state", 2), {"m/t0": PackRef("b/pack-0", 8)})
-    reports = [{"packed": {"state": 1}}, {"packed": {"state": 0}}, {"packed": {"state": 1}}]
+    reports = [ProcessReport(i, packed={"state": n}) for i, n in enumerate((1, 0, 1))]
     got = await _packed(backend, where, "state", infos, reports)
     assert list(got.items()) == [("m/t0", PackRef("b/pack-0", 8)), ("m/t2", PackRef("a/pack-0", 0))]
     await write_index(backend, where.process_store("state", 1), {"m/t0": PackRef("c/pack-0", 0)})
-    reports[1] = {"packed": {"state": 1}}
+    reports[1] = ProcessReport(1, packed={"state": 1})
     with pytest.raises(ckptstore.CkptStoreError, match="packed by two processes"):
         await _packed(backend, where, "state", infos, reports)
     await write_index(backend, where.process_store("state", 1), {"other": PackRef("c/pack-0", 0)})
