@@ -35,12 +35,13 @@ def _step_json(s: OrbaxStep, leaves: bool) -> dict[str, Any]:
     if s.error is not None:
         doc["corrupt"] = s.error
         return doc
-    doc |= {"bytes": s.nbytes, "leaves": s.leaves, "items": sorted(s.items)}
+    doc |= {"bytes": s.nbytes, "leaves": s.leaves, "items": s.names}
     if leaves:
         doc["items"] = {
             name: {n: _leaf_json(i) for n, i in sorted(item.items())}
             for name, item in s.items.items()
         }
+        doc["json_items"] = {name: j.value for name, j in s.json_items.items()}
     return doc
 
 
@@ -63,7 +64,7 @@ async def ls(target: Target, as_json: bool, shown: str | None = None) -> int | N
         if s.error is not None:
             print(f"{step:>10}  CORRUPT: {s.error}")
         else:
-            print(f"{step:>10}  {human(s.nbytes):>10}  {s.leaves:>6}  {','.join(sorted(s.items))}")
+            print(f"{step:>10}  {human(s.nbytes):>10}  {s.leaves:>6}  {','.join(s.names)}")
     return status
 
 
@@ -92,6 +93,9 @@ async def info(target: Target, step: int | None, as_json: bool) -> int | None:
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
                 f"{human(leaf.nbytes):>10}  {leaf.kind}"
             )
+    for name, value in sorted(s.json_items.items()):
+        shown = json.dumps(value.value, sort_keys=True)
+        print(f"item {name!r}: JSON, {len(shown)} bytes: {shown[:200]}")
     return 0
 
 

@@ -53,6 +53,7 @@ from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
 from ckptstore.lifecycle.staging import Staged, Stager
+from ckptstore.orbax import items as orbax_items
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
@@ -337,7 +338,7 @@ class CheckpointManager(OrbaxCompat):
         holder = self.backend
         if self.durable is not None and not await orbax.is_finalized(holder, latest):
             holder = self.durable
-        names = sorted(await orbax.item_names(holder, layout.step_dir(latest)))
+        names = sorted(await orbax_items.item_kinds(holder, layout.step_dir(latest)))
         said = (
             f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
             "manager restores its steps but does not save beside them"

@@ -59,6 +59,7 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import read_packed
 from ckptstore.orbax.inspect import read_all
+from ckptstore.orbax.items import TREE_METADATA
 from ckptstore.orbax.keys import ARRAY_METADATAS
 from ckptstore.orbax.metadata import (
     DEFAULT_ITEM,
@@ -68,7 +69,7 @@ from ckptstore.orbax.metadata import (
     entries,
     tree_metadata,
 )
-from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.progress import Progress
 

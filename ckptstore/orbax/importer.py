@@ -26,8 +26,9 @@ from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.reads import read_slice
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import CheckpointNotFoundError, UnsupportedOperationError
 from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime.progress import Progress
@@ -59,6 +60,11 @@ async def open_orbax(
         )
     chosen = item if item is not None else layout.DEFAULT_ITEM
     stored = await orbax.open_item(backend, where, chosen, default_item=layout.DEFAULT_ITEM)
+    if isinstance(stored, JsonItem):
+        raise UnsupportedOperationError(
+            f"item {chosen!r} of {backend.url}/{where} is a JSON item, which import-orbax "
+            "does not import yet: restore it in place (restore(..., item=...))"
+        )
     return where, stored
 
 

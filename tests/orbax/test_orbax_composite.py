@@ -1,0 +1,106 @@
+"""Composite Orbax runs (``ocp.args.Composite`` of tree items and a ``JsonSave`` config),
+written by real Orbax 0.12.8: read in place (JSON items included), imported whole into one
+committed step, and exported back whole for Orbax's own Composite restore."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import ckptstore
+from ckptstore.cli.main import main
+from ckptstore.errors import CorruptCheckpointError
+from tests.orbax.conftest import assert_bit_exact, saved_form
+
+
+@dataclass
+class Config:
+    lr: float
+    name: str
+    layers: tuple[int, ...] = (1,)
+
+
+CONFIG = {"lr": 0.125, "name": "run-a", "layers": [4, 8]}
+
+
+def model(step: int) -> dict[str, Any]:
+    return {"w": np.full((4, 3), step, np.float32), "b": np.arange(3, dtype=np.int32) + step}
+
+
+def opt(step: int) -> dict[str, Any]:
+    return {"mu": {"w": np.zeros((4, 3), np.float32) + step / 8}, "count": np.int64(step)}
+
+
+def composite_run(root: Path, steps: tuple[int, ...] = (10, 20)) -> None:
+    """An Orbax run whose steps hold a model, an optimizer state and a JSON config."""
+    with ocp.CheckpointManager(root) as manager:
+        for step in steps:
+            args = ocp.args.Composite(
+                model=ocp.args.StandardSave(model(step)),
+                opt=ocp.args.StandardSave(opt(step)),
+                config=ocp.args.JsonSave({**CONFIG, "step": step}),
+            )
+            manager.save(step, args=args)
+        manager.wait_until_finished()
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str], status: int = 0) -> Any:
+    assert main([*argv, "--json"]) == status
+    return json.loads(capsys.readouterr().out)
+
+
+# ---- reading in place ----
+
+
+def test_json_items_are_listed_and_restored_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    composite_run(root)
+    listed = run_json(["ls", str(root)], capsys)
+    assert [s["items"] for s in listed] == [["config", "model", "opt"]] * 2
+    shown = run_json(["info", str(root)], capsys)
+    assert sorted(shown["items"]) == ["model", "opt"]
+    assert shown["json_items"] == {"config": {**CONFIG, "step": 20}}
+    assert main(["info", str(root)]) == 0
+    assert "item 'config': JSON" in capsys.readouterr().out
+    assert run_json(["verify", str(root)], capsys)["ok"]
+
+    assert ckptstore.restore_sync(root, item="config") == {**CONFIG, "step": 10 + 10}
+    assert ckptstore.restore_sync(root, step=10, item="config")["step"] == 10
+    cfg = ckptstore.restore_sync(root, item="config", like={"lr": 0, "name": "", "layers": (0, 0)})
+    assert cfg["layers"] == (4, 8)  # like a ckptstore JSON item: tuples where like has them
+    assert_bit_exact(ckptstore.restore_sync(root, item="opt"), saved_form(opt(20)))
+    with ckptstore.CheckpointManager(root) as mgr:
+        got = mgr.restore(10, items={"model": None, "opt": None, "config": None})
+    assert got["config"] == {**CONFIG, "step": 10}
+    assert_bit_exact(got["model"], saved_form(model(10)))
+
+
+def test_a_json_item_restores_into_a_dataclass(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(1, args=ocp.args.Composite(config=ocp.args.JsonSave(CONFIG)))
+        manager.wait_until_finished()
+    assert ckptstore.restore_sync(root, item="config", like=Config) == Config(
+        0.125, "run-a", (4, 8)
+    )
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b'{"lr": NaN}', b'{"lr": 1, "lr": 2}', b"[" * 5000 + b"]" * 5000, b"\xff"],
+    ids=["nan", "duplicate-key", "deep", "not-utf8"],
+)
+def test_a_damaged_json_item_is_corrupt(tmp_path: Path, data: bytes) -> None:
+    root = tmp_path / "run"
+    composite_run(root, steps=(1,))
+    (root / "1" / "config" / "metadata").write_bytes(data)
+    with pytest.raises(CorruptCheckpointError, match="Orbax JSON item"):
+        ckptstore.restore_sync(root, item="config")
