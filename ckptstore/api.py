@@ -190,9 +190,13 @@ class PartialSaveSync:
         """See `PartialSave.leaves`."""
         return self.session.leaves
 
-    def add(self, subtree: Any, *, replace: bool = False) -> Part:
+    def leaves_of(self, item: str) -> dict[str, LeafInfo]:
+        """See `PartialSave.leaves_of`."""
+        return self.session.leaves_of(item)
+
+    def add(self, subtree: Any, *, replace: bool = False, item: str | None = None) -> Part:
         """`PartialSave.add`, blocking."""
-        return run(self.session.add(subtree, replace=replace))
+        return run(self.session.add(subtree, replace=replace, item=item))
 
     def drop(self, index: int) -> None:
         """`PartialSave.drop`, blocking."""
@@ -203,10 +207,19 @@ class PartialSaveSync:
         run(self.session.abandon())
 
     def finalize(
-        self, *, metadata: dict[str, Any] | None = None, structure: dict[str, Any] | None = None
+        self,
+        *,
+        metadata: dict[str, Any] | None = None,
+        structure: dict[str, Any] | None = None,
+        structures: Mapping[str, dict[str, Any]] | None = None,
+        json_items: Mapping[str, Any] | None = None,
     ) -> SaveResult:
         """`PartialSave.finalize`, blocking."""
-        return run(self.session.finalize(metadata=metadata, structure=structure))
+        return run(
+            self.session.finalize(
+                metadata=metadata, structure=structure, structures=structures, json_items=json_items
+            )
+        )
 
     def close(self) -> None:
         """`PartialSave.close`, blocking."""
