@@ -457,10 +457,14 @@ async def import_orbax(
 ) -> OrbaxImportResult:
     """Import an Orbax checkpoint into ``target`` as committed step ``as_step``.
 
-    ``step`` picks a `CheckpointManager` step (default: the latest finalized one) and
-    ``item`` one of its items (needed only when it has several). ``as_step`` defaults
-    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is a
-    partial save (a killed import resumes); on tiers, on the fast tier.
+    ``step`` picks a `CheckpointManager` step (default: the latest finalized one). Every
+    item of it is imported into the one step, committed together (an
+    ``ocp.args.Composite`` step's tree items as array items, its ``JsonSave`` items as
+    JSON items), under Orbax's item names; ``item`` imports that one alone. Orbax's
+    unnamed tree (a single-item step's ``default``, a `StandardCheckpointer` directory)
+    is named ``as_item`` (``state``, the manager's default item). ``as_step`` defaults
+    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is one
+    partial-save session (a killed import resumes); on tiers, on the fast tier.
     """
 
     async def open_session(at: int, name: str) -> PartialSave:

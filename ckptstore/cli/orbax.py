@@ -185,7 +185,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     imp.add_argument("src", help="Orbax directory or CheckpointManager root")
     imp.add_argument("dst", help="ckptstore target (path, URL or .toml profile)")
     imp.add_argument("--step", type=int, help="the Orbax step (default: the latest finalized)")
-    imp.add_argument("--item", help="the Orbax item, when a step has several")
+    imp.add_argument(
+        "--item", help="import only this Orbax item (default: every item of the step, one step)"
+    )
     imp.add_argument("--as-step", type=int, help="the step to write (default: the Orbax step)")
     imp.add_argument("--batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20)
 
@@ -240,11 +242,13 @@ async def run(args: argparse.Namespace) -> int:
                 "skipped": result.skipped,
                 "bytes": result.bytes,
                 "parts": result.parts,
+                "items": result.items,
             }
         )
         return 0
     print(
         f"imported {result.leaves} leaves ({human(result.bytes)}) from {result.source} "
-        f"in {result.parts} parts as step {result.save.step}; skipped {result.skipped}"
+        f"in {result.parts} parts as step {result.save.step} (items "
+        f"{', '.join(result.items)}); skipped {result.skipped}"
     )
     return 0

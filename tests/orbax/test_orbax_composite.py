@@ -16,6 +16,7 @@ import pytest
 import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.errors import CorruptCheckpointError
+from ckptstore.runtime.progress import Progress
 from tests.orbax.conftest import assert_bit_exact, saved_form
 
 
@@ -104,3 +105,87 @@ def test_a_damaged_json_item_is_corrupt(tmp_path: Path, data: bytes) -> None:
     (root / "1" / "config" / "metadata").write_bytes(data)
     with pytest.raises(CorruptCheckpointError, match="Orbax JSON item"):
         ckptstore.restore_sync(root, item="config")
+
+
+# ---- import-orbax ----
+
+
+def test_import_orbax_brings_every_item_into_one_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, dst = tmp_path / "run", tmp_path / "cs"
+    composite_run(root)
+    done = run_json(["import-orbax", str(root), str(dst), "--step", "20"], capsys)
+    assert done["step"] == 20 and done["items"] == {
+        "config": "config",
+        "model": "model",
+        "opt": "opt",
+    }
+    assert ckptstore.list_steps_sync(dst) == [20]
+    manifest = ckptstore.read_manifest_sync(dst, 20)
+    assert manifest.item_names == ["config", "model", "opt"]
+    assert sorted(manifest.json_items) == ["config"]
+    assert_bit_exact(ckptstore.restore_sync(dst, item="model"), saved_form(model(20)))
+    assert_bit_exact(ckptstore.restore_sync(dst, item="opt"), saved_form(opt(20)))
+    assert ckptstore.restore_sync(dst, item="config", like=dict) == {**CONFIG, "step": 20}
+    assert ckptstore.verify_sync(dst, 20).ok
+
+    # --item narrows it to one item, which keeps its name.
+    one = ckptstore.import_orbax_sync(root, tmp_path / "one", step=10, item="opt")
+    assert one.items == {"opt": "opt"}
+    assert ckptstore.read_manifest_sync(tmp_path / "one", 10).item_names == ["opt"]
+    assert_bit_exact(ckptstore.restore_sync(tmp_path / "one", item="opt"), saved_form(opt(10)))
+    cfg = ckptstore.import_orbax_sync(root, tmp_path / "cfg", item="config", as_step=1)
+    assert cfg.items == {"config": "config"} and cfg.leaves == 0
+    assert ckptstore.restore_sync(tmp_path / "cfg", 1, item="config")["step"] == 20
+    with pytest.raises(ckptstore.CheckpointNotFoundError, match="without --item"):
+        ckptstore.import_orbax_sync(root, tmp_path / "none", item="params")
+
+
+def test_a_single_item_run_still_imports_as_state(tmp_path: Path) -> None:
+    """Orbax's one unnamed tree (``default``) becomes "state", the manager's default item,
+    as before: restore() and a manager's restore() read it without naming it."""
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(5, args=ocp.args.StandardSave(model(5)))
+        manager.wait_until_finished()
+    result = ckptstore.import_orbax_sync(root, tmp_path / "cs")
+    assert result.items == {"state": "default"}
+    assert_bit_exact(ckptstore.restore_sync(tmp_path / "cs"), saved_form(model(5)))
+    with ckptstore.CheckpointManager(tmp_path / "cs") as mgr:
+        assert_bit_exact(mgr.restore(), saved_form(model(5)))
+
+
+class Killed(Exception):
+    pass
+
+
+class KillAfter(Progress):
+    """A progress bar that stops the import (as a kill would) once ``leaves`` leaves are in."""
+
+    def __init__(self, leaves: int) -> None:
+        super().__init__(enabled=False)
+        self.limit = leaves
+
+    def advance(self, items: int, nbytes: int) -> None:
+        super().advance(items, nbytes)
+        if self.items >= self.limit:
+            raise Killed
+
+
+def test_a_killed_composite_import_commits_nothing_and_resumes(tmp_path: Path) -> None:
+    """The items commit together: an import stopped after the first item's parts leaves no
+    step, and the next run resumes from the parts the first one recorded."""
+    root, dst = tmp_path / "run", tmp_path / "cs"
+    composite_run(root, steps=(20,))
+    with pytest.raises(Killed):  # the model's 2 leaves are parts, the optimizer's are not
+        ckptstore.import_orbax_sync(root, dst, batch_bytes=1, progress=KillAfter(2))
+    assert ckptstore.list_steps_sync(dst) == []
+    with pytest.raises(ckptstore.CheckpointNotFoundError):
+        ckptstore.restore_sync(dst, 20, item="model")
+    result = ckptstore.import_orbax_sync(root, dst, batch_bytes=1)
+    assert result.skipped == 2 and result.leaves == 2  # the model's parts were kept
+    assert ckptstore.list_steps_sync(dst) == [20]
+    assert_bit_exact(ckptstore.restore_sync(dst, item="opt"), saved_form(opt(20)))
+    assert_bit_exact(ckptstore.restore_sync(dst, item="model"), saved_form(model(20)))
+    assert ckptstore.restore_sync(dst, item="config") == {**CONFIG, "step": 20}
