@@ -412,13 +412,16 @@ async def export_orbax(
     destination: Target,
     *,
     step: int | None = None,
-    item: str = layout.DEFAULT_ITEM,
+    item: str | None = None,
     manager: bool = False,
     link: bool = True,
     verify: bool = True,
     progress: bool | Progress = False,
 ) -> ExportResult:
     """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
+
+    ``item``: the array item to write (default: the step's only item; a step of several
+    items is `OrbaxExportError`, naming them: one export per item).
 
     ``manager=False``: ``destination`` becomes a `StandardCheckpointer` directory,
     ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:

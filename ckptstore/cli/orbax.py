@@ -172,7 +172,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     exp.add_argument("src", help="ckptstore target (path, URL or .toml profile)")
     exp.add_argument("dst", help="new Orbax directory (or CheckpointManager root, --manager)")
     exp.add_argument("--step", type=int, help="the step (default: the latest)")
-    exp.add_argument("--item", default="state", help="the ckptstore item (default: state)")
+    exp.add_argument(
+        "--item", help="the ckptstore item (default: the step's only item; one export per item)"
+    )
     exp.add_argument(
         "--manager", action="store_true", help="add the step to a CheckpointManager root DST"
     )

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import ckptstore
 from ckptstore.cli.main import main
-from ckptstore.errors import CorruptCheckpointError
+from ckptstore.errors import CorruptCheckpointError, OrbaxExportError
 from ckptstore.runtime.progress import Progress
 from tests.orbax.conftest import assert_bit_exact, saved_form
 
@@ -189,3 +190,29 @@ def test_a_killed_composite_import_commits_nothing_and_resumes(tmp_path: Path) -
     assert_bit_exact(ckptstore.restore_sync(dst, item="opt"), saved_form(opt(20)))
     assert_bit_exact(ckptstore.restore_sync(dst, item="model"), saved_form(model(20)))
     assert ckptstore.restore_sync(dst, item="config") == {**CONFIG, "step": 20}
+
+
+# ---- export-orbax ----
+
+
+def test_export_of_a_step_of_several_items_names_them_and_exports_one_by_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An export writes one item as one Orbax tree: without --item a step of several items
+    is refused, naming them and the flag (it said only that "state" was missing); with
+    --item each array item exports, and real Orbax restores it."""
+    root, cs = tmp_path / "run", tmp_path / "cs"
+    composite_run(root, steps=(20,))
+    ckptstore.import_orbax_sync(root, cs)
+    refused = run_json(["export-orbax", str(cs), str(tmp_path / "all")], capsys, status=2)
+    message = refused["error"]["message"]
+    assert refused["error"]["type"] == "OrbaxExportError"
+    assert "['config', 'model', 'opt']" in message and "--item NAME" in message
+    assert not (tmp_path / "all").exists()
+    with pytest.raises(OrbaxExportError, match="JSON item"):
+        ckptstore.export_orbax_sync(cs, tmp_path / "cfg", item="config")
+    for name, want in (("model", model(20)), ("opt", opt(20))):
+        out = tmp_path / f"orbax-{name}"
+        assert main(["export-orbax", str(cs), str(out), "--item", name]) == 0
+        got = ocp.StandardCheckpointer().restore(out)
+        assert_bit_exact(jax.tree.map(np.asarray, got), saved_form(want))
