@@ -190,9 +190,13 @@ class PartialSaveSync:
         """See `PartialSave.leaves`."""
         return self.session.leaves
 
-    def add(self, subtree: Any, *, replace: bool = False) -> Part:
+    def leaves_of(self, item: str) -> dict[str, LeafInfo]:
+        """See `PartialSave.leaves_of`."""
+        return self.session.leaves_of(item)
+
+    def add(self, subtree: Any, *, replace: bool = False, item: str | None = None) -> Part:
         """`PartialSave.add`, blocking."""
-        return run(self.session.add(subtree, replace=replace))
+        return run(self.session.add(subtree, replace=replace, item=item))
 
     def drop(self, index: int) -> None:
         """`PartialSave.drop`, blocking."""
@@ -203,10 +207,19 @@ class PartialSaveSync:
         run(self.session.abandon())
 
     def finalize(
-        self, *, metadata: dict[str, Any] | None = None, structure: dict[str, Any] | None = None
+        self,
+        *,
+        metadata: dict[str, Any] | None = None,
+        structure: dict[str, Any] | None = None,
+        structures: Mapping[str, dict[str, Any]] | None = None,
+        json_items: Mapping[str, Any] | None = None,
     ) -> SaveResult:
         """`PartialSave.finalize`, blocking."""
-        return run(self.session.finalize(metadata=metadata, structure=structure))
+        return run(
+            self.session.finalize(
+                metadata=metadata, structure=structure, structures=structures, json_items=json_items
+            )
+        )
 
     def close(self) -> None:
         """`PartialSave.close`, blocking."""
@@ -399,13 +412,16 @@ async def export_orbax(
     destination: Target,
     *,
     step: int | None = None,
-    item: str = layout.DEFAULT_ITEM,
+    item: str | None = None,
     manager: bool = False,
     link: bool = True,
     verify: bool = True,
     progress: bool | Progress = False,
 ) -> ExportResult:
     """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
+
+    ``item``: the array item to write (default: the step's only item; a step of several
+    items is `OrbaxExportError`, naming them: one export per item).
 
     ``manager=False``: ``destination`` becomes a `StandardCheckpointer` directory,
     ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:
@@ -444,10 +460,14 @@ async def import_orbax(
 ) -> OrbaxImportResult:
     """Import an Orbax checkpoint into ``target`` as committed step ``as_step``.
 
-    ``step`` picks a `CheckpointManager` step (default: the latest finalized one) and
-    ``item`` one of its items (needed only when it has several). ``as_step`` defaults
-    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is a
-    partial save (a killed import resumes); on tiers, on the fast tier.
+    ``step`` picks a `CheckpointManager` step (default: the latest finalized one). Every
+    item of it is imported into the one step, committed together (an
+    ``ocp.args.Composite`` step's tree items as array items, its ``JsonSave`` items as
+    JSON items), under Orbax's item names; ``item`` imports that one alone. Orbax's
+    unnamed tree (a single-item step's ``default``, a `StandardCheckpointer` directory)
+    is named ``as_item`` (``state``, the manager's default item). ``as_step`` defaults
+    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is one
+    partial-save session (a killed import resumes); on tiers, on the fast tier.
     """
 
     async def open_session(at: int, name: str) -> PartialSave:

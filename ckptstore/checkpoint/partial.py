@@ -28,6 +28,11 @@ later save's base. A session opened with ``base=B`` (a committed step, named onc
 leaves unchanged since B instead of writing them (`ckptstore.checkpoint.incremental`,
 one agreement round per part), and `finalize` commits only if B is still committed
 (`ckptstore.checkpoint.commit.check_base`; docs/incremental.md).
+
+A session has one item (the one it was opened for, named in ``SESSION.json``), and may
+add parts to other items of the same step (``add(..., item=NAME)``) and JSON items at
+`finalize`: all of them commit together or not at all (``import-orbax`` of an Orbax
+Composite step). Part indices count across the session's items.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -59,7 +64,15 @@ from ckptstore.checkpoint.incremental import (
     write_digests,
 )
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.parts import Part, created, join, nesting_conflicts, session_base
+from ckptstore.checkpoint.parts import (
+    Joined,
+    Part,
+    created,
+    join_items,
+    nesting_conflicts,
+    read_session,
+    session_base,
+)
 from ckptstore.checkpoint.save import PreparedItem, SaveResult
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import write_store
@@ -67,13 +80,12 @@ from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
     CkptStoreError,
-    CorruptCheckpointError,
     DuplicateLeafError,
     FencedError,
-    NotFoundError,
     TreeError,
 )
 from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem, as_json_item
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
@@ -216,24 +228,18 @@ class PartialSave:
 
     async def _session(self, attempt: str) -> dict[str, Any] | None:
         """The session record of this item for ``attempt``; None if there is none."""
-        key = AttemptDir(self.step, attempt).session
-        try:
-            record = json.loads(await self.backend.read(key))
-        except NotFoundError:
-            return None
-        except (ValueError, RecursionError) as exc:
-            raise CorruptCheckpointError(f"unreadable session record {key}: {exc}") from exc
-        if not isinstance(record, dict) or record.get("item") != self.item:
-            return None
-        return record
+        return await read_session(self.backend, AttemptDir(self.step, attempt), self.item)
 
     async def _load_parts(self) -> list[Part]:
-        prefix = self.where.parts(self.item)
+        """Every item's recorded parts, in index order."""
+        names = [n for n in await self.backend.list_dir(self.where.root) if layout.is_item(n)]
         parts = []
-        for name in await self.backend.list_dir(prefix):
-            if name.endswith(".json"):
-                key = f"{prefix}/{name}"
-                parts.append(Part.from_bytes(await self.backend.read(key), key))
+        for item in {self.item, *names}:
+            prefix = self.where.parts(item)
+            for name in await self.backend.list_dir(prefix):
+                if name.endswith(".json"):
+                    key = f"{prefix}/{name}"
+                    parts.append(Part.from_bytes(await self.backend.read(key), key, item))
         return sorted(parts, key=lambda p: p.index)
 
     def _check_open(self) -> None:
@@ -259,25 +265,33 @@ class PartialSave:
 
     @property
     def leaves(self) -> dict[str, LeafInfo]:
-        """Every leaf saved so far (a later part's version of a replaced leaf)."""
+        """Every leaf of the session's item saved so far (a later part's version of a
+        replaced leaf)."""
+        return self.leaves_of(self.item)
+
+    def leaves_of(self, item: str) -> dict[str, LeafInfo]:
+        """`leaves`, of another item the session added parts to."""
         out: dict[str, LeafInfo] = {}
         for part in self.parts:
-            out.update(part.leaves)
+            if part.item == item:
+                out.update(part.leaves)
         return out
 
-    async def add(self, subtree: Any, *, replace: bool = False) -> Part:
-        """Write ``subtree`` as a new part; returns once the part is durable and recorded.
+    async def add(self, subtree: Any, *, replace: bool = False, item: str | None = None) -> Part:
+        """Write ``subtree`` as a new part of ``item`` (default: the session's item);
+        returns once the part is durable and recorded.
 
-        Refused before anything is written: a leaf an earlier part holds (unless
-        ``replace``), and a leaf that lies under, or above, a leaf of an earlier part.
-        In a session with a base, a leaf unchanged since the base is referenced, not
+        Refused before anything is written: a leaf an earlier part of the item holds
+        (unless ``replace``), and a leaf that lies under, or above, a leaf of an earlier
+        part. In a session with a base, a leaf unchanged since the base is referenced, not
         written (`Part.refs`); `BaseStepGoneError`, nothing written, if the base is no
         longer committed as the attempt the session recorded.
         """
         self._check_open()
+        item = layout.check_item(item if item is not None else self.item)
         prepared = PreparedItem.of(subtree)  # as a save prepares an item
         infos = prepared.leaves
-        saved = self.leaves
+        saved = self.leaves_of(item)
         nested = nesting_conflicts(set(saved), [info.name for info in infos])
         if nested:
             raise TreeError("a part cannot nest leaves inside earlier ones: " + "; ".join(nested))
@@ -285,16 +299,16 @@ class PartialSave:
             taken = sorted(set(saved) & {info.name for info in infos})
             if taken:
                 raise DuplicateLeafError(taken)
-        index = self.parts[-1].index + 1 if self.parts else 0  # same on every process
+        index = max((p.index for p in self.parts), default=-1) + 1  # same on every process
         handoff = Handoff(f"partial/{self.step}/add/{index}", self.timeout)
         await self._check_undecided()
         values = [value for _, value in prepared.named]
-        same = Unchanged({self.item: set()}, {})
+        same = Unchanged({item: set()}, {})
         if self.base is not None:  # every process: its pieces, then one agreement round
             step, attempt = int(self.base["step"]), str(self.base["attempt"])
-            pairs = {self.item: (infos, values)}
+            pairs = {item: (infos, values)}
             same = await unchanged(self.backend, step, pairs, handoff, attempt=attempt)
-        held = same.leaves[self.item]
+        held = same.leaves[item]
 
         async def name_part() -> str:
             return layout.new_part_name(index)
@@ -302,8 +316,8 @@ class PartialSave:
         part_dir = await handoff.agree(name_part)
 
         async def write_mine() -> dict[str, Any]:
-            store = self.where.part_store(self.item, part_dir, handoff.me)
-            digests = dict(same.digested.get(self.item, {}))
+            store = self.where.part_store(item, part_dir, handoff.me)
+            digests = dict(same.digested.get(item, {}))
             stats = await write_store(
                 self.backend,
                 store,
@@ -320,9 +334,9 @@ class PartialSave:
         packed: dict[str, PackRef] = {}
         for leaf in sorted(held):  # always the holder of the bytes: no chains
             assert same.base is not None
-            holder = same.base.holder(self.item, leaf)
+            holder = same.base.holder(item, leaf)
             refs[leaf] = {"step": int(holder["step"]), "attempt": str(holder["attempt"])}
-            if (ref := same.base.packed(self.item, leaf)) is not None:
+            if (ref := same.base.packed(item, leaf)) is not None:
                 packed[leaf] = ref
         part = Part(
             index=index,
@@ -333,25 +347,26 @@ class PartialSave:
             processes=[],
             refs=refs,
             packed=packed,
+            item=item,
         )
 
         async def record() -> Part:
             reports = await handoff.reports()
             stores = [
-                self.where.part_store(self.item, part_dir, i)
+                self.where.part_store(item, part_dir, i)
                 for i, report in enumerate(reports)
                 if report.get(_DIGESTED)
             ]
             digests = await read_digests(self.backend, stores)
             for leaf in held:  # a referenced leaf's digests are the base's
                 assert same.base is not None
-                digests[leaf] = same.base.digests(self.item, leaf)
+                digests[leaf] = same.base.digests(item, leaf)
             recorded = dataclasses.replace(
                 part,
                 processes=[{k: v for k, v in r.items() if k != _DIGESTED} for r in reports],
                 digests={leaf: digests[leaf] for leaf in part.leaves if leaf in digests},
             )
-            key = self.where.part_record(self.item, index)
+            key = self.where.part_record(item, index)
             try:
                 await self.backend.create(key, recorded.to_bytes())
             except AlreadyExistsError as exc:
@@ -382,7 +397,7 @@ class PartialSave:
 
         async def unrecord() -> None:
             await self._check_undecided()
-            await self.backend.delete(self.where.part_record(self.item, index))
+            await self.backend.delete(self.where.part_record(matching[0].item, index))
 
         await handoff.primary(unrecord)
         self.parts.remove(matching[0])
@@ -412,70 +427,96 @@ class PartialSave:
         await self.close()
 
     async def finalize(
-        self, *, metadata: dict[str, Any] | None = None, structure: dict[str, Any] | None = None
+        self,
+        *,
+        metadata: dict[str, Any] | None = None,
+        structure: dict[str, Any] | None = None,
+        structures: Mapping[str, dict[str, Any]] | None = None,
+        json_items: Mapping[str, Any] | None = None,
     ) -> SaveResult:
-        """Merge every part by reference, validate, and commit the step.
+        """Merge every part by reference, validate, and commit the step: every item the
+        session added parts to, and ``json_items``, together or not at all.
 
         Claims the session's fate first: if another actor (a zombie's finalize, an
         abandon, gc) decided it, `FencedError` before anything is written.
         ``structure`` (`ckptstore.format.tree` format) replaces the one the parts'
         subtrees describe, so lists and tuples can span parts (the parts merge as
-        dicts); it must name exactly the session's leaves. Raises `AlreadyExistsError`
-        if another attempt committed the step meanwhile; in a session with a base,
-        `BaseStepGoneError` (nothing committed) if a leaf it kept is referenced and the
-        base is no longer committed (`ckptstore.checkpoint.commit.check_base`).
+        dicts); it must name exactly the session's leaves. ``structures``: the same for
+        any item, by name. ``json_items``: configuration items (JSON values, dataclasses,
+        or `JsonItem`s) kept as JSON in the manifest, as `save_items` keeps them. Raises
+        `AlreadyExistsError` if another attempt committed the step meanwhile; in a session
+        with a base, `BaseStepGoneError` (nothing committed) if a leaf it kept is
+        referenced and the base is no longer committed (`commit.check_base`).
         """
         self._check_open()
-        if not self.parts:
+        given = {**(structures or {}), **({self.item: structure} if structure else {})}
+        configs = {layout.check_item(n): as_json_item(n, v) for n, v in (json_items or {}).items()}
+        items = sorted({part.item for part in self.parts})
+        if not items and not configs:
             raise CkptStoreError(f"step {self.step}: nothing to finalize (no parts were added)")
-        if structure is not None and check_structure(structure) != set(self.leaves):
-            raise TreeError("the structure given to finalize does not name the parts' leaves")
+        if set(items) & set(configs):
+            raise TreeError(f"items {sorted(set(items) & set(configs))} are parts and JSON items")
+        for name, tree in given.items():
+            if name not in items:
+                raise TreeError(f"a structure was given for item {name!r}, which has no parts")
+            if check_structure(tree) != set(self.leaves_of(name)):
+                raise TreeError(
+                    f"the structure given to finalize for item {name!r} does not name its "
+                    "parts' leaves"
+                )
         start = time.perf_counter()
         handoff = Handoff(f"partial/{self.step}/finalize", self.timeout)
         self._ending = "finalize"
         try:
             merge_seconds = await handoff.primary(
-                lambda: self._merge_and_commit(metadata, structure)
+                lambda: self._merge_and_commit(metadata, given, configs)
             )
         finally:
             self._ending = ""
         self._done = "finalized"
-        leaves, held = self.leaves, self._held()
+        joined = self._joined()
         await self.close()
         return SaveResult(
             step=self.step,
             attempt=self.attempt,
-            bytes=sum(info.nbytes for info in leaves.values()),
+            bytes=sum(i.nbytes for j in joined.values() for i in j.leaves.values()),
             bytes_written=sum(part.bytes_written for part in self.parts),
             seconds=time.perf_counter() - start,
             merge_seconds=merge_seconds or 0.0,
-            bytes_referenced=sum(leaves[leaf].nbytes for leaf in held),
+            bytes_referenced=sum(j.leaves[leaf].nbytes for j in joined.values() for leaf in j.held),
         )
 
-    def _held(self) -> dict[str, dict[str, Any]]:
-        """The leaves the step keeps by reference (`Joined.held`)."""
-        return join(self.parts, self.where, self.item).held
+    def _joined(self) -> dict[str, Joined]:
+        return join_items(self.parts, self.where)
 
     async def _merge_and_commit(
-        self, metadata: dict[str, Any] | None, given: dict[str, Any] | None
+        self,
+        metadata: dict[str, Any] | None,
+        given: dict[str, dict[str, Any]],
+        configs: dict[str, JsonItem],
     ) -> float:
         await ensure_uncommitted(self.backend, self.step)
         fate = await claim(self.backend, self.where, COMMIT, self._owner)
-        joined = join(self.parts, self.where, self.item)
-        joined.structure = given or joined.structure
-        prefix = self.where.item(self.item)
-        merged = await merge(self.backend, prefix, joined.stores, joined.written, joined.clear)
         references = References([])
+        items, processes, seconds = {}, [], 0.0
+        for name, joined in self._joined().items():
+            joined.structure = given.get(name) or joined.structure
+            prefix = self.where.item(name)
+            merged = await merge(self.backend, prefix, joined.stores, joined.written, joined.clear)
+            items[name] = joined.item(prefix, references)
+            processes += joined.processes
+            seconds += merged.seconds
         manifest = Manifest(
             step=self.step,
             attempt=self.where.attempt,
-            items={self.item: joined.item(prefix, references)},
-            processes=joined.processes,
+            items=items,
+            processes=processes,
             metadata=metadata or {},
             references=references.holders,
             # The commit re-checks the base before its marker (`commit.check_base`).
             base=self.base if references.holders else None,
             format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
+            json_items=configs,
         )
         await commit(self.backend, manifest, fate)
-        return merged.seconds
+        return seconds

@@ -15,10 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.incremental import References
-from ckptstore.errors import ConfigError, CorruptCheckpointError
+from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.format.digests import PieceTable, check_table
-from ckptstore.format.layout import AttemptDir
+from ckptstore.format.layout import DEFAULT_ITEM, AttemptDir
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, is_attempt_ref, parse_leaf
 from ckptstore.format.packs import PackRef
@@ -45,6 +46,9 @@ class Part:
     packed: dict[str, PackRef] = field(default_factory=dict)
     #: Every leaf's piece digests (absent in records written before digests were kept).
     digests: dict[str, PieceTable] = field(default_factory=dict)
+    #: The item the part belongs to: where its record lies (``<attempt>/<item>/parts/``),
+    #: so it is not written into the record.
+    item: str = DEFAULT_ITEM
 
     @property
     def nbytes(self) -> int:
@@ -80,9 +84,9 @@ class Part:
         ).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> Part:
-        """A part record, checked as strictly as a manifest (its leaves and structure go
-        into one when the session is finalized)."""
+    def from_bytes(cls, data: bytes, where: str, item: str = DEFAULT_ITEM) -> Part:
+        """A part record of ``item``, checked as strictly as a manifest (its leaves and
+        structure go into one when the session is finalized)."""
         try:
             doc = json.loads(data)
             index, name = doc["index"], doc["dir"]
@@ -115,6 +119,7 @@ class Part:
                 refs={n: {"step": r["step"], "attempt": r["attempt"]} for n, r in refs.items()},
                 packed=packed,
                 digests=digests,
+                item=item,
             )
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise CorruptCheckpointError(f"unreadable part record {where}: {exc}") from exc
@@ -178,6 +183,27 @@ def join(parts: list[Part], where: AttemptDir, item: str) -> Joined:
         joined.latest.update({leaf: part for leaf in part.leaves})
         joined.leaves.update(part.leaves)
     return joined
+
+
+def join_items(parts: list[Part], where: AttemptDir) -> dict[str, Joined]:
+    """The parts of every item of a session, each item's joined (`join`), by item name."""
+    names = sorted({part.item for part in parts})
+    return {name: join([p for p in parts if p.item == name], where, name) for name in names}
+
+
+async def read_session(backend: Backend, where: AttemptDir, item: str) -> dict[str, Any] | None:
+    """The session record of ``item`` in the attempt ``where``; None if there is none (or
+    it is another item's), `CorruptCheckpointError` if it is unreadable."""
+    key = where.session
+    try:
+        record = json.loads(await backend.read(key))
+    except NotFoundError:
+        return None
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"unreadable session record {key}: {exc}") from exc
+    if not isinstance(record, dict) or record.get("item") != item:
+        return None
+    return record
 
 
 def session_base(record: dict[str, Any], where: AttemptDir, base: int | None) -> dict[str, Any]:

@@ -35,12 +35,13 @@ def _step_json(s: OrbaxStep, leaves: bool) -> dict[str, Any]:
     if s.error is not None:
         doc["corrupt"] = s.error
         return doc
-    doc |= {"bytes": s.nbytes, "leaves": s.leaves, "items": sorted(s.items)}
+    doc |= {"bytes": s.nbytes, "leaves": s.leaves, "items": s.names}
     if leaves:
         doc["items"] = {
             name: {n: _leaf_json(i) for n, i in sorted(item.items())}
             for name, item in s.items.items()
         }
+        doc["json_items"] = {name: j.value for name, j in s.json_items.items()}
     return doc
 
 
@@ -63,7 +64,7 @@ async def ls(target: Target, as_json: bool, shown: str | None = None) -> int | N
         if s.error is not None:
             print(f"{step:>10}  CORRUPT: {s.error}")
         else:
-            print(f"{step:>10}  {human(s.nbytes):>10}  {s.leaves:>6}  {','.join(sorted(s.items))}")
+            print(f"{step:>10}  {human(s.nbytes):>10}  {s.leaves:>6}  {','.join(s.names)}")
     return status
 
 
@@ -92,6 +93,9 @@ async def info(target: Target, step: int | None, as_json: bool) -> int | None:
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
                 f"{human(leaf.nbytes):>10}  {leaf.kind}"
             )
+    for name, value in sorted(s.json_items.items()):
+        shown = json.dumps(value.value, sort_keys=True)
+        print(f"item {name!r}: JSON, {len(shown)} bytes: {shown[:200]}")
     return 0
 
 
@@ -168,7 +172,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     exp.add_argument("src", help="ckptstore target (path, URL or .toml profile)")
     exp.add_argument("dst", help="new Orbax directory (or CheckpointManager root, --manager)")
     exp.add_argument("--step", type=int, help="the step (default: the latest)")
-    exp.add_argument("--item", default="state", help="the ckptstore item (default: state)")
+    exp.add_argument(
+        "--item", help="the ckptstore item (default: the step's only item; one export per item)"
+    )
     exp.add_argument(
         "--manager", action="store_true", help="add the step to a CheckpointManager root DST"
     )
@@ -181,7 +187,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     imp.add_argument("src", help="Orbax directory or CheckpointManager root")
     imp.add_argument("dst", help="ckptstore target (path, URL or .toml profile)")
     imp.add_argument("--step", type=int, help="the Orbax step (default: the latest finalized)")
-    imp.add_argument("--item", help="the Orbax item, when a step has several")
+    imp.add_argument(
+        "--item", help="import only this Orbax item (default: every item of the step, one step)"
+    )
     imp.add_argument("--as-step", type=int, help="the step to write (default: the Orbax step)")
     imp.add_argument("--batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20)
 
@@ -236,11 +244,13 @@ async def run(args: argparse.Namespace) -> int:
                 "skipped": result.skipped,
                 "bytes": result.bytes,
                 "parts": result.parts,
+                "items": result.items,
             }
         )
         return 0
     print(
         f"imported {result.leaves} leaves ({human(result.bytes)}) from {result.source} "
-        f"in {result.parts} parts as step {result.save.step}; skipped {result.skipped}"
+        f"in {result.parts} parts as step {result.save.step} (items "
+        f"{', '.join(result.items)}); skipped {result.skipped}"
     )
     return 0

@@ -119,6 +119,11 @@ def check_item(item: str) -> str:
     return item
 
 
+def is_item(name: str) -> bool:
+    """Whether ``name`` is a valid item name (`check_item`) rather than raising."""
+    return isinstance(name, str) and bool(_ITEM.fullmatch(name)) and name not in _RESERVED_ITEMS
+
+
 def step_dir(step: int) -> str:
     return str(check_step(step))
 

@@ -53,6 +53,7 @@ from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
 from ckptstore.lifecycle.staging import Staged, Stager
+from ckptstore.orbax import items as orbax_items
 from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
@@ -329,31 +330,30 @@ class CheckpointManager(OrbaxCompat):
             raise UnsupportedOperationError(self._read_only)
 
     async def _orbax_refusal(self) -> str:
-        """What `_refuse_orbax_root` says, with the way on that fits the latest Orbax step:
-        ``ckptstore import-orbax`` converts one item per step (and without ``--item`` only
-        the one item, or "state"), so a step of several items is carried over by restoring
-        them here and saving them with a manager on a new root."""
+        """What `_refuse_orbax_root` says, with the way on for the latest Orbax step:
+        ``ckptstore import-orbax`` into a new root, which imports every item of the step
+        into one step (Orbax's names kept, its lone ``default`` tree as "state"), then a
+        manager there; with several items, how to restore them all."""
         latest = self._orbax_steps[-1]
         holder = self.backend
         if self.durable is not None and not await orbax.is_finalized(holder, latest):
             holder = self.durable
-        names = sorted(await orbax.item_names(holder, layout.step_dir(latest)))
+        names = list(await orbax_items.item_kinds(holder, layout.step_dir(latest)))
         said = (
             f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
             "manager restores its steps but does not save beside them"
         )
+        how = (
+            f"import the latest step into a new root (`ckptstore import-orbax "
+            f"{shlex.quote(holder.url)} NEW_ROOT --step {latest}`) and point the manager there"
+        )
         if len(names) <= 1:
-            return (
-                f"{said}. To resume in ckptstore format, import the latest step into a new "
-                f"root (`ckptstore import-orbax {shlex.quote(holder.url)} NEW_ROOT --step "
-                f"{latest}`) and point the manager there"
-            )
+            return f"{said}. To resume in ckptstore format, {how}"
         items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"
         return (
-            f"{said}. Its step {latest} has items {names}, and `ckptstore import-orbax` "
-            "imports one item per step: to resume in ckptstore format with all of them, "
-            f"restore them here (`mgr.restore({latest}, items={items})`) and save them with "
-            f"a CheckpointManager on a new root (`.save({latest}, items=..., force=True)`)"
+            f"{said}. To resume in ckptstore format, {how}: the import keeps every item of "
+            f"step {latest} ({names}) under its name in one step, and "
+            f"`mgr.restore({latest}, items={items})` there restores them all"
         )
 
     async def _ensure_uncommitted(self, step: int) -> None:

@@ -53,12 +53,14 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotFoundError,
+    OrbaxExportError,
 )
 from ckptstore.format import chunks, layout
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import read_packed
 from ckptstore.orbax.inspect import read_all
+from ckptstore.orbax.items import TREE_METADATA
 from ckptstore.orbax.keys import ARRAY_METADATAS
 from ckptstore.orbax.metadata import (
     DEFAULT_ITEM,
@@ -68,7 +70,7 @@ from ckptstore.orbax.metadata import (
     entries,
     tree_metadata,
 )
-from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.progress import Progress
 
@@ -92,7 +94,7 @@ async def export(
     src: Backend,
     destination: Target,
     step: int | None,
-    item: str,
+    item: str | None,
     manager: bool,
     link: bool,
     verify: bool,
@@ -101,11 +103,7 @@ async def export(
     """`export_orbax` from one backend."""
     started = time.time()
     manifest = await latest_manifest(src, step)
-    if item not in manifest.items:
-        raise CheckpointNotFoundError(
-            f"step {manifest.step} has no item {item!r} (it has {sorted(manifest.items)})",
-            backend=src.url,
-        )
+    item = _choose_item(manifest, item, src.url)
     saved = manifest.items[item]
     found = entries(saved.structure, saved.leaves)  # refuse before writing anything
     sources = await _sources(src, manifest, item)
@@ -151,6 +149,32 @@ async def export(
         copied=counts[1],
         copied_bytes=counts[2] + packed_bytes,
     )
+
+
+def _choose_item(manifest: Manifest, item: str | None, url: str) -> str:
+    """The array item to export: ``item``, or (None) the step's only item. A step of
+    several items is refused, naming them and ``--item``: an export writes one item as one
+    Orbax tree (`CheckpointNotFoundError` for an item the step lacks, `OrbaxExportError`
+    for a JSON item or a choice to make)."""
+    names = manifest.item_names
+    if item is None and len(names) == 1:
+        item = names[0]
+    if item is None:
+        raise OrbaxExportError(
+            f"step {manifest.step} of {url} has items {names}, and export-orbax writes one "
+            "item as an Orbax checkpoint: name it with --item NAME (item=NAME in Python), "
+            "one export per item"
+        )
+    if item in manifest.json_items:
+        raise OrbaxExportError(
+            f"item {item!r} of step {manifest.step} is a JSON item, not arrays: export-orbax "
+            f"writes array items ({sorted(manifest.items)}); restore it with item={item!r}"
+        )
+    if item not in manifest.items:
+        raise CheckpointNotFoundError(
+            f"step {manifest.step} has no item {item!r} (it has {names})", backend=url
+        )
+    return item
 
 
 def _join(*parts: str) -> str:

@@ -1,19 +1,26 @@
 """``import-orbax``: an Orbax 0.12 checkpoint converted into a committed ckptstore step.
 
-The Orbax checkpoint is read by the in-place reader (`ckptstore.orbax.read`,
-strict ``_METADATA`` parsing, every chunk required) and written through a partial
-save: leaves are read a bounded batch at a time, each batch becomes one part, and the
-part is freed before the next batch is read, so peak memory is about the batch size
-(or the largest leaf). The parts are merged by reference and committed once, with
-the Orbax tree's own structure (lists stay lists). An interrupted import resumes:
-leaves a recorded part already holds are not read again. The step is refused
-(`AlreadyExistsError`) if it is already committed.
+Every item of the Orbax step is imported into one step, committed once: tree items
+(``StandardSave``) as array items, JSON items (``JsonSave``) as ckptstore JSON items.
+Items keep Orbax's names, except Orbax's own name for a lone tree, ``default`` (and the
+one tree of a `StandardCheckpointer` directory), which becomes ``as_item`` (``state``,
+the item a `CheckpointManager` saves and restores by default). ``item`` narrows the
+import to one item, named the same way.
+
+The Orbax checkpoint is read by the in-place reader (`ckptstore.orbax.read`, strict
+``_METADATA`` parsing, every chunk required) and written through one partial-save
+session: leaves are read a bounded batch at a time, each batch becomes one part of its
+item, and the part is freed before the next batch is read, so peak memory is about the
+batch size (or the largest leaf). The parts are merged by reference and committed once,
+with each Orbax tree's own structure (lists stay lists), so the step holds every item or
+nothing. An interrupted import resumes: leaves a recorded part already holds are not read
+again. The step is refused (`AlreadyExistsError`) if it is already committed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
@@ -28,8 +35,10 @@ from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
+from ckptstore.orbax.items import TREE, TREE_METADATA, item_kinds
 from ckptstore.runtime.progress import Progress
 
 DEFAULT_BATCH_BYTES = 256 << 20
@@ -44,22 +53,58 @@ class OrbaxImportResult:
     bytes: int
     parts: int
     save: SaveResult
+    #: The step's items, by ckptstore name: the Orbax item each was read from.
+    items: dict[str, str] = field(default_factory=dict)
+
+
+#: Orbax's name for the one tree of a single-item `CheckpointManager` step.
+ORBAX_DEFAULT_ITEM = "default"
 
 
 async def open_orbax(
-    backend: Backend, step: int | None, item: str | None
-) -> tuple[str, StoredItem]:
-    """(the Orbax directory, its item) at ``backend``: a `StandardCheckpointer` directory,
-    or a `CheckpointManager` root's ``step`` (the latest finalized one by default)."""
+    backend: Backend, step: int | None, item: str | None, as_item: str = layout.DEFAULT_ITEM
+) -> tuple[str, dict[str, tuple[str, StoredItem | JsonItem]]]:
+    """(the Orbax directory, its items to import: ckptstore name -> (Orbax name, item)) at
+    ``backend``: a `StandardCheckpointer` directory, or a `CheckpointManager` root's
+    ``step`` (the latest finalized one by default); every item, or only ``item``."""
     where = await orbax.locate(backend, step)
     if where is None:
         what = "a finalized Orbax step {step}" if step is not None else "an Orbax checkpoint"
         raise CheckpointNotFoundError(
             f"{backend.url} holds no {what.format(step=step)}", backend=backend.url
         )
-    chosen = item if item is not None else layout.DEFAULT_ITEM
-    stored = await orbax.open_item(backend, where, chosen, default_item=layout.DEFAULT_ITEM)
-    return where, stored
+    if await backend.exists(f"{where}/{TREE_METADATA}" if where else TREE_METADATA):
+        chosen = item if item is not None else layout.DEFAULT_ITEM  # one tree, no names
+        tree = await orbax.open_item(backend, where, chosen, default_item=layout.DEFAULT_ITEM)
+        return where, {as_item: ("", tree)}
+    kinds = await item_kinds(backend, where)
+    names = list(kinds) if item is None else [_orbax_name(item, kinds, f"{backend.url}/{where}")]
+    if not names:
+        raise CheckpointNotFoundError(
+            f"Orbax step {backend.url}/{where} holds no item ckptstore reads (tree or JSON)",
+            backend=backend.url,
+        )
+    renamed = as_item not in kinds  # Orbax's "default" becomes as_item unless that is taken
+    out = {}
+    for name in names:
+        opened = await orbax.open_item(backend, where, name, default_item=layout.DEFAULT_ITEM)
+        out[as_item if name == ORBAX_DEFAULT_ITEM and renamed else name] = (name, opened)
+    return where, out
+
+
+def _orbax_name(item: str, kinds: dict[str, str], place: str) -> str:
+    """The Orbax item ``--item`` names: itself, or (the default item name, as `restore`
+    reads it) a step's lone tree item."""
+    if item in kinds:
+        return item
+    trees = [n for n, kind in kinds.items() if kind == TREE]
+    if item == layout.DEFAULT_ITEM and len(trees) == 1:
+        return trees[0]
+    raise CheckpointNotFoundError(
+        f"Orbax step {place} has no item {item!r} (it has {list(kinds)}); without --item "
+        "(item=None) every item is imported",
+        backend=place,
+    )
 
 
 def _batches(infos: list[LeafInfo], limit: int) -> Iterator[list[LeafInfo]]:
@@ -107,35 +152,63 @@ async def import_orbax(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: bool | Progress = False,
 ) -> OrbaxImportResult:
-    """`ckptstore.import_orbax` (`ckptstore.api`): the import is a partial save, the
-    session ``open_session(as_step, as_item)`` opens (a killed import resumes)."""
+    """`ckptstore.import_orbax` (`ckptstore.api`): the import is one partial-save session,
+    which ``open_session(as_step, item)`` opens for the first array item (a killed import
+    resumes it); every item's parts and the JSON items commit with its `finalize`."""
     async with opened(source) as src:
-        where, stored = await open_orbax(src, step, item)
+        where, found = await open_orbax(src, step, item, as_item)
         written = as_step if as_step is not None else (layout.parse_step(where) or 0)
         place = f"{src.url}/{where}" if where else src.url
-        async with await open_session(written, as_item) as session:
-            done = set(session.leaves)
-            todo = [info for name, info in stored.leaves.items() if name not in done]
-            bar = Progress.make(progress, len(todo), sum(i.nbytes for i in todo), "leaves")
+        trees = {n: s for n, (_, s) in sorted(found.items()) if isinstance(s, StoredItem)}
+        configs = {n: s for n, (_, s) in found.items() if isinstance(s, JsonItem)}
+        async with await open_session(written, min(trees or configs)) as session:
+            todo = {}
+            for name, tree in trees.items():
+                done = session.leaves_of(name)
+                todo[name] = [i for n, i in tree.leaves.items() if n not in done]
+            infos = [i for leaves in todo.values() for i in leaves]
+            bar = Progress.make(progress, len(infos), sum(i.nbytes for i in infos), "leaves")
             parts = 0
-            for batch in _batches(todo, batch_bytes):
-                values = await settle(_load(stored, info) for info in batch)
-                subtree = _nest({i.name: v for i, v in zip(batch, values, strict=True)})
-                del values
-                await session.add(subtree)
-                del subtree
-                parts += 1
-                bar.advance(len(batch), sum(i.nbytes for i in batch))
+            for name, tree in trees.items():
+                parts += await _add_leaves(session, name, tree, todo[name], batch_bytes, bar)
             result = await session.finalize(
-                metadata={"imported_from": place, "format": "orbax"},
-                structure=stored.structure,
+                metadata={
+                    "imported_from": place,
+                    "format": "orbax",
+                    "orbax_items": {n: orbax_name for n, (orbax_name, _) in found.items()},
+                },
+                structures={name: tree.structure for name, tree in trees.items()},
+                json_items=configs,
             )
             bar.close()
     return OrbaxImportResult(
         source=place,
-        leaves=len(todo),
-        skipped=len(stored.leaves) - len(todo),
-        bytes=sum(i.nbytes for i in todo),
+        leaves=len(infos),
+        skipped=sum(len(t.leaves) for t in trees.values()) - len(infos),
+        bytes=sum(i.nbytes for i in infos),
         parts=parts,
         save=result,
+        items={n: orbax_name for n, (orbax_name, _) in sorted(found.items())},
     )
+
+
+async def _add_leaves(
+    session: PartialSave,
+    item: str,
+    stored: StoredItem,
+    todo: list[LeafInfo],
+    batch_bytes: int,
+    bar: Progress,
+) -> int:
+    """Read ``todo`` (leaves of the Orbax tree ``stored``) a batch at a time and add each
+    batch as a part of ``item``; returns how many parts were added."""
+    parts = 0
+    for batch in _batches(todo, batch_bytes):
+        values = await settle(_load(stored, info) for info in batch)
+        subtree = _nest({i.name: v for i, v in zip(batch, values, strict=True)})
+        del values
+        await session.add(subtree, item=item)
+        del subtree
+        parts += 1
+        bar.advance(len(batch), sum(i.nbytes for i in batch))
+    return parts

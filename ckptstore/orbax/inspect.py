@@ -1,5 +1,6 @@
 """What an Orbax 0.12 checkpoint holds, and whether every leaf reads: for ``ckptstore
 ls``, ``info`` and ``verify`` pointed at an Orbax directory or `CheckpointManager` root.
+JSON items (``ocp.args.JsonSave``) are listed beside the tree items, with their values.
 
 Orbax's zarr v2 chunks carry no checksum, so `verify_orbax` proves that every chunk
 exists and decodes (a missing chunk or data file, a truncated or undecodable chunk, a
@@ -19,8 +20,10 @@ from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
+from ckptstore.orbax.items import TREE_METADATA, item_kinds
 from ckptstore.runtime.membudget import check_fits
 
 #: How the one tree of a StandardCheckpointer directory is shown (Orbax names it not).
@@ -37,6 +40,8 @@ class OrbaxStep:
     step: int | None
     where: str  # relative to the backend root; "" for a StandardCheckpointer directory
     items: dict[str, dict[str, LeafInfo]] = field(default_factory=dict)
+    #: Its JSON items (``ocp.args.JsonSave``): their values.
+    json_items: dict[str, JsonItem] = field(default_factory=dict)
     error: str | None = None  # why it cannot be read
 
     @property
@@ -47,11 +52,16 @@ class OrbaxStep:
     def nbytes(self) -> int:
         return sum(i.nbytes for v in self.items.values() for i in v.values())
 
+    @property
+    def names(self) -> list[str]:
+        """Every item's name, tree and JSON, sorted."""
+        return sorted([*self.items, *self.json_items])
+
 
 async def _items(backend: Backend, where: str) -> list[str]:
-    if await backend.exists(f"{where}/{orbax.TREE_METADATA}" if where else orbax.TREE_METADATA):
+    if await backend.exists(f"{where}/{TREE_METADATA}" if where else TREE_METADATA):
         return [""]
-    return await orbax.item_names(backend, where)
+    return list(await item_kinds(backend, where))
 
 
 async def describe_step(backend: Backend, step: int | None, where: str) -> OrbaxStep:
@@ -62,7 +72,10 @@ async def describe_step(backend: Backend, step: int | None, where: str) -> Orbax
             stored = await orbax.open_item(
                 backend, where, name or layout.DEFAULT_ITEM, default_item=layout.DEFAULT_ITEM
             )
-            out.items[name or TREE_ITEM] = dict(stored.leaves)
+            if isinstance(stored, JsonItem):
+                out.json_items[name] = stored
+            else:
+                out.items[name or TREE_ITEM] = dict(stored.leaves)
     except CkptStoreError as exc:
         out.error = str(exc)
     return out
@@ -72,7 +85,7 @@ async def find(backend: Backend, step: int | None = None) -> list[tuple[int | No
     """The Orbax checkpoints at ``backend``: [(None, "")] for a StandardCheckpointer
     directory, else the finalized steps of a `CheckpointManager` root (only ``step``
     when given). Empty when there is none."""
-    if step is None and await backend.exists(orbax.TREE_METADATA):
+    if step is None and await backend.exists(TREE_METADATA):
         return [(None, "")]
     steps = await orbax.finalized_steps(backend)
     if step is not None:
@@ -117,6 +130,8 @@ async def verify_orbax(backend: Backend, step: int | None = None) -> OrbaxVerify
             )
         except CkptStoreError as exc:
             report.problems[shown] = str(exc)
+            continue
+        if isinstance(stored, JsonItem):  # read and parsed strictly: nothing more to check
             continue
 
         async def check(info: LeafInfo, stored: StoredItem = stored, shown: str = shown) -> None:

@@ -38,11 +38,12 @@ from ckptstore.errors import (
     UnsupportedLeafError,
 )
 from ckptstore.format import layout
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.tree import MAX_DEPTH, check_structure, path_name
+from ckptstore.orbax.items import JSON, TREE, TREE_METADATA, item_kinds, read_json_item
 from ckptstore.orbax.keys import key_impls, strict_json, typed_key
 
-TREE_METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
 
@@ -96,23 +97,6 @@ async def locate(backend: Backend, step: int | None) -> str | None:
     if await is_finalized(backend, layout.check_step(step)):
         return layout.step_dir(step)
     return None
-
-
-async def item_names(backend: Backend, where: str) -> list[str]:
-    """The tree items (directories with ``_METADATA``) of an Orbax step directory."""
-    names = await backend.list_dir(where)
-    flags = await asyncio.gather(
-        *(backend.exists(_join(where, n, TREE_METADATA)) for n in names if _plain(n))
-    )
-    return [n for n, ok in zip([n for n in names if _plain(n)], flags, strict=True) if ok]
-
-
-def _plain(name: str) -> bool:
-    try:
-        layout.check_item(name)
-    except CkptStoreError:
-        return False
-    return True
 
 
 # ---- _METADATA ----
@@ -279,8 +263,11 @@ def _describe(node: _Node) -> dict[str, Any]:
 # ---- opening ----
 
 
-async def open_item(backend: Backend, where: str, item: str, *, default_item: str) -> StoredItem:
-    """The item ``item`` of the Orbax checkpoint at ``where`` (from `locate`).
+async def open_item(
+    backend: Backend, where: str, item: str, *, default_item: str
+) -> StoredItem | JsonItem:
+    """The item ``item`` of the Orbax checkpoint at ``where`` (from `locate`): a tree item's
+    arrays, or a JSON item's value (``ocp.args.JsonSave``, `ckptstore.orbax.items`).
 
     A `StandardCheckpointer` directory is one item, read under the default item name;
     a step with a single tree item (``default``) is read under the default name too.
@@ -294,17 +281,25 @@ async def open_item(backend: Backend, where: str, item: str, *, default_item: st
             )
         chosen = ""
     else:
-        items = await item_names(backend, where)
-        if item in items:
+        kinds = await item_kinds(backend, where)
+        trees = [n for n, kind in kinds.items() if kind == TREE]
+        if item in kinds:
             chosen = item
-        elif item == default_item and len(items) == 1:
-            chosen = items[0]
+        elif item == default_item and len(trees) == 1:
+            chosen = trees[0]
         else:
             raise CheckpointNotFoundError(
-                f"Orbax checkpoint {place} has no tree item {item!r} (it has {items})",
+                f"Orbax checkpoint {place} has no item {item!r} (it has {list(kinds)}): "
+                "name one with item=",
                 backend=backend.url,
             )
-    prefix = _join(where, chosen)
+        if kinds[chosen] == JSON:
+            return await read_json_item(backend, _join(where, chosen))
+    return await _open_tree(backend, place, _join(where, chosen))
+
+
+async def _open_tree(backend: Backend, place: str, prefix: str) -> StoredItem:
+    """The tree item whose directory is ``prefix`` (``place``: the checkpoint, for messages)."""
     meta_key = _join(prefix, TREE_METADATA)
     meta_at = f"{backend.url}/{meta_key}"
     meta = parse_tree_metadata(await backend.read(meta_key), meta_at)

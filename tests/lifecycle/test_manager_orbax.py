@@ -136,8 +136,8 @@ def test_an_orbax_root_refuses_the_first_save_whatever_the_policy(
 def test_the_refusal_on_a_root_of_several_items_names_what_converts_all_of_them(
     tmp_path: Path,
 ) -> None:
-    """``import-orbax`` writes one item per step (without --item it takes "state" alone),
-    so on a Composite run the message gives the way that keeps every item."""
+    """``import-orbax`` imports every item of a Composite step into one step, so on such a
+    run the message gives that command, and the restore of every item after it."""
     root, new = tmp_path / "run", tmp_path / "resumed"
     extra = {"seen": np.arange(5, dtype=np.int64)}
     with ocp.CheckpointManager(root, item_names=("state", "data")) as manager:
@@ -148,12 +148,17 @@ def test_the_refusal_on_a_root_of_several_items_names_what_converts_all_of_them(
         manager.wait_until_finished()
     opts = ckptstore.ManagerOptions(handle_sigterm=False)
     with ckptstore.CheckpointManager(root, options=opts) as mgr:
-        with pytest.raises(UnsupportedOperationError, match="one item per step") as e:
+        with pytest.raises(UnsupportedOperationError, match="keeps every item") as e:
             mgr.save(21, tree(21))
-        assert "items={'data': None, 'state': None}" in str(e.value)
-        items = mgr.restore(20, items={"data": None, "state": None})  # as the message says
+    assert "items={'data': None, 'state': None}" in str(e.value)
+    command = re.search(r"`(ckptstore import-orbax [^`]*)`", str(e.value))
+    assert command is not None, str(e.value)
+    argv = shlex.split(command.group(1).replace("NEW_ROOT", shlex.quote(str(new))))
+    assert cli_main(argv[1:]) == 0  # the advised command works as printed
     with ckptstore.CheckpointManager(new, options=opts) as resumed:
-        resumed.save(20, items=items, force=True)
+        items = resumed.restore(20, items={"data": None, "state": None})  # as the message says
+        assert_tree(items["state"], tree(20))
+        assert_tree(items["data"], extra)
+        resumed.save(21, items={"state": tree(21), "data": extra})
         resumed.wait_until_finished()
-        assert_tree(resumed.restore(item="state"), tree(20))
-        assert_tree(resumed.restore(item="data"), extra)
+        assert resumed.all_steps() == [20, 21]

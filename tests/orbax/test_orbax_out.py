@@ -277,13 +277,17 @@ def test_import_a_manager_step_and_item(tmp_path: Path) -> None:
             manager.save(s, args=args)
         manager.wait_until_finished()
     with pytest.raises(ckptstore.CheckpointNotFoundError, match=r"\[.extra., .params.\]"):
-        asyncio.run(ckptstore.import_orbax(root, tmp_path / "cs"))
+        asyncio.run(ckptstore.import_orbax(root, tmp_path / "cs", item="state"))
     r = asyncio.run(ckptstore.import_orbax(root, tmp_path / "cs", step=1, item="extra"))
-    assert r.save.step == 1 and r.source.endswith("/run/1")
-    check(ckptstore.restore_sync(tmp_path / "cs", step=1), {"e": np.arange(2)})
+    assert r.save.step == 1 and r.source.endswith("/run/1") and r.items == {"extra": "extra"}
+    check(ckptstore.restore_sync(tmp_path / "cs", step=1, item="extra"), {"e": np.arange(2)})
     asyncio.run(ckptstore.import_orbax(root, tmp_path / "cs", item="params", as_step=9))
-    assert ckptstore.list_steps_sync(tmp_path / "cs") == [1, 9]
-    check(ckptstore.restore_sync(tmp_path / "cs", step=9), {"w": np.full(4, 2.0, np.float32)})
+    asyncio.run(ckptstore.import_orbax(root, tmp_path / "cs", as_step=10))  # every item
+    assert ckptstore.list_steps_sync(tmp_path / "cs") == [1, 9, 10]
+    for step in (9, 10):
+        got = ckptstore.restore_sync(tmp_path / "cs", step=step, item="params")
+        check(got, {"w": np.full(4, 2.0, np.float32)})
+    check(ckptstore.restore_sync(tmp_path / "cs", step=10, item="extra"), {"e": np.arange(3)})
 
 
 # ---- the command line ----
