@@ -184,6 +184,28 @@ def resolve_profile(profile: str | os.PathLike[str]) -> Path:
     return file
 
 
+def target_profile(target: str | os.PathLike[str]) -> Path | None:
+    """The profile a target names, by the one rule every entry point follows (Python and
+    CLI): a path ending in ``.toml`` is a profile file; a bare name (no ``/``, no scheme)
+    for which ``NAME.toml`` exists in `profiles_dir` is that profile, and a `ConfigError`
+    if ``./NAME`` exists too (say which one: ``./NAME`` or the profile's path); anything
+    else (a URL, a path, a bare name with no profile) is storage: None."""
+    text = os.fspath(target)
+    if text.endswith(".toml"):
+        return Path(text).expanduser()
+    if not text or "/" in text or os.sep in text or "://" in text or text in (".", ".."):
+        return None
+    file = profiles_dir() / f"{text}.toml"
+    if not file.is_file():
+        return None
+    if os.path.exists(text):
+        raise ConfigError(
+            f"{text!r} names both the profile {file} and the path ./{text}: pass ./{text} "
+            f"for the directory, or {file} for the profile"
+        )
+    return file
+
+
 def env_profile() -> Path | None:
     """The profile file ``$CKPTSTORE_PROFILE`` names (a path or a name, see
     `resolve_profile`), or None when it is unset: what a target of None means."""

@@ -9,10 +9,11 @@ from contextlib import asynccontextmanager
 from typing import Any, Union
 
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import open_backend
+from ckptstore.backends.registry import open_backend, target_profile
 from ckptstore.errors import ConfigError
 
-#: A URL or path, a ``.toml`` profile file, or an open `Backend`.
+#: A URL or path, a profile (a ``.toml`` file, or a name: `registry.target_profile`), or an
+#: open `Backend`.
 Target = Union[str, "os.PathLike[str]", Backend]
 
 
@@ -41,12 +42,13 @@ def open_target(
     if target is None:
         return open_backend(profile=profile, **options)
     path = os.fspath(target)
-    if path.endswith(".toml"):  # a profile, never a directory named like one
+    named = target_profile(path)  # a .toml file, or a bare name of a profile
+    if named is not None:
         if profile is not None:
-            raise ConfigError(f"two profiles given ({path} and {os.fspath(profile)}): give one")
-        if not os.path.isfile(path):
-            raise ConfigError(f"profile {path} does not exist")
-        return open_backend(profile=path, **options)
+            raise ConfigError(f"two profiles given ({named} and {os.fspath(profile)}): give one")
+        if not named.is_file():
+            raise ConfigError(f"profile {named} does not exist")
+        return open_backend(profile=named, **options)
     return open_backend(path, profile=profile, **options)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile
+from ckptstore.backends.registry import PROFILE_ENV, load_profile, resolve_profile, target_profile
 from ckptstore.checkpoint.cleanup import DEFAULT_GRACE
 from ckptstore.checkpoint.target import open_target
 from ckptstore.cli import orbax as cli_orbax
@@ -267,8 +267,8 @@ def _tiers_profile(args: argparse.Namespace) -> str | None:
     profile: str | None = getattr(args, "profile", None)
     if target is None:
         profile = profile or os.environ.get(PROFILE_ENV) or None
-    elif target.endswith(".toml") and profile is None:
-        profile = target
+    elif profile is None and (named := target_profile(target)) is not None:
+        profile = str(named)
     else:
         return None
     if profile is None:

@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -31,7 +30,7 @@ import jax
 
 from ckptstore.api import delete_step, restore, save_items
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import env_profile, load_profile
+from ckptstore.backends.registry import env_profile, load_profile, target_profile
 from ckptstore.checkpoint.cleanup import gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
@@ -787,9 +786,9 @@ def _options_from_profile(target: Target | Tiered | None) -> ManagerOptions:
         target = env_profile()  # unset: the defaults, and `open_target` says what is missing
     if target is None or isinstance(target, (Backend, Tiered)):
         return ManagerOptions()
-    path = os.fspath(target)
-    if path.endswith(".toml") and os.path.isfile(path):
-        table = load_profile(path).get("manager")
+    named = target_profile(target)
+    if named is not None and named.is_file():
+        table = load_profile(named).get("manager")
         if table is not None:
-            return ManagerOptions.from_table(table, source=f"{path} [manager]")
+            return ManagerOptions.from_table(table, source=f"{named} [manager]")
     return ManagerOptions()

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import env_profile, load_profile, redact
+from ckptstore.backends.registry import env_profile, load_profile, redact, target_profile
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import ConfigError
 
@@ -135,7 +135,7 @@ def as_tiered(target: AnyTarget | None) -> Tiered | None:
         target = env_profile()
         if target is None:
             return None
-    path = os.fspath(target)
-    if path.endswith(".toml") and os.path.isfile(path) and "tiers" in load_profile(path):
-        return Tiered.from_profile(path)
+    named = target_profile(target)
+    if named is not None and named.is_file() and "tiers" in load_profile(named):
+        return Tiered.from_profile(str(named))
     return None

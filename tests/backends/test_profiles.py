@@ -98,3 +98,38 @@ def test_the_nvme_example_refuses_an_unmounted_volume(
     assert not (tmp_path / "unmounted").exists()
     monkeypatch.setenv("CKPTSTORE_NVME_ROOT", str(tmp_path))
     assert ckptstore.open_backend(profile=EXAMPLES / "nvme-scratch.toml").kind == "local"
+
+
+def test_a_bare_name_of_a_profile_is_that_profile_everywhere(
+    profiles: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rule in Python and the CLI: a bare name with a profile of that name is the
+    profile (its storage, its [manager] table), never a directory of that name beside
+    the caller; a name that is both is refused, naming both."""
+    from ckptstore.cli import main
+
+    (profiles / "local.toml").write_text(
+        'url = "ckpt"\n[options]\nfsync = false\n[manager]\nstaging = "host"\n'
+    )
+    tree = {"w": np.arange(6, dtype=np.float32)}
+    ckptstore.save_sync("local", tree, step=1)
+    with ckptstore.CheckpointManager("local", options=None) as mgr:
+        assert mgr.options.staging == "host"  # the profile's [manager] table
+        handle = mgr.save(2, tree, force=True)
+        assert handle is not None and handle.wait().staging_mode == "host"
+    assert not Path("local").exists()  # nothing written beside the caller
+    assert ckptstore.list_steps_sync(str(profiles / "ckpt")) == [1, 2]
+    assert ckptstore.list_steps_sync("local") == [1, 2]
+    capsys.readouterr()
+    assert main(["ls", "local"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["1", "2"], rows  # the profile's steps
+    assert ckptstore.list_steps_sync("nothing-named-so") == []  # no profile: a directory
+    Path("local").mkdir()
+    with pytest.raises(ConfigError, match=r"'local' names both the profile .*local.toml and "):
+        ckptstore.list_steps_sync("local")
+    with pytest.raises(ConfigError, match="names both"):
+        ckptstore.CheckpointManager("local")
+    assert main(["ls", "local"]) == 2
+    assert "names both" in capsys.readouterr().err
+    assert ckptstore.list_steps_sync("./local") == []  # the directory, asked for as a path
