@@ -145,7 +145,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names (`__all__`) and the package's own dunders, not the helpers this
+    module imports (``Any``, ``importlib``, ``TYPE_CHECKING``)."""
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})
 
 
 __all__ = sorted([*_errors.__all__, *_LAZY])

@@ -41,6 +41,13 @@ def test_all_is_the_public_list_and_the_errors() -> None:
         assert issubclass(getattr(ckptstore, name), errors.CkptStoreError)
 
 
+def test_dir_shows_the_public_names_not_the_modules_helpers() -> None:
+    shown = dir(ckptstore)
+    assert {"Any", "TYPE_CHECKING", "annotations", "importlib"}.isdisjoint(shown)
+    assert set(ckptstore.__all__) <= set(shown)
+    assert [n for n in shown if not n.startswith("__")] == sorted(ckptstore.__all__)
+
+
 def test_every_error_class_is_listed() -> None:
     defined = {
         name
