@@ -496,9 +496,30 @@ async def load_committed(backend: Backend, step: int) -> Manifest:
     marker = await read_marker(backend, step)
     if marker is None:
         raise CheckpointNotFoundError(
-            f"step {step} is not committed", backend=backend.url, key=layout.commit_key(step)
+            f"step {step} is not committed; {await _what_is_there(backend)}",
+            backend=backend.url,
+            key=layout.commit_key(step),
         )
     return await load_manifest(backend, marker)
+
+
+async def _what_is_there(backend: Backend) -> str:
+    """For an error about a step that is not there: the committed steps (the last few),
+    or that there are none, or that the root itself does not exist (a mistyped path)."""
+    steps = await committed_steps(backend)
+    if steps:
+        shown = ", ".join(map(str, steps[-SHOWN_STEPS:]))
+        more = f" (the last {SHOWN_STEPS} of {len(steps)})" if len(steps) > SHOWN_STEPS else ""
+        return f"committed steps: {shown}{more}"
+    try:
+        await backend.check_root()
+    except NotFoundError as exc:
+        return exc.message
+    return "no step is committed there"
+
+
+#: How many committed steps an error about a missing one names.
+SHOWN_STEPS = 10
 
 
 async def load_manifest(backend: Backend, marker: Marker) -> Manifest:
@@ -531,7 +552,9 @@ async def resolve_step(backend: Backend, step: int | None) -> int:
         return layout.check_step(step)
     steps = await committed_steps(backend)
     if not steps:
-        raise CheckpointNotFoundError("no committed checkpoint", backend=backend.url)
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint: {await _what_is_there(backend)}", backend=backend.url
+        )
     return steps[-1]
 
 

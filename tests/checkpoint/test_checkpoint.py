@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -160,3 +161,20 @@ async def test_unsupported_leaves_are_refused_before_writing(any_backend: Backen
     with pytest.raises(ckptstore.CkptStoreError, match="does not fit in int64"):
         await ckptstore.save(any_backend, {"big": 2**70}, step=1)
     assert [info async for info in any_backend.list()] == []
+
+
+def test_a_missing_step_or_root_says_what_is_there(tmp_path: Path) -> None:
+    """A step that is not committed names the steps that are (the last ten); a mistyped
+    local root says there is no such directory instead of "no committed checkpoint"."""
+    root = str(tmp_path / "run")
+    for step in range(12):
+        ckptstore.save_sync(root, {"w": np.arange(3.0)}, step=step)
+    with pytest.raises(ckptstore.CheckpointNotFoundError) as missing:
+        ckptstore.restore_sync(root, 40)
+    assert "step 40 is not committed; committed steps: 2, 3, 4" in str(missing.value)
+    assert "11 (the last 10 of 12)" in str(missing.value)
+    typo = str(tmp_path / "rnu")
+    with pytest.raises(ckptstore.CheckpointNotFoundError, match=f"no such directory {typo}"):
+        ckptstore.restore_sync(typo)
+    with pytest.raises(ckptstore.CheckpointNotFoundError, match="no step is committed there"):
+        ckptstore.restore_sync(str(tmp_path))
