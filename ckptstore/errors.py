@@ -104,6 +104,12 @@ class ConfigError(CkptStoreError, ValueError):
     """Backend options or a profile file are invalid."""
 
 
+class CredentialsError(PermissionDeniedError, ConfigError):
+    """No usable credentials from the source the backend was configured with (none in the
+    environment, a profile without keys): the configuration, not the storage, is what to
+    fix, so the command line exits 2 for it, not 3."""
+
+
 class InvalidStepError(CkptStoreError, ValueError):
     """A step is not a non-negative integer (a tree passed where the step goes, say)."""
 
@@ -217,6 +223,7 @@ __all__ = [
     "ConfigError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "CredentialsError",
     "DuplicateLeafError",
     "FencedError",
     "IncompleteCheckpointError",

@@ -51,7 +51,7 @@ from ckptstore.backends.objectstore import (
     replaced,
 )
 from ckptstore.backends.retry import RetryPolicy
-from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError
+from ckptstore.errors import ConfigError, CredentialsError, NotFoundError
 
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable-upload chunks are multiples of 256 KiB
@@ -252,7 +252,7 @@ class GcsBackend(ObjectStoreBackend):
             )
         except Exception as exc:
             # Name the source, not the exception text (it may quote a credential file).
-            raise PermissionDeniedError(
+            raise CredentialsError(
                 f"cannot load GCS credentials from source {self.credentials!r} "
                 f"({type(exc).__name__})",
                 backend=self.url,
@@ -317,7 +317,7 @@ class GcsBackend(ObjectStoreBackend):
         except HttpError as exc:  # gcsfs's wrapping of a failed token refresh
             raise error_for(op=op, backend=self.url, key=key, status=exc.code) from exc
         except (google.auth.exceptions.GoogleAuthError, NonRetryableError) as exc:
-            raise PermissionDeniedError(
+            raise CredentialsError(
                 f"{op} failed: GCS credentials unusable ({type(exc).__name__})",
                 backend=self.url,
                 key=key,

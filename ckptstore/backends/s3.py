@@ -53,7 +53,12 @@ from ckptstore.backends.objectstore import (
 )
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.sdklog import quiet_aws_sdk, redact_sdk_logs
-from ckptstore.errors import ConfigError, NotFoundError, PermissionDeniedError, StorageError
+from ckptstore.errors import (
+    ConfigError,
+    CredentialsError,
+    NotFoundError,
+    StorageError,
+)
 
 redact_sdk_logs()  # before any client exists: botocore's DEBUG lines quote credentials
 
@@ -333,8 +338,12 @@ class S3Backend(ObjectStoreBackend):
             hint = {
                 "env": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
                 "profile": f"check profile {self.profile!r}",
-            }.get(self.credentials, "configure the AWS default credential chain")
-            return PermissionDeniedError(
+            }.get(
+                self.credentials,
+                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or the shared "
+                "credentials file; credentials = 'anonymous' for a public bucket",
+            )
+            return CredentialsError(
                 f"{op} failed: no usable AWS credentials from source {self.credentials!r} ({hint})",
                 backend=self.url,
                 key=key,

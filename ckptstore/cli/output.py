@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ckptstore.errors import CkptStoreError, storage_failed
+from ckptstore.errors import CkptStoreError, ConfigError, storage_failed
 from ckptstore.runtime.progress import Progress
 
 EXIT_OK, EXIT_CORRUPT, EXIT_ERROR, EXIT_UNREADABLE = 0, 1, 2, 3
@@ -25,8 +25,8 @@ EXIT_OK, EXIT_CORRUPT, EXIT_ERROR, EXIT_UNREADABLE = 0, 1, 2, 3
 EXIT_STATUSES = {
     EXIT_OK: "fine",
     EXIT_CORRUPT: "a checkpoint is corrupt (verify, ls, info: stored data is wrong)",
-    EXIT_ERROR: "an error: bad usage, a missing target, a bad URL or profile, a step that "
-    "is not committed",
+    EXIT_ERROR: "an error: bad usage, a missing target, a bad URL or profile, missing "
+    "credentials, a step that is not committed",
     EXIT_UNREADABLE: "the storage failed: unreachable, timed out or refused (permission); "
     "for verify, some data could not be read, so it is unknown whether it is intact",
 }
@@ -37,6 +37,8 @@ PROGRESS_AFTER = 2.0
 
 def exit_status(exc: CkptStoreError) -> int:
     """The exit status of a command that failed with ``exc``."""
+    if isinstance(exc, ConfigError):  # missing credentials too: what to fix is configuration
+        return EXIT_ERROR
     return EXIT_UNREADABLE if storage_failed(exc) else EXIT_ERROR
 
 

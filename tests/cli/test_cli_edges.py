@@ -216,3 +216,24 @@ async def test_rm_of_a_step_another_process_deleted_meanwhile_succeeds_and_says_
     assert "1 step (1) already removed by another process" in out
     assert "1 committed step remains: 3" in out
     assert await ckptstore.list_steps(backend) == [3]
+
+
+def test_missing_aws_credentials_are_a_configuration_error(
+    ckptstore_s3_server: MotoS3Server,
+    ckptstore_s3_bucket: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No credentials in the environment: exit 2 (configuration, what to fix), naming the
+    variables to set; not 3 (the storage failed)."""
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    url = f"s3://{ckptstore_s3_bucket}/run"
+    profile = ["--endpoint", ckptstore_s3_server.endpoint]
+    assert main([*profile, "ls", url]) == 2
+    err = capsys.readouterr().err
+    assert "no usable AWS credentials" in err and "AWS_ACCESS_KEY_ID" in err
+    backend = ckptstore.open_backend(url, endpoint=ckptstore_s3_server.endpoint, credentials="env")
+    with pytest.raises(ckptstore.CredentialsError) as raised:
+        ckptstore.list_steps_sync(backend)
+    assert isinstance(raised.value, ckptstore.PermissionDeniedError | ckptstore.ConfigError)
