@@ -265,6 +265,13 @@ class CheckpointManager(OrbaxCompat):
         # A committed step is refused here, before anything is staged, as `save_sync` does;
         # the write would only fail later, at `wait()` or the next save.
         self._call(self._ensure_uncommitted(step))
+        if self._last_step is not None and step < self._last_step:
+            log.warning(
+                "ckptstore: saving step %d after step %d: latest_step() and restore() with "
+                "no step give the highest committed step, not this one",
+                step,
+                self._last_step,
+            )
         # Host-local fast tiers (or not known yet): each host also keeps what else its
         # devices hold, to serve a restart alone (`hostlocal`); that is staged too.
         host_view = (

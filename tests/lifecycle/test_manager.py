@@ -589,3 +589,16 @@ def test_a_script_that_never_closes_its_manager_still_commits_its_last_save(
     assert "finishing the save of step 7 before exit" in proc.stderr
     assert ckptstore.list_steps_sync(str(root)) == [7]
     assert ckptstore.verify_sync(str(root), step=7).ok
+
+
+def test_saving_a_step_older_than_the_last_one_says_so(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with ckptstore.CheckpointManager(root, options=options()) as mgr:
+        for step in (1, 0):
+            handle = mgr.save(step, {"w": np.arange(3.0)})
+            assert handle is not None
+            handle.wait()
+        assert mgr.latest_step() == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("saving step 0 after step 1" in m for m in warned), warned
