@@ -105,10 +105,15 @@ def error_for(
     return kind(message, backend=backend, key=key)
 
 
-def transport_error(exc: BaseException, *, op: str, backend: str, key: str | None) -> StorageError:
-    """A transient error for a connection reset, timeout or similar transport failure."""
+def transport_error(
+    exc: BaseException, *, op: str, backend: str, key: str | None, hint: str = ""
+) -> StorageError:
+    """A transient error for a connection reset, timeout or similar transport failure;
+    ``hint``, where given, says what to check."""
     message = f"{op} failed: {type(exc).__name__}: {redact_text(str(exc))}"
-    return TransientStorageError(message, backend=backend, key=key)
+    return TransientStorageError(
+        f"{message}; {hint}" if hint else message, backend=backend, key=key
+    )
 
 
 def redact_url(url: str) -> str:

@@ -81,6 +81,8 @@ _TS_CREDENTIALS = {
 }
 _TRANSIENT_BOTO = (BotoConnectionError, HTTPClientError, IncompleteReadError)
 _TRANSPORT = transport_errors()  # the HTTP stack's "the request may not have happened"
+#: Of those, the ones where no server answered at all (a wrong endpoint, a server not up).
+_NO_CONNECTION = (BotoConnectionError, ConnectionRefusedError)
 
 
 def _no_expect_continue(params: dict[str, Any], **_: Any) -> None:
@@ -333,7 +335,8 @@ class S3Backend(ObjectStoreBackend):
         if isinstance(exc, StorageError):
             return exc
         if isinstance(exc, _TRANSIENT_BOTO + _TRANSPORT):
-            return transport_error(exc, op=op, backend=self.url, key=key)
+            hint = self._endpoint_hint() if isinstance(exc, _NO_CONNECTION) else ""
+            return transport_error(exc, op=op, backend=self.url, key=key, hint=hint)
         if isinstance(exc, NoCredentialsError | PartialCredentialsError):
             hint = {
                 "env": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
@@ -353,6 +356,14 @@ class S3Backend(ObjectStoreBackend):
         if isinstance(exc, BotoCoreError):
             return StorageError(f"{op} failed: {type(exc).__name__}", backend=self.url, key=key)
         raise exc
+
+    def _endpoint_hint(self) -> str:
+        """What to check when nothing answered: the endpoint and where it may be set."""
+        where = redact_url(self.endpoint_url) if self.endpoint_url else "AWS's own endpoint"
+        return (
+            f"nothing answered at {where}: check the endpoint (--endpoint, the profile's "
+            "endpoint option, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL)"
+        )
 
     def _full(self, key: str) -> str:
         return join(self.root, key)

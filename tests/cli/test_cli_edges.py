@@ -237,3 +237,18 @@ def test_missing_aws_credentials_are_a_configuration_error(
     with pytest.raises(ckptstore.CredentialsError) as raised:
         ckptstore.list_steps_sync(backend)
     assert isinstance(raised.value, ckptstore.PermissionDeniedError | ckptstore.ConfigError)
+
+
+def test_nothing_answering_at_the_endpoint_says_where_it_comes_from(
+    ckptstore_s3_server: MotoS3Server,  # for its test credentials and region
+) -> None:
+    from ckptstore.backends.retry import RetryPolicy
+
+    backend = ckptstore.open_backend(
+        "s3://bucket/run", endpoint="http://127.0.0.1:1", retry=RetryPolicy(max_attempts=1)
+    )
+    with pytest.raises(ckptstore.TransientStorageError) as raised:
+        ckptstore.list_steps_sync(backend)
+    message = str(raised.value)
+    assert "nothing answered at http://127.0.0.1:1" in message
+    assert "--endpoint" in message and "AWS_ENDPOINT_URL_S3" in message
