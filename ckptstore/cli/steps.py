@@ -101,16 +101,20 @@ def steps_list(steps: list[int]) -> str:
 
 
 async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
-    """Every entry of every step directory: committed or not, with age and stored size."""
+    """Every entry of every step directory: committed, uncommitted, or uncommitted but
+    referenced by committed steps (the base of incremental saves: never delete it by
+    hand), with its age and the bytes it stores (STORED: on storage, where `ls`'s SIZE is
+    a step's payload)."""
     scans = await scan(backend)
+    bases = await _referenced_by(backend, [s.step for s in scans if s.marker is not None])
     now = time.time()
     rows: list[dict[str, Any]] = []
     for s in scans:
         for e in s.entries:
-            state = "committed" if e.committed else "uncommitted"
+            users = bases.get((s.step, e.name), [])
+            state = "committed" if e.committed else ("referenced" if users else "uncommitted")
             if s.marker_error is not None:
                 state = "unreadable marker"
-            idle = e.idle_for(now)
             rows.append(
                 {
                     "step": s.step,
@@ -118,7 +122,8 @@ async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
                     "state": state,
                     "bytes": e.bytes,
                     "objects": len(e.objects),
-                    "idle_seconds": idle,
+                    "idle_seconds": e.idle_for(now),
+                    "referenced_by": users,
                 }
             )
     if as_json:
@@ -127,11 +132,32 @@ async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
     if not rows:
         print(f"nothing stored in {shown}")
         return EXIT_OK
-    print(f"{'STEP':>10}  {'STATE':11}  {'SIZE':>10}  {'IDLE':>8}  ENTRY")
+    print(f"{'STEP':>10}  {'STATE':11}  {'STORED':>10}  {'IDLE':>8}  ENTRY")
     for r in rows:
         age = "?" if r["idle_seconds"] is None else duration_text(r["idle_seconds"])
-        print(f"{r['step']:>10}  {r['state']:11}  {human(r['bytes']):>10}  {age:>8}  {r['entry']}")
+        base = f"  (base of {steps_list(r['referenced_by'])})" if r["referenced_by"] else ""
+        print(
+            f"{r['step']:>10}  {r['state']:11}  {human(r['bytes']):>10}  {age:>8}  "
+            f"{r['entry']}{base}"
+        )
     return EXIT_OK
+
+
+async def _referenced_by(backend: Backend, steps: list[int]) -> dict[tuple[int, str], list[int]]:
+    """Per (step, attempt) that committed ``steps`` reference (incremental saves), the
+    steps that do. A manifest that cannot be read adds nothing (`ls` reports it)."""
+    loaded = await asyncio.gather(
+        *(load_committed(backend, s) for s in steps), return_exceptions=True
+    )
+    out: dict[tuple[int, str], list[int]] = {}
+    for step, manifest in zip(steps, loaded, strict=True):
+        if isinstance(manifest, BaseException):
+            continue
+        for holder in manifest.references:
+            key = (int(holder["step"]), str(holder["attempt"]))
+            if step not in out.setdefault(key, []):
+                out[key].append(step)
+    return out
 
 
 def _sharding_text(sharding: dict[str, Any] | None) -> str:

@@ -123,3 +123,20 @@ def test_rm_dry_run_of_several_steps_counts_earlier_removals(
     assert one["steps"][0]["kept_referenced"] and one["steps"][0]["bytes"] == 0
     real = run_json(["rm", root, "--step", "3-5"], capsys)
     assert real["steps"] == dry["steps"] and real["remaining"] == []
+
+
+def test_ls_all_marks_the_base_a_deleted_step_leaves_as_referenced(
+    root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 1 deleted: its attempt stays for steps 2 and 3, and ``ls --all`` says so
+    ("referenced", base of 2, 3) instead of listing it as uncommitted, deletable."""
+    ckptstore.delete_step_sync(root, 1)
+    entries = run_json(["ls", root, "--all"], capsys)
+    (base,) = [e for e in entries if e["step"] == 1]
+    assert base["state"] == "referenced" and base["referenced_by"] == [2, 3]
+    assert all(e["state"] == "committed" for e in entries if e["step"] != 1)
+    assert main(["ls", root, "--all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["STEP", "STATE", "STORED"]
+    (row,) = [line for line in lines[1:] if line.split()[0] == "1"]
+    assert row.split()[1] == "referenced" and row.endswith("(base of 2, 3)")
