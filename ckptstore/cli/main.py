@@ -34,7 +34,7 @@ from ckptstore.cli.output import (
 from ckptstore.cli.remove import cmd_gc, cmd_rm, parse_step_spec, positive_int
 from ckptstore.cli.steps import cmd_info, cmd_ls, cmd_ls_all, cmd_verify, cmd_verify_all
 from ckptstore.cli.text import count, human
-from ckptstore.cli.tiers import cmd_ls_tiers, cmd_promote
+from ckptstore.cli.tiers import cmd_ls_all_tiers, cmd_ls_tiers, cmd_promote
 from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
 from ckptstore.importers.safetensors import DEFAULT_BATCH_BYTES, import_safetensors
 from ckptstore.lifecycle.options import seconds
@@ -319,9 +319,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             _on_target(args, args.dst, lambda b, _: cmd_import(args, b), must_exist=False)
         )
     if args.command == "ls" and (tiers := _tiers_profile(args)) is not None:
-        if args.all:
-            raise ConfigError(f"ls --all lists one store: give a tier of {tiers} (its URL)")
-        return asyncio.run(cmd_ls_tiers(tiers, out.json))
+        ls = cmd_ls_all_tiers if args.all else cmd_ls_tiers
+        return asyncio.run(ls(tiers, out.json))
     rm_args = (
         getattr(args, "steps", None) or [],
         getattr(args, "keep_latest", None),

@@ -101,10 +101,20 @@ def steps_list(steps: list[int]) -> str:
 
 
 async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
+    """Every entry of every step directory (`entries`), as text or JSON."""
+    rows = await entries(backend)
+    if as_json:
+        print_json(rows)
+    else:
+        print_entries(rows, shown)
+    return EXIT_OK
+
+
+async def entries(backend: Backend) -> list[dict[str, Any]]:
     """Every entry of every step directory: committed, uncommitted, or uncommitted but
     referenced by committed steps (the base of incremental saves: never delete it by
-    hand), with its age and the bytes it stores (STORED: on storage, where `ls`'s SIZE is
-    a step's payload)."""
+    hand), with its age and the bytes it stores (on storage, where `ls`'s SIZE is a
+    step's payload)."""
     scans = await scan(backend)
     bases = await _referenced_by(backend, [s.step for s in scans if s.marker is not None])
     now = time.time()
@@ -126,12 +136,14 @@ async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
                     "referenced_by": users,
                 }
             )
-    if as_json:
-        print_json(rows)
-        return EXIT_OK
+    return rows
+
+
+def print_entries(rows: list[dict[str, Any]], shown: str) -> None:
+    """`entries` as a table (STORED: bytes on storage)."""
     if not rows:
         print(f"nothing stored in {shown}")
-        return EXIT_OK
+        return
     print(f"{'STEP':>10}  {'STATE':11}  {'STORED':>10}  {'IDLE':>8}  ENTRY")
     for r in rows:
         age = "?" if r["idle_seconds"] is None else duration_text(r["idle_seconds"])
@@ -140,7 +152,6 @@ async def cmd_ls_all(backend: Backend, shown: str, as_json: bool) -> int:
             f"{r['step']:>10}  {r['state']:11}  {human(r['bytes']):>10}  {age:>8}  "
             f"{r['entry']}{base}"
         )
-    return EXIT_OK
 
 
 async def _referenced_by(backend: Backend, steps: list[int]) -> dict[tuple[int, str], list[int]]:

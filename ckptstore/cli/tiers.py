@@ -15,7 +15,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ckptstore.checkpoint.commit import committed_steps
-from ckptstore.cli.output import Output, print_json
+from ckptstore.cli.output import EXIT_OK, Output, print_json
+from ckptstore.cli.steps import entries, print_entries
 from ckptstore.cli.text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.tiers.promote import Promotion, promote, unpromoted
@@ -40,6 +41,21 @@ def _state_text(state: str, uploaded: float | None) -> str:
         part = " of this host's part" if state == "staged" else ""
         return f"{text}, promoting: {100 * uploaded:.0f}%{part} on the durable tier"
     return f"{text}, not promoted yet"
+
+
+async def cmd_ls_all_tiers(profile: str, as_json: bool) -> int:
+    """``ls --all`` of a tiers profile: every entry of each tier, fast then durable."""
+    tiers = Tiered.from_profile(profile)
+    async with tiers.opened() as (fast, durable):
+        found = {"fast": await entries(fast), "durable": await entries(durable)}
+        urls = {"fast": fast.url, "durable": durable.url}
+    if as_json:
+        print_json(found)
+        return EXIT_OK
+    for name, rows in found.items():
+        print(f"{name} tier, {urls[name]}:")
+        print_entries(rows, urls[name])
+    return EXIT_OK
 
 
 async def cmd_ls_tiers(profile: str, as_json: bool) -> int:

@@ -194,6 +194,11 @@ def test_a_tiers_profile_by_name_lists_both_tiers(
     assert lines[1].split()[0] == "4" and "not promoted yet" in lines[1]
     assert main(["--profile", "tiers", "--endpoint", "http://127.0.0.1:1", "ls"]) == 2
     assert "--endpoint does not apply to the tiers of" in capsys.readouterr().err
+    assert main(["ls", "tiers", "--all"]) == 0  # each tier's entries (was refused)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("fast tier, ") and out[1].split()[:3] == ["STEP", "STATE", "STORED"]
+    assert out[2].split()[:2] == ["4", "committed"]
+    assert out[3].startswith("durable tier, ") and out[4].startswith("nothing stored in")
 
 
 async def test_rm_of_a_step_another_process_deleted_meanwhile_succeeds_and_says_so(
