@@ -16,6 +16,8 @@ its bytes are on the host (`DrainedPiece`).
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,9 +142,22 @@ def room_for_copy(stats: dict[str, Any], earlier: int = 0) -> int:
 
 
 def bytes_per_device(arrays: Sequence[jax.Array]) -> dict[Any, int]:
-    """How many bytes of ``arrays`` each addressable device holds."""
+    """How many bytes of ``arrays`` each addressable device holds (from the shardings:
+    no array is made per shard, which costs ~150 us a leaf on 8 devices)."""
     out: dict[Any, int] = {}
     for array in arrays:
-        for shard in array.addressable_shards:
-            out[shard.device] = out.get(shard.device, 0) + int(shard.data.nbytes)
+        for device, nbytes in _per_device(array.sharding, tuple(array.shape), array.dtype.itemsize):
+            out[device] = out.get(device, 0) + nbytes
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _per_device(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int
+) -> tuple[tuple[Any, int], ...]:
+    """Per addressable device, the bytes of its slice of an array of ``shape``."""
+    out = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        extents = [len(range(*s.indices(n))) for s, n in zip(index or (), shape, strict=True)]
+        out.append((device, itemsize * math.prod(extents)))
+    return tuple(out)

@@ -126,3 +126,15 @@ def test_a_copy_fits_below_the_peak_use_with_a_margin(peak: int, earlier: int, f
     room = room_for_copy(stats, earlier)
     assert room == 16 * GiB - max(peak - earlier, 2 * GiB) - int(16 * GiB * 0.05) - MARGIN_BYTES
     assert (4 * GiB <= room) is fits
+
+
+def test_bytes_per_device_are_each_devices_shards_without_making_them() -> None:
+    from ckptstore.lifecycle.devicecopy import bytes_per_device
+
+    tree = state()
+    arrays = [tree["w"], tree["r"], tree["one"], jax.random.key_data(tree["key"])]
+    want: dict[Any, int] = {}
+    for array in arrays:
+        for shard in array.addressable_shards:
+            want[shard.device] = want.get(shard.device, 0) + int(shard.data.nbytes)
+    assert bytes_per_device(arrays) == want
