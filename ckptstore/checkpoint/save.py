@@ -23,6 +23,7 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -498,7 +499,7 @@ async def _discard(
         return
     try:
         await claim(backend, where, ABANDON, owner)
-        removed = await clear_attempt(backend, where, keep_fate=False)
+        removed = await _cleared(backend, where)
     except FencedError:
         log.info("a failed save's attempt %s is gc's (it decided first)", where.root)
         return
@@ -506,6 +507,30 @@ async def _discard(
         log.warning("a failed save left attempt %s for gc: %s", where.root, exc)
     else:
         log.info("a failed save's attempt %s removed (%d objects)", where.root, removed)
+
+
+async def _cleared(backend: Backend, where: layout.AttemptDir) -> int:
+    """Clear an abandoned attempt until it stays empty, then drop its fate record.
+
+    The writes of the failed save have all been awaited, but TensorStore may still be
+    ending one it had in flight: a data file of the same commit, whose write future
+    resolved once the commit failed (seen under load on a full disk: a data file landed
+    after the first clear had listed the attempt). The attempt is listed again, with
+    growing pauses, until two listings find nothing (at most `STRAGGLER_WAIT` seconds); its
+    ABANDON fate stays meanwhile, so nobody can claim it. Returns the objects removed."""
+    removed = await clear_attempt(backend, where, keep_fate=True)
+    delay, quiet, deadline = 0.05, 0, time.monotonic() + STRAGGLER_WAIT
+    while quiet < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(delay)
+        more = await clear_attempt(backend, where, keep_fate=True)
+        removed += more
+        quiet = quiet + 1 if more == 0 else 0
+        delay = min(2 * delay, 0.4)
+    return removed + await clear_attempt(backend, where, keep_fate=False)
+
+
+#: How long a failed save's cleanup waits for TensorStore's last writes (`_cleared`).
+STRAGGLER_WAIT = 3.0
 
 
 def _last(key: str) -> str:
