@@ -292,7 +292,7 @@ class LeafWriter:
     ) -> None:
         """One piece of a big leaf: written from its own memory where it is host memory,
         else copied to the host first within the budget."""
-        nbytes = math.prod(_sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
+        nbytes = math.prod(sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
         hashed = table is not None
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
@@ -439,5 +439,6 @@ def _host_replicated(sharding: jax.sharding.Sharding) -> bool:
     )
 
 
-def _sliced_shape(shape: Sequence[int], index: Index) -> tuple[int, ...]:
+def sliced_shape(shape: Sequence[int], index: Index) -> tuple[int, ...]:
+    """The shape of the region ``index`` (step-1 slices) of an array of ``shape``."""
     return tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))

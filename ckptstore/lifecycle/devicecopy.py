@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ckptstore.datapath.arrays import sliced_shape
+
 #: Room left on a device besides the copy: a share of its memory and a fixed amount, for
 #: the allocator's fragmentation and what the next training step allocates beyond its peak.
 MARGIN_SHARE = 0.05
@@ -54,12 +56,6 @@ class DrainedPiece:
         host = np.asarray(array)
         array.delete()  # the bytes are out: the device memory goes back to the loop
         return host if dtype is None else host.astype(dtype, copy=False)
-
-    def release(self) -> None:
-        """Free the device buffer unread (a save that failed or did not need it)."""
-        array, self._array = self._array, None
-        if array is not None and not array.is_deleted():
-            array.delete()
 
 
 class DeviceCopier:
@@ -158,6 +154,5 @@ def _per_device(
     """Per addressable device, the bytes of its slice of an array of ``shape``."""
     out = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        extents = [len(range(*s.indices(n))) for s, n in zip(index or (), shape, strict=True)]
-        out.append((device, itemsize * math.prod(extents)))
+        out.append((device, itemsize * math.prod(sliced_shape(shape, index or ()))))
     return tuple(out)
