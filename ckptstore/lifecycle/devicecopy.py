@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ckptstore.datapath.arrays import sliced_shape
+from ckptstore.runtime.hostpool import release_deferred
 
 #: Room left on a device besides the copy: a share of its memory and a fixed amount, for
 #: the allocator's fragmentation and what the next training step allocates beyond its peak.
@@ -55,6 +56,9 @@ class DrainedPiece:
         self._array = None
         host = np.asarray(array)
         array.delete()  # the bytes are out: the device memory goes back to the loop
+        # and the host copy is ours alone: JAX's own reference to it would otherwise
+        # outlive the write until the next collection (`release_deferred`)
+        release_deferred()
         return host if dtype is None else host.astype(dtype, copy=False)
 
 

@@ -4,13 +4,22 @@ once nothing refers to them."""
 from __future__ import annotations
 
 import asyncio
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import ckptstore
-from ckptstore.runtime.hostpool import ALIGNMENT, HostPool, aligned_empty, pooled
+from ckptstore.runtime.hostpool import (
+    ALIGNMENT,
+    HostPool,
+    aligned_empty,
+    pooled,
+    release_deferred,
+)
 
 MiB = 1 << 20
 
@@ -58,3 +67,52 @@ def test_a_restore_in_a_pooled_block_reads_the_same_values(tmp_path: Path) -> No
                 assert np.array_equal(np.asarray(got[k]), v), k
             del got
     assert pool.taken > 0
+
+
+class _Holder:
+    """Holds a buffer in a reference cycle, as JAX's runtime holds a host array a transfer
+    is done with: let go only when the collector runs (jax-ml/jax#14882)."""
+
+    def __init__(self, buffer: np.ndarray) -> None:
+        self.buffer, self.me = buffer, self
+
+
+def test_a_buffer_held_until_the_next_collection_is_reused_after_one(
+    no_collector: None,
+) -> None:
+    pool = HostPool(64 * MiB)
+    first = pool.take(MiB)
+    address = first.ctypes.data
+    _Holder(first)  # the cycle is garbage now, but nothing collects it by itself
+    del first
+    second = pool.take(MiB)  # none free without a collection: the pool runs one
+    assert second.ctypes.data == address and pool.reused == 1
+
+
+def test_release_deferred_runs_the_collectors_callbacks(no_collector: None) -> None:
+    """JAX empties its queue of released host arrays in a `gc.callbacks` hook."""
+    ran: list[str] = []
+
+    def hook(phase: str, info: dict[str, int]) -> None:
+        ran.append(phase)
+
+    gc.callbacks.append(hook)
+    try:
+        release_deferred()
+    finally:
+        gc.callbacks.remove(hook)
+    assert ran == ["start", "stop"]
+
+
+@pytest.fixture
+def no_collector() -> Iterator[None]:
+    """The automatic collector off, as a training loop may run (and as this file's
+    cycles need: an automatic collection would free them first)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
