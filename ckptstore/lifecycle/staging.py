@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -60,6 +60,9 @@ from ckptstore.lifecycle.devicecopy import (
 Bounds = tuple[tuple[int, int], ...]
 
 Mode = Literal["auto", "host", "view", "device"]
+
+#: Touching one byte in each page of a new buffer faults the whole page in.
+PAGE = 4096
 
 #: Copies smaller than this run inline; thread hand-off costs more than it saves.
 THREAD_MIN_BYTES = 1 << 20
@@ -93,6 +96,7 @@ class Stager:
         )
         self._copier = DeviceCopier()
         self._on_devices: dict[Any, int] = {}  # bytes per device of the last device copy
+        self._warming: Future[None] | None = None  # `warm` making the host buffers
 
     @property
     def held_bytes(self) -> int:
@@ -100,19 +104,44 @@ class Stager:
         return sum(b.nbytes for b in self._buffers.values())
 
     def close(self) -> None:
+        self._warming = None
         self._pool.shutdown(wait=True)
         self._copier.close()
         self._buffers.clear()
 
     def warm(self, tree: Any, mode: Mode = "auto") -> None:
-        """Compile, in the background, what staging ``tree`` on its devices will run, so
-        that the first save pauses no longer than later ones (the manager calls this on
-        the steps it does not save)."""
-        if mode not in ("auto", "device"):
+        """Prepare, in the background, what staging ``tree`` will run, so that the first
+        save pauses no longer than later ones (the manager calls this on the steps it does
+        not save): where it will stage on the devices, the copy's programs are compiled;
+        where on the host, its buffers are made and their pages touched (fresh pages cost
+        more than the copy into them: on a TPU host, 8.6 GiB staged in 6.5 s the first
+        time and 3.9 s once the buffers were there). `stage` waits for what is left."""
+        names = [name for name, _ in flatten(tree)]
+        leaves = jax.tree_util.tree_leaves(tree)
+        arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+        if not arrays or self._warming is not None:
             return
-        arrays = [_data(a) for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)]
-        if arrays and (mode == "device" or not all(_on_cpu(a) for a in arrays)):
-            self._copier.warm(arrays)
+        chosen, _ = self._choose(mode, arrays)
+        if chosen == "device":
+            self._copier.warm([_data(a) for a in arrays])
+        elif chosen == "host":
+            size = sum(
+                int(leaf.nbytes) for leaf in leaves if isinstance(leaf, jax.Array | np.ndarray)
+            )
+            if self.max_bytes is None or size <= self.max_bytes:  # else `stage` refuses it
+                self._warming = self._pool.submit(self._touch_buffers, names, leaves)
+
+    def _touch_buffers(self, names: list[str], leaves: list[Any]) -> None:
+        """Make the staging buffers of ``leaves`` and fault their pages in."""
+        for name, leaf in zip(names, leaves, strict=True):
+            for _, buf in self._plan(name, leaf, False, False)[1]:
+                buf.reshape(-1).view(np.uint8)[::PAGE] = 0
+
+    def _warmed(self) -> None:
+        """Wait for `warm`'s buffers, if it is making them (raising what it raised)."""
+        warming, self._warming = self._warming, None
+        if warming is not None:
+            warming.result()
 
     def stage(
         self, tree: Any, mode: Mode = "auto", *, host_view: bool = False, drain: bool = True
@@ -130,6 +159,7 @@ class Stager:
         are reused): the manager allows one save in flight.
         """
         start = time.perf_counter()
+        self._warmed()
         names = [name for name, _ in flatten(tree)]  # checks the tree whole first
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         for name, leaf in zip(names, leaves, strict=True):

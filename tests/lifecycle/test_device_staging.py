@@ -98,6 +98,27 @@ def test_a_manager_compiles_the_device_copy_on_a_step_it_does_not_save(tmp_path:
         assert np.array_equal(np.asarray(restored["w"]), np.asarray(tree["w"]))
 
 
+def test_a_manager_makes_the_host_buffers_on_a_step_it_does_not_save(tmp_path: Any) -> None:
+    """Host staging's first save pays for fresh pages unless `warm` made them before."""
+    opts = ckptstore.ManagerOptions(staging="host", handle_sigterm=False)
+    policy = ckptstore.policies.EveryNSteps(2)
+    with ckptstore.CheckpointManager(str(tmp_path), save_policy=policy, options=opts) as mgr:
+        tree = state()
+        assert mgr.save(1, tree) is None
+        stager = mgr._stager
+        assert stager._warming is not None
+        stager._warmed()
+        made = {key: id(buf) for key, buf in stager._buffers.items()}
+        arrays = [tree["w"], tree["r"], tree["one"], jax.random.key_data(tree["key"])]
+        want = sum(int(a.nbytes) for a in arrays) + tree["host"].nbytes
+        assert stager.held_bytes == want  # each array's own shards, once
+        handle = mgr.save(2, tree)
+        assert handle is not None and handle.wait().staging_mode == "host"
+        assert {key: id(buf) for key, buf in stager._buffers.items()} == made  # reused
+        restored = mgr.restore(2, like=tree)
+        assert np.array_equal(np.asarray(restored["w"]), np.asarray(tree["w"]))
+
+
 def test_auto_stages_views_on_cpu_devices_and_says_why(tmp_path: Any) -> None:
     opts = ckptstore.ManagerOptions(handle_sigterm=False)
     with ckptstore.CheckpointManager(str(tmp_path), options=opts) as mgr:
