@@ -7,7 +7,7 @@ contender rotates every repetition), medians with their spread:
 - ``ocdbt_keys``: what a save does with them today, `ckptstore.datapath.arrays.write_leaves`
   into one OCDBT store (two keys a leaf through TensorStore's ``KvStore.write``,
   its data files fsync'd, written pages dropped as in a save);
-- ``packs``: `ckptstore.format.packs.write_pack`, one pack per group of up to 64 MiB
+- ``packs``: `ckptstore.datapath.packs.write_pack`, one pack per group of up to 64 MiB
   (`ckptstore.format.chunks.groups`), all groups at once (O_DIRECT gathered writes);
 - ``dd_direct``: ``dd bs=16M oflag=direct conv=fsync`` of as many bytes.
 
@@ -44,9 +44,9 @@ from benchmarks.common import MiB, Timer
 from benchmarks.trees import tree_c
 from ckptstore.backends.local import LocalBackend
 from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
+from ckptstore.datapath.packs import write_pack
 from ckptstore.format import chunks
 from ckptstore.format.leaves import describe_leaf
-from ckptstore.format.packs import write_pack
 
 CONTENDERS = ["ocdbt_keys", "packs", "dd_direct"]
 PACK_BYTES = 64 * MiB

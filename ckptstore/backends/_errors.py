@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
 from ckptstore.errors import (
@@ -165,18 +164,3 @@ def redact_text(text: str) -> str:
 def already_exists(*, backend: str, key: str) -> AlreadyExistsError:
     """The error `create` raises when the key is already there."""
     return AlreadyExistsError("create refused: the key already exists", backend=backend, key=key)
-
-
-async def gather_first_error(coros: Iterable[Awaitable[T]]) -> list[T]:
-    """Run awaitables concurrently; on the first failure cancel the rest and raise that failure.
-
-    (`asyncio.gather` alone would let the others run on, e.g. keep uploading
-    parts of an upload that is being aborted.)
-    """
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

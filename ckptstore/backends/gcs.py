@@ -34,7 +34,6 @@ from gcsfs.retry import HttpError, NonRetryableError
 from ckptstore.backends._errors import (
     already_exists,
     error_for,
-    gather_first_error,
     redact_url,
     transport_error,
     transport_errors,
@@ -52,6 +51,7 @@ from ckptstore.backends.objectstore import (
 )
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.errors import ConfigError, CredentialsError, NotFoundError
+from ckptstore.runtime.futures import gather_first_error
 
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable-upload chunks are multiples of 256 KiB

@@ -38,7 +38,6 @@ from typing import Any, Protocol
 
 import tensorstore as ts
 
-from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, is_empty_range
 from ckptstore.backends.retry import RetryPolicy, retry_async
 from ckptstore.backends.tsdeadline import bind
@@ -49,6 +48,7 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
+from ckptstore.runtime.futures import gather_first_error
 
 MiB = 1 << 20
 #: Parts smaller than this cost more in requests than they win in parallelism.

@@ -35,7 +35,6 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from ckptstore.backends._errors import (
     already_exists,
     error_for,
-    gather_first_error,
     redact_url,
     transport_error,
     transport_errors,
@@ -59,6 +58,7 @@ from ckptstore.errors import (
     NotFoundError,
     StorageError,
 )
+from ckptstore.runtime.futures import gather_first_error
 
 redact_sdk_logs()  # before any client exists: botocore's DEBUG lines quote credentials
 

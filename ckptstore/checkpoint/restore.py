@@ -21,17 +21,19 @@ from ckptstore.checkpoint.assemble import in_memory, restore_stored
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
+from ckptstore.datapath import ocdbt_index
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
+from ckptstore.datapath.packs import read_packed, read_split
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_small_leaves
 from ckptstore.errors import CheckpointNotFoundError
-from ckptstore.format import jsonitems, layout, ocdbt_index
+from ckptstore.format import jsonitems, layout
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import (
     LeafInfo,
 )
 from ckptstore.format.manifest import Manifest
-from ckptstore.format.packs import PackRef, read_packed, read_split
+from ckptstore.format.packs import PackRef
 from ckptstore.runtime import shortrepr
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.gcpause import gc_paused

@@ -52,13 +52,14 @@ from ckptstore.checkpoint.incremental import (
 )
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import write_store
+from ckptstore.datapath.packs import PackTarget, check_packs, read_index, write_index
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
 from ckptstore.format.manifest import ItemManifest, Manifest
-from ckptstore.format.packs import PackRef, PackTarget, check_packs, read_index, write_index
+from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import describe, flatten
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff

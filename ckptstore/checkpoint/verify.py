@@ -30,6 +30,7 @@ from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import direct_chunks, item_dir, leaf_dir
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
+from ckptstore.datapath.packs import read_packed
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_slice
 from ckptstore.errors import (
@@ -48,7 +49,6 @@ from ckptstore.format.digests import (
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.format.manifest import ItemManifest, Manifest
-from ckptstore.format.packs import read_packed
 from ckptstore.runtime.bytebudget import ByteBudget
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.

@@ -22,17 +22,23 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import policy_of, within
 from ckptstore.backends.tserrors import write_error
+from ckptstore.datapath.packs import PackTarget, write_pack
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import chunks
 from ckptstore.format.digests import PieceTable, digest, digest_off_loop, piece_key
 from ckptstore.format.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
-from ckptstore.format.packs import PackRef, PackTarget, write_pack
+from ckptstore.format.packs import PackRef
 from ckptstore.runtime.bytebudget import ByteBudget
-from ckptstore.runtime.futures import finish_first, off_loop, on_thread, wait_here
+from ckptstore.runtime.futures import (
+    finish_first,
+    gather_first_error,
+    off_loop,
+    on_thread,
+    wait_here,
+)
 
 #: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
 #: save's memory. Shards already in host memory (CPU devices) are passed without a copy.

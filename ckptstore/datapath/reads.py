@@ -3,7 +3,7 @@
 `open_leaf` opens a saved zarr3 array with its ``zarr.json`` checked against the manifest
 and missing chunks refused; `read_slice` reads one region of it; a `Chunks` source gives raw
 chunk values (`KvChunks` through TensorStore's kvstore, or a direct reader of OCDBT data
-files: `ckptstore.format.ocdbt_index`); `read_small_leaves` reads single-chunk leaves in
+files: `ckptstore.datapath.ocdbt_index`); `read_small_leaves` reads single-chunk leaves in
 batches. Every failure becomes a typed error (`read_error`).
 """
 

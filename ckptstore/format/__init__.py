@@ -1,3 +1,3 @@
 """What the bytes are: the leaf schema (`leaves`), zarr3 chunks and zarr.json encoded and
-decoded in Python (`chunks`), small leaves packed into one object per batch (`packs`), and
-where each value of an OCDBT store lies (`ocdbt_index`)."""
+decoded in Python (`chunks`), and what a pack of small leaves holds (`packs`). No I/O: the
+data path reads and writes these bytes."""

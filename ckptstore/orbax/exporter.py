@@ -47,6 +47,7 @@ from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.datapath.arrays import ocdbt_spec
+from ckptstore.datapath.packs import read_packed
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -58,7 +59,6 @@ from ckptstore.errors import (
 from ckptstore.format import chunks, layout
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
-from ckptstore.format.packs import read_packed
 from ckptstore.orbax.inspect import read_all
 from ckptstore.orbax.items import TREE_METADATA
 from ckptstore.orbax.keys import ARRAY_METADATAS

@@ -18,7 +18,7 @@ import contextvars
 import functools
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import tensorstore as ts
@@ -134,3 +134,18 @@ def wait_here(futures: Sequence[ts.Future[Any]], limit: float | None = None) -> 
     if error is not None:
         raise error
     return results
+
+
+async def gather_first_error(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Run awaitables concurrently; on the first failure cancel the rest and raise that failure.
+
+    (`asyncio.gather` alone would let the others run on, e.g. keep uploading
+    parts of an upload that is being aborted.)
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.backends._errors import gather_first_error
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint.cleanup import deleted_by_user, remove_step, trim_step
 from ckptstore.checkpoint.commit import (
@@ -48,6 +47,7 @@ from ckptstore.errors import (
 from ckptstore.format import layout
 from ckptstore.runtime import distributed
 from ckptstore.runtime.bytebudget import ByteBudget
+from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.holders import make_durable
 from ckptstore.tiers.hostlocal import (

@@ -176,8 +176,8 @@ def test_a_replicated_leaf_is_one_piece_written_from_its_first_buffer() -> None:
 
 def _count_chunk_reads(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """Every chunk key the restore's readers fetch, counted (the real readers still read)."""
+    from ckptstore.datapath.ocdbt_index import DirectChunks
     from ckptstore.datapath.reads import KvChunks
-    from ckptstore.format.ocdbt_index import DirectChunks
 
     fetched: collections.Counter[str] = collections.Counter()
     for cls in (KvChunks, DirectChunks):
@@ -269,8 +269,8 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
 
     from ckptstore.checkpoint.restore import item_dir
     from ckptstore.datapath.arrays import ocdbt_spec
+    from ckptstore.datapath.ocdbt_index import DirectChunks
     from ckptstore.datapath.reads import KvChunks
-    from ckptstore.format.ocdbt_index import DirectChunks
 
     tree = sharded_tree()
     await ckptstore.save(any_backend, tree, step=1)

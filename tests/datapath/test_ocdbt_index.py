@@ -11,7 +11,7 @@ import tensorstore as ts
 
 import ckptstore
 from ckptstore.backends.local import LocalBackend
-from ckptstore.format import ocdbt_index
+from ckptstore.datapath import ocdbt_index
 
 
 def _store(root: Path, **config: int) -> ts.KvStore:

@@ -1,4 +1,5 @@
-"""Packs (`ckptstore.format.packs`): many small leaves in one object, on every backend."""
+"""Packs (`ckptstore.format.packs`, written and read by `ckptstore.datapath.packs`): many small
+leaves in one object, on every backend."""
 
 from __future__ import annotations
 
@@ -14,18 +15,11 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
+from ckptstore.datapath.packs import check_packs, read_index, read_packed, write_index, write_pack
 from ckptstore.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo, describe_leaf
-from ckptstore.format.packs import (
-    PackRef,
-    check_packs,
-    entry_size,
-    read_index,
-    read_packed,
-    write_index,
-    write_pack,
-)
+from ckptstore.format.packs import PackRef, entry_size
 from ckptstore.runtime.hostpool import ALIGNMENT
 
 
@@ -240,7 +234,7 @@ async def test_a_saves_packs_are_encoded_one_at_a_time_in_order(
     import threading
     import time
 
-    from ckptstore.format import packs
+    from ckptstore.datapath import packs
 
     running, most, order = [0], [0], []
     lock = threading.Lock()
