@@ -77,11 +77,8 @@ _PUBLIC = {
     "ckptstore.checkpoint.parts": ("Part",),
     "ckptstore.checkpoint.save": ("SaveResult",),
     "ckptstore.checkpoint.verify": ("VerifyReport",),
-    "ckptstore.lifecycle.manager": (
-        "CheckpointManager",
-        "SaveHandle",
-        "SaveStats",
-    ),
+    "ckptstore.lifecycle.handles": ("SaveHandle", "SaveStats"),
+    "ckptstore.lifecycle.manager": ("CheckpointManager",),
     "ckptstore.lifecycle.options": ("ManagerOptions",),
     "ckptstore.lifecycle.orbaxcompat": ("StepMetadata",),
     "ckptstore.tiers.target": ("Tiered",),
@@ -124,7 +121,8 @@ if TYPE_CHECKING:
     from ckptstore.checkpoint.save import SaveResult
     from ckptstore.checkpoint.verify import VerifyReport
     from ckptstore.lifecycle import policies
-    from ckptstore.lifecycle.manager import CheckpointManager, SaveHandle, SaveStats
+    from ckptstore.lifecycle.handles import SaveHandle, SaveStats
+    from ckptstore.lifecycle.manager import CheckpointManager
     from ckptstore.lifecycle.options import ManagerOptions
     from ckptstore.lifecycle.orbaxcompat import StepMetadata
     from ckptstore.tiers.target import Tiered

@@ -7,6 +7,10 @@ policy), copies what the save writes into host memory (`Stager`), and returns a
 loop, and once the handle is done (the step is committed) the keep policy is applied
 there too, before the next save starts. One save is in flight at a time. A background failure is
 raised by `SaveHandle.wait` and, if nobody waited for it, by the next `save`.
+
+The class is this module and three mixins beside it, one concern each: `Retention`
+(promotion and the keep policy after each step), `Preemption` (SIGTERM and JAX's sync
+point) and `OrbaxCompat` (Orbax's method names, and Orbax roots read but never written).
 """
 
 from __future__ import annotations
@@ -15,20 +19,18 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import shlex
 import signal
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Coroutine, Generator, Mapping
-from dataclasses import dataclass
-from types import FrameType, TracebackType
+from collections.abc import Coroutine, Mapping
+from types import TracebackType
 from typing import Any, TypeVar
 
 import jax
 
-from ckptstore.api import delete_step, restore, save_items
+from ckptstore.api import restore, save_items
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import env_profile, load_profile, target_profile
 from ckptstore.checkpoint.cleanup import gc
@@ -38,87 +40,31 @@ from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import (
     BaseStepGoneError,
-    CheckpointNotFoundError,
     CkptStoreError,
     ConfigError,
-    CorruptCheckpointError,
-    UnsupportedOperationError,
 )
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.tree import flatten
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
+from ckptstore.lifecycle.handles import SaveHandle, SaveStats
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
+from ckptstore.lifecycle.preemption import Preemption
+from ckptstore.lifecycle.retention import Retention
 from ckptstore.lifecycle.staging import Staged, Stager
-from ckptstore.orbax import items as orbax_items
-from ckptstore.orbax import read as orbax
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
-from ckptstore.tiers.promote import promote
 from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
 
 
-@dataclass(frozen=True)
-class SaveStats:
-    """Where one save's time went, in seconds, and what it wrote (this process)."""
-
-    step: int
-    attempt: str
-    waited: float  # save() blocked on the previous save still in flight (if_busy="wait")
-    staging: float  # copying the state (on the devices or to the host): with ``waited``, the pause
-    write: float  # this process's shards to storage
-    merge: float  # process 0; 0 elsewhere
-    commit: float  # manifest and marker, process 0
-    durable: float  # from the call to save() until the step was committed
-    bytes: int  # payload of the whole step
-    bytes_written: int  # by this process
-    staged_bytes: int  # held for the save by this process: copies (device or host), or views
-    #: Incremental saves (``ManagerOptions(incremental=True)``): payload bytes not written
-    #: because ``base`` holds them, and the step the save referenced (None: a full save).
-    bytes_referenced: int = 0
-    base: int | None = None
-    #: How the state was staged ("device", "host" or "view": `ckptstore.lifecycle.staging`)
-    #: and why that way.
-    staging_mode: str = "host"
-    staging_reason: str = ""
-
-
-class SaveHandle:
-    """A save that has been staged; `wait` (or ``await``) until it is committed."""
-
-    def __init__(self, step: int, future: concurrent.futures.Future[SaveStats]) -> None:
-        self.step = step
-        self._future = future
-        self.observed = False  # whether someone saw its outcome (then the next save won't)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> SaveStats:
-        """Block until the step is committed; raises whatever the save raised."""
-        try:
-            return self._future.result(timeout)
-        finally:
-            if self._future.done():
-                self.observed = True
-
-    def __await__(self) -> Generator[Any, None, SaveStats]:
-        self.observed = True
-        return asyncio.wrap_future(self._future).__await__()
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "in flight"
-        return f"<SaveHandle step {self.step} {state}>"
-
-
-class CheckpointManager(OrbaxCompat):
+class CheckpointManager(OrbaxCompat, Retention, Preemption):
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
     ``target`` is anything `ckptstore.save` accepts (None: the profile
@@ -328,40 +274,6 @@ class CheckpointManager(OrbaxCompat):
                     same.setdefault(item, set()).add(name)
         return same, seen
 
-    def _refuse_orbax_root(self) -> None:
-        """`UnsupportedOperationError` on an Orbax root, before anything is written: its
-        steps and ours would then share step numbers, directories and listings (Orbax's
-        `all_steps` would show our step directories as its own, and ours its)."""
-        if self._read_only is not None:
-            raise UnsupportedOperationError(self._read_only)
-
-    async def _orbax_refusal(self) -> str:
-        """What `_refuse_orbax_root` says, with the way on for the latest Orbax step:
-        ``ckptstore import-orbax`` into a new root, which imports every item of the step
-        into one step (Orbax's names kept, its lone ``default`` tree as "state"), then a
-        manager there; with several items, how to restore them all."""
-        latest = self._orbax_steps[-1]
-        holder = self.backend
-        if self.durable is not None and not await orbax.is_finalized(holder, latest):
-            holder = self.durable
-        names = list(await orbax_items.item_kinds(holder, layout.step_dir(latest)))
-        said = (
-            f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
-            "manager restores its steps but does not save beside them"
-        )
-        how = (
-            f"import the latest step into a new root (`ckptstore import-orbax "
-            f"{shlex.quote(holder.url)} NEW_ROOT --step {latest}`) and point the manager there"
-        )
-        if len(names) <= 1:
-            return f"{said}. To resume in ckptstore format, {how}"
-        items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"
-        return (
-            f"{said}. To resume in ckptstore format, {how}: the import keeps every item of "
-            f"step {latest} ({names}) under its name in one step, and "
-            f"`mgr.restore({latest}, items={items})` there restores them all"
-        )
-
     async def _ensure_uncommitted(self, step: int) -> None:
         """`AlreadyExistsError` if ``step`` is committed on the target (tiered: on either
         tier; a step promoted and then dropped from the fast tier is committed too)."""
@@ -483,71 +395,6 @@ class CheckpointManager(OrbaxCompat):
             return dataclasses.replace(self.tiered, fast=self.backend, durable=self.durable)
         return self.backend
 
-    async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
-        """The step is promoted (tiered; every process takes part, see `tiers.promote`), then
-        process 0 applies the keep policy; every process waits until it has."""
-        if previous is not None:
-            await asyncio.wrap_future(previous)  # its failure is this one's too
-        if isinstance(on := self._target(), Tiered):
-            try:
-                await promote(on, step, timeout=self.options.timeout)
-            except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`): nothing to do
-                log.info("ckptstore: step %d was deleted before its promotion", step)
-        handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
-        seconds = await handoff.primary(self._apply_keep_policy)
-        log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
-
-    async def _resume(self) -> None:
-        """On tiers, at start: finish what a predecessor left behind, in the background (its
-        error surfaces like a keep policy's): promote every step the durable tier lacks,
-        then apply the keep policy to both tiers."""
-        done = await promote(self._target(), timeout=self.options.timeout)
-        self.resumed_promotions = [p.step for p in done if not p.already]
-        if self.resumed_promotions:
-            log.info(
-                "ckptstore: promoted steps %s that an earlier run left on the fast tier only",
-                self.resumed_promotions,
-            )
-        await Handoff("manager/keep/resume", self.options.timeout).primary(self._apply_keep_policy)
-
-    async def _apply_keep_policy(self) -> float:
-        """Keep policy over the durable tier's steps (tiered) or the target's; a dropped step
-        goes from every tier."""
-        start = time.perf_counter()
-        records = await self._step_records()
-        if not records:
-            return 0.0
-        keep = self.keep_policy.keep(records, time.time())
-        keep.add(max(r.step for r in records))  # never the latest committed step
-        # On tiers, the one tier-aware delete: the fast tier first, leaving the deletion
-        # record that stops a promotion in flight in any process (`promote_step`).
-        target = self._target()
-        for record in records:
-            if record.step not in keep:
-                try:
-                    await delete_step(target, record.step)
-                except CheckpointNotFoundError:  # its goal holds: another deleter was first
-                    log.info("ckptstore: step %d was already deleted", record.step)
-                self._records.pop(record.step, None)
-        return time.perf_counter() - start
-
-    async def _step_records(self) -> list[P.StepRecord]:
-        """Every committed step with its time and metrics (manifests read once, cached)."""
-        backend = self.durable or self.backend
-        steps = await committed_steps(backend)
-        for step in steps:
-            if step not in self._records:
-                try:
-                    manifest = await load_committed(backend, step)
-                except CorruptCheckpointError as exc:  # never deleted on a guess
-                    log.warning("ckptstore: step %d is unreadable, kept: %s", step, exc)
-                    continue
-                metrics = manifest.metadata.get("metrics", {})
-                self._records[step] = P.StepRecord(
-                    step, manifest.created, metrics if isinstance(metrics, dict) else {}
-                )
-        return [self._records[s] for s in steps if s in self._records]
-
     def wait_until_finished(self) -> None:
         """Block until the save in flight (if any) is committed and the keep policy applied;
         raises what either raised."""
@@ -566,51 +413,10 @@ class CheckpointManager(OrbaxCompat):
                 self._inflight.wait()
         self._raise_retention_error()
 
-    def _raise_retention_error(self) -> None:
-        """The keep policy's (or a promotion's) failure, once, if it is over and failed."""
-        retention = self._retention
-        if retention is not None and retention.done() and retention.exception() is not None:
-            self._retention = None
-            retention.result()
-
     def _raise_unobserved(self) -> None:
         handle = self._inflight
         if handle is not None and handle.done() and not handle.observed:
             handle.wait()  # raises the failure, once
-
-    # ---- preemption ----
-
-    @property
-    def preempted(self) -> bool:
-        """Whether the job is being preempted, so the loop should stop once this step is
-        saved: this process got SIGTERM (one process), or every process reached JAX's
-        preemption sync point at the same step (several; `save` must then be called at
-        every step, as the sync point is one step that every process must pass through)."""
-        return self._preempted.is_set()
-
-    def _check_preemption(self, step: int) -> bool:
-        if self._count > 1 and not self._preempted.is_set():
-            # SIGTERM on any process reaches every process through JAX's coordination
-            # service, which names one step (the largest any process had reached, plus
-            # one) that all of them then save: a process's own signal is not enough.
-            if _reached_preemption_sync_point(step):
-                log.warning("ckptstore: preemption: every process saves step %d", step)
-                self._preempted.set()
-        return self._preempted.is_set()
-
-    def _install_sigterm(self) -> None:
-        if self._count > 1:
-            return  # JAX's preemption service owns SIGTERM in multi-process jobs
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("ckptstore: SIGTERM not handled: the manager is not on the main thread")
-            return
-
-        def on_sigterm(signum: int, frame: FrameType | None) -> None:
-            self._preempted.set()
-            if callable(self._previous_handler):
-                self._previous_handler(signum, frame)
-
-        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
 
     # ---- reading ----
 
@@ -631,13 +437,6 @@ class CheckpointManager(OrbaxCompat):
         if self.durable is not None:
             steps |= set(await committed_steps(self.durable))
         return sorted(steps)
-
-    async def _find_orbax_steps(self) -> list[int]:
-        """Finalized Orbax steps on the target (either tier), ascending."""
-        found = await asyncio.gather(
-            *(orbax.finalized_steps(b) for b in (self.backend, self.durable) if b is not None)
-        )
-        return sorted(set().union(*found))
 
     def _restore(self, step: int | None, like: Any, **kwargs: Any) -> Any:
         """From the target, or from the nearest tier with a good copy."""
@@ -757,24 +556,6 @@ class CheckpointManager(OrbaxCompat):
         """Run ``coro`` on the background loop and wait for it (Ctrl-C cancels it and
         waits until it stopped, as in the `_sync` twins)."""
         return run(coro)
-
-
-_warned_no_preemption_service = False
-
-
-def _reached_preemption_sync_point(step: int) -> bool:
-    """JAX's multi-host preemption sync point; False (with a warning, once) where the job
-    runs without JAX's preemption service."""
-    global _warned_no_preemption_service
-    from jax.experimental import multihost_utils
-
-    try:
-        return bool(multihost_utils.reached_preemption_sync_point(step))
-    except RuntimeError as exc:  # jax_enable_preemption_service is off
-        if not _warned_no_preemption_service:
-            _warned_no_preemption_service = True
-            log.warning("ckptstore: no preemption handling across processes: %s", exc)
-        return False
 
 
 def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[str, Any]:

@@ -1,13 +1,18 @@
-"""The methods an Orbax `CheckpointManager` user reaches for, with Orbax 0.12's meanings, on
-ckptstore's `CheckpointManager` (which inherits `OrbaxCompat`): `best_step`, `should_save`,
-`delete`, `reload`, `metadata`, `item_metadata`, `directory`, `is_saving_in_progress` and
-`check_for_errors`. Each is a thin layer over what the manager and `ckptstore.api` do
-already; docs/migrating-from-orbax.md maps one API onto the other.
+"""Orbax on ckptstore's `CheckpointManager` (which inherits `OrbaxCompat`).
+
+- The methods an Orbax `CheckpointManager` user reaches for, with Orbax 0.12's meanings:
+  `best_step`, `should_save`, `delete`, `reload`, `metadata`, `item_metadata`, `directory`,
+  `is_saving_in_progress` and `check_for_errors`. Each is a thin layer over what the manager
+  and `ckptstore.api` do already; docs/migrating-from-orbax.md maps one API onto the other.
+- A manager on an Orbax root reads its steps but refuses to save beside them, saying at
+  construction how to move the run (`_orbax_refusal`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import shlex
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +27,13 @@ from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import rebuild
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
+from ckptstore.orbax import items as orbax_items
+from ckptstore.orbax import read as orbax
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.target import Tiered
 
 if TYPE_CHECKING:
-    from ckptstore.lifecycle.manager import SaveHandle
+    from ckptstore.lifecycle.handles import SaveHandle
 
 T = TypeVar("T")
 
@@ -68,11 +75,8 @@ class OrbaxCompat:
         def latest_step(self) -> int | None: ...
         def _target(self) -> Backend | Tiered: ...
         async def _committed_steps(self) -> list[int]: ...
-        async def _find_orbax_steps(self) -> list[int]: ...
-        async def _orbax_refusal(self) -> str: ...
         async def _step_records(self) -> list[P.StepRecord]: ...
         def _policy_says(self, step: int, force: bool) -> tuple[bool, bool]: ...
-        def _refuse_orbax_root(self) -> None: ...
         def _raise_unobserved(self) -> None: ...
         def _raise_retention_error(self) -> None: ...
 
@@ -191,6 +195,49 @@ class OrbaxCompat:
         that nobody has seen yet, once, without waiting for anything still running."""
         self._raise_unobserved()
         self._raise_retention_error()
+
+    # ---- an Orbax root: read, never written ----
+
+    def _refuse_orbax_root(self) -> None:
+        """`UnsupportedOperationError` on an Orbax root, before anything is written: its
+        steps and ours would then share step numbers, directories and listings (Orbax's
+        `all_steps` would show our step directories as its own, and ours its)."""
+        if self._read_only is not None:
+            raise UnsupportedOperationError(self._read_only)
+
+    async def _orbax_refusal(self) -> str:
+        """What `_refuse_orbax_root` says, with the way on for the latest Orbax step:
+        ``ckptstore import-orbax`` into a new root, which imports every item of the step
+        into one step (Orbax's names kept, its lone ``default`` tree as "state"), then a
+        manager there; with several items, how to restore them all."""
+        latest = self._orbax_steps[-1]
+        holder = self.backend
+        if self.durable is not None and not await orbax.is_finalized(holder, latest):
+            holder = self.durable
+        names = list(await orbax_items.item_kinds(holder, layout.step_dir(latest)))
+        said = (
+            f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
+            "manager restores its steps but does not save beside them"
+        )
+        how = (
+            f"import the latest step into a new root (`ckptstore import-orbax "
+            f"{shlex.quote(holder.url)} NEW_ROOT --step {latest}`) and point the manager there"
+        )
+        if len(names) <= 1:
+            return f"{said}. To resume in ckptstore format, {how}"
+        items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"
+        return (
+            f"{said}. To resume in ckptstore format, {how}: the import keeps every item of "
+            f"step {latest} ({names}) under its name in one step, and "
+            f"`mgr.restore({latest}, items={items})` there restores them all"
+        )
+
+    async def _find_orbax_steps(self) -> list[int]:
+        """Finalized Orbax steps on the target (either tier), ascending."""
+        found = await asyncio.gather(
+            *(orbax.finalized_steps(b) for b in (self.backend, self.durable) if b is not None)
+        )
+        return sorted(set().union(*found))
 
 
 def _keep_best(policy: P.KeepPolicy) -> P.KeepBest | None:
