@@ -729,10 +729,12 @@ def to_json(args: argparse.Namespace, r: dict[str, Any], rows: list[Any], scratc
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trees", default="a,b,c,d", help="trees to run (default a,b,c,d)")
-    p.add_argument("--scale", type=float, default=1.0, help="tree size factor (default 1)")
+    p.add_argument("--scale", type=float, help="tree size factor (default 1; 1/16 with --quick)")
     p.add_argument("--reps", type=int, default=5, help="repetitions (default 5)")
     p.add_argument(
-        "--quick", action="store_true", help="smoke run: 1/16 size, 2 reps, 16 stores merged"
+        "--quick",
+        action="store_true",
+        help="smoke run: 1/16 size (or --scale), 2 reps, 16 stores merged",
     )
     p.add_argument("--memory-reps", type=int, help="fresh-process saves (default min(reps, 3))")
     p.add_argument("--merge-stores", type=int, default=64, help="stores merged (default 64)")
@@ -758,9 +760,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.trees:
         p.error(f"unknown trees {unknown}; choose from {sorted(TREES)}")
     if args.quick:
-        args.scale, args.reps, args.merge_stores, args.merge_store_mib = 1 / 16, 2, 16, 1
+        args.reps, args.merge_stores, args.merge_store_mib = 2, 16, 1
+        args.scale = 1 / 16 if args.scale is None else args.scale
         args.reclaim_wait = 0.1
         args.memory_reps = 1 if args.memory_reps is None else args.memory_reps
+    if args.scale is None:
+        args.scale = 1.0
     if args.memory_reps is None:
         args.memory_reps = min(args.reps, 3)
     if min(args.reps, args.merge_stores, args.merge_store_mib) < 1 or args.memory_reps < 0:

@@ -30,7 +30,9 @@ from tests.paths import committed_root, largest_data_file
 
 DURABLE = ["s3", "gcs"]
 #: SIGKILLs of the promoter per durable backend (CKPTSTORE_PROMOTE_KILLS=50 for the long run).
-KILLS = int(os.environ.get("CKPTSTORE_PROMOTE_KILLS", "6"))
+#: 3 here: with the seeded choices each backend's include a kill at the last object left
+#: and kills of resumed promotions (6 before; the later ones repeated early kills).
+KILLS = int(os.environ.get("CKPTSTORE_PROMOTE_KILLS", "3"))
 
 
 def tree(step: int) -> dict[str, Any]:
