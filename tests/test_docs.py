@@ -172,3 +172,133 @@ def test_migrating_from_orbax_table_names_real_api() -> None:
     wanted = {"best_step", "should_save", "delete", "reload", "metadata", "item_metadata"}
     wanted |= {"directory", "is_saving_in_progress", "check_for_errors", "metrics"}
     assert wanted <= mapped, sorted(wanted - mapped)
+
+
+# Every name of ours the docs give in backticks exists: `ckptstore.X`, a dotted name below
+# the package as the docs write it (`checkpoint.save.prepare`, `runtime/hostpool.py`,
+# `tiers/status.status`), a class of ours and its attributes (`Stager.warm`), and a path
+# in the repository (`benchmarks/scale.py`, `tests/campaigns/test_torture.py::test_name`).
+PACKAGE = Path(ckptstore.__file__).resolve().parent
+REPO = DOCS.parent
+TOP = {  # the first component a name of ours starts with
+    p.stem
+    for p in PACKAGE.iterdir()
+    if (p / "__init__.py").exists() or (p.suffix == ".py" and not p.name.startswith("_"))
+} | {"ckptstore"}
+IN_REPO = ("benchmarks", "tests", "docs", "demo", "backends")  # folders at the root
+FILES = (".py", ".md", ".toml", ".json", ".png", ".txt")
+NOT_CODE = {"ckptstore.aws"}  # a logger's name (backends/sdklog.py)
+NAME = re.compile(r"(?<![\w.\-/])([A-Za-z_]\w*(?:(?:\.|/|::)[\w*<>\-]*)+)")
+
+
+def our_classes() -> dict[str, str]:
+    """Each class name defined in exactly one module of the package -> that module."""
+    import ast
+
+    where: dict[str, list[str]] = {}
+    for file in PACKAGE.rglob("*.py"):
+        module = ".".join(file.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module.removesuffix(".__init__"))
+    return {name: modules[0] for name, modules in where.items() if len(modules) == 1}
+
+
+CLASSES = our_classes()
+
+
+def names_in(text: str) -> list[str]:
+    """The names of ours in ``text``: inline code spans; in fenced blocks, repository paths
+    and, in Python ones, ``ckptstore.X`` and ``from ckptstore.x import a, b``."""
+    found: list[str] = []
+    for lang, block in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
+        found += re.findall(r"(?<![\w.\-/])((?:benchmarks|tests|docs)/[\w/.\-*]+)", block)
+        if lang == "python":
+            found += re.findall(r"(?<![\w.])(ckptstore(?:\.\w+)+)", block)
+            for module, imported in re.findall(r"from (ckptstore[\w.]*) import ([\w, ]+)", block):
+                found += [f"{module}.{n.split(' as ')[0].strip()}" for n in imported.split(",")]
+    inline = re.sub(r"```.*?```", "", text, flags=re.S)
+    ours = TOP | set(IN_REPO) | set(CLASSES)
+    for span in re.findall(r"`([^`]+)`", inline):
+        found += [n for n in NAME.findall(span) if re.split(r"[./:]", n)[0] in ours]
+    return [n.rstrip(".,:") for n in found if "<" not in n and n not in NOT_CODE]
+
+
+def has(obj: object, attr: str) -> bool:
+    """``obj.attr`` exists, a class's fields without a default included."""
+    fields = {a for c in getattr(obj, "__mro__", ()) for a in getattr(c, "__annotations__", {})}
+    return hasattr(obj, attr) or attr in fields
+
+
+def exists(name: str) -> bool:
+    """Whether ``name`` is a file of the repository or the package, or a module, class,
+    function or attribute of the package."""
+    import importlib
+
+    name, _, test = name.partition("::")
+    if name.endswith("/") or name.endswith(FILES):
+        for base in (REPO, PACKAGE):
+            found = list(base.glob(name)) if "*" in name else [base / name]
+            if found and found[0].exists():
+                return not test or f"def {test}(" in found[0].read_text()
+        return False
+    path, _, attrs = name.partition(".") if "/" in name else ("", "", name)
+    parts = [*path.split("/"), *attrs.split(".")] if path else attrs.split(".")
+    if parts[0] in IN_REPO and parts[0] not in TOP:  # a module run as `python -m tests.x`
+        return (REPO.joinpath(*parts[:-1]) / f"{parts[-1]}.py").exists()
+    if parts[0] in CLASSES and parts[0] not in TOP:  # `Class.attr`
+        parts = [*CLASSES[parts[0]].split("."), *parts]
+    parts = parts[1:] if parts[0] == "ckptstore" else parts
+    for i in range(len(parts), -1, -1):
+        module = ".".join(["ckptstore", *parts[:i]])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if not f"{module}.".startswith(f"{e.name}."):
+                raise  # a module that is there failed to import
+            continue
+        for attr in parts[i:]:
+            if not has(obj, attr):
+                return False
+            obj = getattr(obj, attr, None)
+        return True
+    return False
+
+
+def test_names_in_the_docs_exist() -> None:
+    docs = [*sorted(DOCS.glob("*.md")), REPO / "README.md"]
+    named = {(doc.name, n) for doc in docs for n in names_in(doc.read_text())}
+    assert len(named) > 250  # the docs name a lot; none of it is missed silently
+    broken = sorted(f"{doc}: `{n}`" for doc, n in named if not exists(n))
+    assert not broken, "\n".join(broken)
+    # ...and a name that is not there is found
+    for made_up in ("ckptstore.no_such", "checkpoint.save.NoSuch", "tiers/nosuch.py"):
+        assert not exists(made_up), made_up
+    assert not exists("Stager.no_such") and not exists("benchmarks/no*.py")
+    assert not exists("tests/test_docs.py::test_no_such")
+    text = "`runtime/hostpool.release_deferred`, `SaveStats.base`, not `jax.device_get`"
+    assert names_in(text) == ["runtime/hostpool.release_deferred", "SaveStats.base"]
+
+
+def test_layers_name_every_module() -> None:
+    """The tree in architecture.md's "Layers" names each folder's modules, and no other,
+    and counts them right."""
+    text = (DOCS / "architecture.md").read_text()
+    (tree,) = re.findall(r"## Layers\n.*?```\n(.*?)```", text, re.S)
+    counted: dict[str, int] = {}
+    named: dict[str, set[str]] = {}
+    folder = ""
+    for line in tree.splitlines():
+        counted |= {f: int(n) for f, n in re.findall(r"(?<![\w/.])(\w+)/ \[(\d+)\]", line)}
+        head = re.match(r" {0,31}(\w+)/(?: \[\d+\])?|(\S+\.py) ", line)
+        if head:  # a folder's row, or a module of the package's own
+            folder, line = head[1] or "", line[head.end() :]
+        named.setdefault(folder, set()).update(re.findall(r"(?<![\w/.])(\w+\.py)\b", line))
+    assert set(counted) <= set(named) and len(named) > 10
+    for folder, names in named.items():
+        modules = {p.name for p in (PACKAGE / folder).glob("*.py")}
+        assert names <= modules, (folder, names - modules)
+        if folder:
+            assert modules - names <= {"__init__.py", "__main__.py"}, (folder, modules - names)
+        mine = {m for m in modules if m != "__init__.py"}
+        assert counted.get(folder, len(mine)) == len(mine), (folder, counted[folder], mine)

@@ -13,7 +13,7 @@ returns, so every piece a save will write is copied first. Three ways:
   host memory (as `HostShards`), into buffers kept from one save to the next (same leaf,
   same shard shape and dtype), so a steady-state save touches no new pages. Large
   copies run on a few threads (numpy releases the GIL while copying). The copy is done
-  when `stage` returns. This is the way on accelerators.
+  when `stage` returns. The way on accelerators without room for a device copy.
 - "view": where device memory is host memory (CPU devices), `stage` only takes zero-copy
   numpy views of the arrays' own buffers, and the save writes straight from them; the
   views are dropped when the save is done. While a view lives its buffer is never reused:
@@ -21,8 +21,6 @@ returns, so every piece a save will write is copied first. Three ways:
   when the view is gone (tests/lifecycle/test_manager.py proves both with buffers whose memory is
   then handed out again). No copy at all: the save holds the state's own buffers, so the
   host never holds more than the state twice (the one being written and the loop's next).
-  An earlier version copied the views into the reused buffers on the save's thread; on
-  the training-loop benchmark that copy was 10-20% of a save's time to durable.
   "auto" picks this where every array is
   on CPU devices, else "device" where every device holding the state has room for a
   copy of its shards (`devicecopy.device_room`), else "host". Which one a save used,
