@@ -57,7 +57,7 @@ async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
                     **stored_bytes(m),
                     "references": sorted({int(r["step"]) for r in m.references}),
                     "created": m.created,
-                    "items": sorted(m.items),
+                    "items": m.item_names,  # array items and JSON items
                     "leaves": sum(len(i.leaves) for i in m.items.values()),
                 }
             )
@@ -228,6 +228,16 @@ def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
                 f"{human(leaf.nbytes):>10}  {_sharding_text(leaf.sharding)}{held}"
             )
+    for name, json_item in sorted(manifest.json_items.items()):
+        kind = f" ({json_item.type})" if json_item.type else ""
+        print(f"item {name!r}: JSON{kind}")
+        print(f"  {_json_text(json_item.value)}")
+
+
+def _json_text(value: Any, limit: int = 200) -> str:
+    """A JSON item's value on one line, cut at ``limit`` characters."""
+    text = json.dumps(value, separators=(", ", ": "), sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 async def cmd_info(target: Backend | Tiered, step: int | None, as_json: bool) -> int:

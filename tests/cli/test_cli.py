@@ -59,6 +59,28 @@ def test_info(root: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert json.loads(capsys.readouterr().out)["step"] == 9
 
 
+def test_ls_and_info_show_a_steps_json_items(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A configuration saved beside the arrays is an item of the step as much as they are."""
+    root = str(tmp_path / "ckpt")
+    config = {"lr": 0.001, "schedule": "cosine", "layers": [4, 8]}
+    with ckptstore.CheckpointManager(
+        root, options=ckptstore.ManagerOptions(handle_sigterm=False)
+    ) as mgr:
+        handle = mgr.save(3, items={"state": {"w": np.ones(4)}, "config": config}, force=True)
+        assert handle is not None
+        handle.wait()
+    assert main(["ls", root]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[-1] == "config,state"
+    assert main(["ls", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["items"] == ["config", "state"]
+    assert main(["info", root, "--step", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("item 'config': JSON")
+    assert json.loads(out[at + 1]) == config
+
+
 def test_verify_catches_corruption(root: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", root, "--step", "9"]) == 0
     assert "step 9: intact; 1 leaf, 4.0 KiB read" in capsys.readouterr().out
