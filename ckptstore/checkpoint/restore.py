@@ -143,8 +143,8 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
             backend=backend.url,
         )
     saved = manifest.items[item]
-    home = item_dir(manifest, item)  # most leaves' directory: worked out once, not per leaf
-    where = {n: leaf_dir(manifest, item, n) if n in saved.refs else home for n in saved.leaves}
+    home = manifest.item_dir(item)  # most leaves' directory: worked out once, not per leaf
+    where = {n: manifest.leaf_dir(item, n) if n in saved.refs else home for n in saved.leaves}
     # An incremental step's leaves can lie in several attempts: their stores (each an
     # index to load) are opened together, not one after another.
     prefixes = list(dict.fromkeys(where.values()))
@@ -243,19 +243,3 @@ async def direct_chunks(backend: Backend, prefix: str) -> Chunks | None:
     base = await within(opening, ctx, 0, f"opening {prefix!r}")
     index = await ocdbt_index.load(base)
     return None if index is None else ocdbt_index.DirectChunks(backend, prefix, index)
-
-
-def item_dir(manifest: Manifest, item: str) -> str:
-    """The directory of one item (its merged store, process stores and packs) in the
-    attempt ``manifest`` describes."""
-    return layout.AttemptDir(manifest.step, manifest.attempt).item(item)
-
-
-def leaf_dir(manifest: Manifest, item: str, leaf: str) -> str:
-    """The item directory holding ``leaf``'s bytes: the attempt's own, or (a reference of
-    an incremental save) the same item of the attempt the manifest names for it."""
-    k = manifest.items[item].refs.get(leaf)
-    if k is None:
-        return item_dir(manifest, item)
-    holder = manifest.references[k]
-    return layout.AttemptDir(int(holder["step"]), str(holder["attempt"])).item(item)

@@ -27,7 +27,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint.commit import load_committed, resolve_step
 from ckptstore.checkpoint.merge import validate
-from ckptstore.checkpoint.restore import direct_chunks, item_dir, leaf_dir
+from ckptstore.checkpoint.restore import direct_chunks
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.packs import read_packed
@@ -171,11 +171,11 @@ async def _verify_item(
     item = manifest.items[name]
     groups: dict[str, list[LeafInfo]] = {}  # per directory holding them (incremental saves)
     for info in item.leaves.values():
-        groups.setdefault(leaf_dir(manifest, name, info.name), []).append(info)
+        groups.setdefault(manifest.leaf_dir(name, info.name), []).append(info)
     for prefix, infos in groups.items():
         if roots is not None and not any(prefix.startswith(r) for r in roots):
             continue  # held by an attempt not asked for
-        shown = name if prefix == item_dir(manifest, name) else prefix
+        shown = name if prefix == manifest.item_dir(name) else prefix
         await _verify_leaves(backend, item, prefix, shown, infos, report, budget, checked)
         report.leaves += len(infos)
 

@@ -95,6 +95,20 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(item.nbytes for item in self.items.values())
 
+    def item_dir(self, item: str) -> str:
+        """The directory of ``item`` (its merged store, process stores and packs) in this
+        manifest's attempt."""
+        return layout.AttemptDir(self.step, self.attempt).item(item)
+
+    def leaf_dir(self, item: str, leaf: str) -> str:
+        """The item directory holding ``leaf``'s bytes: this attempt's own, or (a reference
+        of an incremental save) the same item of the attempt the references name for it."""
+        k = self.items[item].refs.get(leaf)
+        if k is None:
+            return self.item_dir(item)
+        holder = self.references[k]
+        return layout.AttemptDir(int(holder["step"]), str(holder["attempt"])).item(item)
+
     def to_bytes(self) -> bytes:
         with gc_paused():  # one object per field of thousands of leaves: see `gcpause`
             return json.dumps(self._doc(), separators=(",", ":")).encode()  # C encoder

@@ -267,7 +267,6 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
 
     import tensorstore as ts
 
-    from ckptstore.checkpoint.restore import item_dir
     from ckptstore.datapath.arrays import ocdbt_spec
     from ckptstore.datapath.ocdbt_index import DirectChunks
     from ckptstore.datapath.reads import KvChunks
@@ -291,7 +290,7 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
     assert [set(batch) & alone for batch in batches] == [alone], batches
 
     manifest = await ckptstore.read_manifest(any_backend, 1)
-    store = ocdbt_spec(any_backend.kvstore_spec(item_dir(manifest, "state")))
+    store = ocdbt_spec(any_backend.kvstore_spec(manifest.item_dir("state")))
     kv = await ts.KvStore.open(store, context=any_backend.ts_context)
     meta = json.loads((await kv.read("w/zarr.json")).value)
     await kv.write("w/zarr.json", json.dumps(meta, indent=2).encode())

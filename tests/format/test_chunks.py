@@ -127,12 +127,11 @@ async def test_saved_small_leaves_read_back_through_tensorstore(tmp_path: Any) -
     written = await save_as_raw_keys(str(tmp_path), tree)
     manifest = await ckptstore.read_manifest(str(tmp_path), 1)
     from ckptstore.backends.registry import open_backend
-    from ckptstore.checkpoint.restore import item_dir
     from ckptstore.datapath.arrays import ocdbt_spec
 
     backend = open_backend(str(tmp_path))
     try:
-        store = ocdbt_spec(backend.kvstore_spec(item_dir(manifest, "state")))
+        store = ocdbt_spec(backend.kvstore_spec(manifest.item_dir("state")))
         for name, info in manifest.items["state"].leaves.items():
             arr = await open_leaf(store, backend.ts_context, info)  # TensorStore's own reader
             dtype, index = name.split("/")
@@ -250,7 +249,6 @@ async def test_an_unusual_small_leaf_is_read_by_tensorstore_and_damage_is_named(
     import json
 
     from ckptstore.backends.registry import open_backend
-    from ckptstore.checkpoint.restore import item_dir
     from ckptstore.datapath.arrays import ocdbt_spec
 
     tree = _mixed_tree()
@@ -258,7 +256,7 @@ async def test_an_unusual_small_leaf_is_read_by_tensorstore_and_damage_is_named(
     manifest = await ckptstore.read_manifest(str(tmp_path), 1)
     backend = open_backend(str(tmp_path))
     try:
-        kv = await ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(item_dir(manifest, "state"))))
+        kv = await ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(manifest.item_dir("state"))))
         meta = json.loads((await kv.read("small/3/zarr.json")).value)
         await kv.write("small/3/zarr.json", json.dumps(meta, indent=2).encode())
         got = await ckptstore.restore(str(tmp_path), 1)
