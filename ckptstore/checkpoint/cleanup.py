@@ -232,7 +232,7 @@ async def _referenced(
                 raise
             continue
         for ref in manifest.references:
-            out.add((int(ref["step"]), str(ref["attempt"])))
+            out.add((ref.step, ref.attempt))
     return out | await _in_flight(backend, seen)
 
 
@@ -275,7 +275,7 @@ async def _in_flight(backend: Backend, seen: set[tuple[int, str]]) -> set[tuple[
             except CorruptCheckpointError:
                 continue  # a save writes none a reader refuses: nothing will read it
             for ref in manifest.references:
-                out.add((int(ref["step"]), str(ref["attempt"])))
+                out.add((ref.step, ref.attempt))
     return out
 
 

@@ -37,7 +37,6 @@ import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.errors import (
@@ -51,7 +50,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.layout import AttemptDir
-from ckptstore.format.manifest import Manifest
+from ckptstore.format.manifest import Manifest, Reference
 
 
 def digest(data: bytes) -> str:
@@ -403,13 +402,13 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
     return dataclasses.replace(marker, index=index)
 
 
-async def check_base(backend: Backend, base: dict[str, Any]) -> None:
+async def check_base(backend: Backend, base: Reference) -> None:
     """`BaseStepGoneError` unless the base an incremental save names is still committed:
     no ``DELETED`` record in its attempt (read first), then its step's marker still naming
     it. Called after the referencing manifest is written and before its marker: a
     deletion that had not begun by the first read sees that manifest when it looks for
     references, so it keeps what the manifest references (docs/incremental.md)."""
-    where = AttemptDir(int(base["step"]), str(base["attempt"]))
+    where = base.dir
     if await backend.exists(where.deleted):
         raise BaseStepGoneError(
             f"base step {where.step} was deleted while this save referenced it; not committed",

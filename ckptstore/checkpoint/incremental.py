@@ -28,7 +28,7 @@ from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError, CkptSto
 from ckptstore.format import layout
 from ckptstore.format.digests import ALGORITHM, PieceTable, check_table, matches, piece_table
 from ckptstore.format.leaves import LeafInfo, dtype_of
-from ckptstore.format.manifest import Manifest
+from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import PackRef
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
@@ -44,9 +44,14 @@ class Base:
     manifest: Manifest
 
     @property
-    def ref(self) -> dict[str, Any]:
+    def ref(self) -> Reference:
         """The base as a manifest's ``base`` field names it."""
-        return {"step": self.manifest.step, "attempt": self.manifest.attempt}
+        if self.manifest.attempt is None:  # `table` refuses it: `save` references nothing
+            raise BaseStepGoneError(
+                f"base step {self.manifest.step} is a format-version-1 checkpoint (no "
+                "attempt to reference); nothing was written"
+            )
+        return Reference(self.manifest.step, self.manifest.attempt)
 
     def table(self, item: str, info: LeafInfo) -> PieceTable | None:
         """The base's piece digests of ``info``'s leaf, if it stored that leaf in the same
@@ -63,11 +68,11 @@ class Base:
             return None
         return saved.digests.get(info.name)
 
-    def holder(self, item: str, leaf: str) -> dict[str, Any]:
+    def holder(self, item: str, leaf: str) -> Reference:
         """The attempt holding the bytes of ``leaf`` as the base stored it."""
         saved = self.manifest.items[item]
         k = saved.refs.get(leaf)
-        return dict(self.manifest.references[k]) if k is not None else self.ref
+        return self.manifest.references[k] if k is not None else self.ref
 
     def packed(self, item: str, leaf: str) -> PackRef | None:
         """Where in its holder's item the leaf is packed, if it is."""
@@ -195,13 +200,12 @@ async def unchanged(
 class References:
     """The attempts a new manifest references, in order (`Manifest.references`)."""
 
-    holders: list[dict[str, Any]]
+    holders: list[Reference]
 
-    def index(self, holder: dict[str, Any]) -> int:
-        key = {"step": int(holder["step"]), "attempt": str(holder["attempt"])}
-        if key not in self.holders:
-            self.holders.append(key)
-        return self.holders.index(key)
+    def index(self, holder: Reference) -> int:
+        if holder not in self.holders:
+            self.holders.append(holder)
+        return self.holders.index(holder)
 
 
 async def write_digests(backend: Backend, store: str, digests: dict[str, PieceTable]) -> int:

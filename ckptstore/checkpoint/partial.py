@@ -88,7 +88,7 @@ from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem, as_json_item
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.format.manifest import Manifest
+from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import check_structure
 from ckptstore.runtime import distributed
@@ -114,8 +114,8 @@ class PartialSave:
         self._done = ""  # "finalized" or "abandoned" once the session is over
         self._owner = new_owner()  # this session object's name in the attempt's fate record
         self._ending = ""  # "finalize" or "abandon" while one runs: the other is refused
-        #: The session's base step as ``{"step", "attempt"}`` (None: not incremental).
-        self.base: dict[str, Any] | None = None
+        #: The session's base step (None: not incremental).
+        self.base: Reference | None = None
 
     @property
     def attempt(self) -> str:
@@ -189,7 +189,7 @@ class PartialSave:
         handoff = Handoff(f"partial/{self.step}/open", self.timeout)
         chosen = json.loads(await handoff.agree(lambda: self._choose(resume, attempt, base)))
         self.where = AttemptDir(self.step, chosen["attempt"])
-        self.base = chosen["base"]
+        self.base = None if chosen["base"] is None else Reference.from_json(chosen["base"], "base")
         self.parts = await self._load_parts()
 
     async def _choose(self, resume: bool, attempt: str | None, base: int | None) -> str:
@@ -219,9 +219,9 @@ class PartialSave:
         fresh = layout.new_attempt()
         record = {"step": self.step, "attempt": fresh, "item": self.item, "created": time.time()}
         if based is not None:
-            record["base"] = based
+            record["base"] = based.to_json()
         await self.backend.create(AttemptDir(self.step, fresh).session, json.dumps(record).encode())
-        return json.dumps({"attempt": fresh, "base": based})
+        return json.dumps({"attempt": fresh, "base": None if based is None else based.to_json()})
 
     async def _undecided(self, attempt: str) -> bool:
         return await read_fate(self.backend, AttemptDir(self.step, attempt)) is None
@@ -305,9 +305,9 @@ class PartialSave:
         values = [value for _, value in prepared.named]
         same = Unchanged({item: set()}, {})
         if self.base is not None:  # every process: its pieces, then one agreement round
-            step, attempt = int(self.base["step"]), str(self.base["attempt"])
             pairs = {item: (infos, values)}
-            same = await unchanged(self.backend, step, pairs, handoff, attempt=attempt)
+            base = self.base
+            same = await unchanged(self.backend, base.step, pairs, handoff, attempt=base.attempt)
         held = same.leaves[item]
 
         async def name_part() -> str:
@@ -330,12 +330,11 @@ class PartialSave:
             return {**stats.to_json(), _DIGESTED: digested}
 
         await handoff.everyone(write_mine)
-        refs: dict[str, dict[str, Any]] = {}
+        refs: dict[str, Reference] = {}
         packed: dict[str, PackRef] = {}
         for leaf in sorted(held):  # always the holder of the bytes: no chains
             assert same.base is not None
-            holder = same.base.holder(item, leaf)
-            refs[leaf] = {"step": int(holder["step"]), "attempt": str(holder["attempt"])}
+            refs[leaf] = same.base.holder(item, leaf)
             if (ref := same.base.packed(item, leaf)) is not None:
                 packed[leaf] = ref
         part = Part(

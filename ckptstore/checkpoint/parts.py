@@ -21,7 +21,7 @@ from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.format.digests import PieceTable, check_table
 from ckptstore.format.layout import DEFAULT_ITEM, AttemptDir
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.format.manifest import ItemManifest, is_attempt_ref, parse_leaf
+from ckptstore.format.manifest import ItemManifest, Reference, is_attempt_ref, parse_leaf
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import check_leaf_paths, check_structure
 
@@ -40,8 +40,8 @@ class Part:
     replace: bool
     processes: list[dict[str, Any]]
     #: Leaves the part did not write because the session's base holds them: leaf -> the
-    #: attempt holding the bytes (``{"step", "attempt"}``).
-    refs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: attempt holding the bytes.
+    refs: dict[str, Reference] = field(default_factory=dict)
     #: Of those, the ones packed in their holder's item (`ckptstore.format.packs`).
     packed: dict[str, PackRef] = field(default_factory=dict)
     #: Every leaf's piece digests (absent in records written before digests were kept).
@@ -77,7 +77,7 @@ class Part:
                 "structure": self.structure,
                 "processes": self.processes,
                 "leaves": {n: info.to_json() for n, info in self.leaves.items()},
-                "refs": self.refs,
+                "refs": {n: ref.to_json() for n, ref in self.refs.items()},
                 "packed": {n: ref.to_json() for n, ref in self.packed.items()},
                 "digests": self.digests,
             }
@@ -116,7 +116,7 @@ class Part:
                 structure=doc["structure"],
                 replace=bool(doc["replace"]),
                 processes=processes,
-                refs={n: {"step": r["step"], "attempt": r["attempt"]} for n, r in refs.items()},
+                refs={n: Reference.from_json(r) for n, r in refs.items()},
                 packed=packed,
                 digests=digests,
                 item=item,
@@ -137,7 +137,7 @@ class Joined:
     leaves: dict[str, LeafInfo]
 
     @property
-    def held(self) -> dict[str, dict[str, Any]]:
+    def held(self) -> dict[str, Reference]:
         """The leaves the step keeps by reference: leaf -> the attempt holding its bytes."""
         return {leaf: p.refs[leaf] for leaf, p in self.latest.items() if leaf in p.refs}
 
@@ -214,14 +214,15 @@ def session_base(record: dict[str, Any], where: AttemptDir, base: int | None) ->
         raise CorruptCheckpointError(
             f"unreadable session record {where.session}: bad base {str(based)[:80]}"
         )
-    had = None if based is None else based["step"]
+    ref = None if based is None else Reference.from_json(based, "base")
+    had = None if ref is None else ref.step
     if had != base:
         raise ConfigError(
             f"partial-save session {where.attempt} of step {where.step} was opened with "
             f"base={had}, not base={base}: open it with base={had}, or pass resume=False "
             "to start a new session"
         )
-    return {"attempt": where.attempt, "base": based}
+    return {"attempt": where.attempt, "base": None if ref is None else ref.to_json()}
 
 
 def created(record: dict[str, Any]) -> float:

@@ -139,7 +139,7 @@ async def verify_step(
     report.attempt = manifest.attempt
     if manifest.attempt is not None:
         roots = [layout.AttemptDir(step, manifest.attempt).root]
-        roots += [layout.AttemptDir(r["step"], r["attempt"]).root for r in manifest.references]
+        roots += [ref.dir.root for ref in manifest.references]
         for root in roots:  # the attempt, and those holding leaves it references
             for key in await backend.escapes(root):
                 report.problems[key] = "leads outside the checkpoint's root (a link): not read"

@@ -55,7 +55,7 @@ async def cmd_ls(backend: Backend, shown: str, as_json: bool) -> int:
                     "attempt": m.attempt,
                     "bytes": m.nbytes,
                     **stored_bytes(m),
-                    "references": sorted({int(r["step"]) for r in m.references}),
+                    "references": sorted({r.step for r in m.references}),
                     "created": m.created,
                     "items": m.item_names,  # array items and JSON items
                     "leaves": sum(len(i.leaves) for i in m.items.values()),
@@ -165,7 +165,7 @@ async def _referenced_by(backend: Backend, steps: list[int]) -> dict[tuple[int, 
         if isinstance(manifest, BaseException):
             continue
         for holder in manifest.references:
-            key = (int(holder["step"]), str(holder["attempt"]))
+            key = (holder.step, holder.attempt)
             if step not in out.setdefault(key, []):
                 out[key].append(step)
     return out
@@ -205,10 +205,10 @@ def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
     print(
         f"  written {human(stored['bytes_written'])}, "
         f"referenced {human(stored['bytes_referenced'])}"
-        + (f" (base step {manifest.base['step']})" if manifest.base else "")
+        + (f" (base step {manifest.base.step})" if manifest.base is not None else "")
     )
     for ref in manifest.references:
-        print(f"  references step {ref['step']}, attempt {ref['attempt']}")
+        print(f"  references step {ref.step}, attempt {ref.attempt}")
     if manifest.timings or after:
         phases = ", ".join(f"{k} {v:.3f} s" for k, v in {**manifest.timings, **after}.items())
         print(f"  timings: {phases}")
@@ -223,7 +223,7 @@ def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
         for leaf in sorted(item.leaves.values(), key=lambda i: i.name):
             shape = "x".join(map(str, leaf.shape)) or "scalar"
             k = item.refs.get(leaf.name)
-            held = "" if k is None else f"  (in step {manifest.references[k]['step']})"
+            held = "" if k is None else f"  (in step {manifest.references[k].step})"
             print(
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
                 f"{human(leaf.nbytes):>10}  {_sharding_text(leaf.sharding)}{held}"

@@ -32,6 +32,32 @@ MAX_RANK = 64
 IMPL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
+@dataclass(frozen=True)
+class Reference:
+    """Another attempt whose bytes some of a manifest's leaves are read from (an entry of
+    `Manifest.references`), or the committed step an incremental save named as its base
+    (`Manifest.base`). Stored as ``{"step": s, "attempt": a}``; hashable, so a set or a
+    dict key."""
+
+    step: int
+    attempt: str
+
+    @property
+    def dir(self) -> layout.AttemptDir:
+        """The attempt's directory."""
+        return layout.AttemptDir(self.step, self.attempt)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "attempt": self.attempt}
+
+    @classmethod
+    def from_json(cls, doc: Any, what: str = "reference") -> Reference:
+        """``doc`` as a reference (`is_attempt_ref`); ValueError naming it as ``what``
+        (``bad reference {...}``) if it is not one."""
+        _expect(is_attempt_ref(doc), f"bad {what} {str(doc)[:80]}")
+        return cls(doc["step"], doc["attempt"])
+
+
 @dataclass
 class ItemManifest:
     """One item (a saved tree) of a checkpoint."""
@@ -71,12 +97,12 @@ class Manifest:
     processes: list[dict[str, Any]] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)
-    #: Other attempts whose data this one references (``{"step": s, "attempt": a}``);
-    #: `delete_step` and `gc` keep them (see docs/incremental.md).
-    references: list[dict[str, Any]] = field(default_factory=list)
-    #: The committed step an incremental save named as its base (``{"step", "attempt"}``):
-    #: the commit checks it is still committed (`commit.check_base`). None otherwise.
-    base: dict[str, Any] | None = None
+    #: Other attempts whose data this one references; `delete_step` and `gc` keep them
+    #: (see docs/incremental.md).
+    references: list[Reference] = field(default_factory=list)
+    #: The committed step an incremental save named as its base: the commit checks it is
+    #: still committed (`commit.check_base`). None otherwise.
+    base: Reference | None = None
     #: Seconds per phase of the save ("staging", "write", "merge"), for `ckptstore info`.
     timings: dict[str, float] = field(default_factory=dict)
     #: Manifests without references are written as version 3, which older readers read;
@@ -106,8 +132,7 @@ class Manifest:
         k = self.items[item].refs.get(leaf)
         if k is None:
             return self.item_dir(item)
-        holder = self.references[k]
-        return layout.AttemptDir(int(holder["step"]), str(holder["attempt"])).item(item)
+        return self.references[k].dir.item(item)
 
     def to_bytes(self) -> bytes:
         with gc_paused():  # one object per field of thousands of leaves: see `gcpause`
@@ -122,7 +147,7 @@ class Manifest:
             "created": self.created,
             "checksums": "crc32c per chunk (zarr3 crc32c codec), verified on every read",
             "metadata": self.metadata,
-            "references": self.references,
+            "references": [ref.to_json() for ref in self.references],
             "timings": self.timings,
             "processes": self.processes,
             "items": {
@@ -140,7 +165,7 @@ class Manifest:
                 }
                 for name, item in self.items.items()
             },
-            **({"base": self.base} if self.base is not None else {}),
+            **({"base": self.base.to_json()} if self.base is not None else {}),
             **(
                 {"json_items": {n: j.to_json() for n, j in self.json_items.items()}}
                 if self.json_items
@@ -177,14 +202,16 @@ def _parse(doc: Any) -> Manifest:
     _expect(isinstance(doc.get("metadata", {}), dict), "metadata is not an object")
     for name in ("processes", "references"):
         _expect(isinstance(doc.get(name, []), list), f"{name} is not a list")
-    references = doc.get("references", [])
-    for ref in references:  # gc and delete_step keep what these name
-        _expect(is_attempt_ref(ref), f"bad reference {str(ref)[:80]}")
-    base = doc.get("base")
-    _expect(base is None or is_attempt_ref(base), f"bad base {str(base)[:80]}")
+    references_doc = doc.get("references", [])
+    # gc and delete_step keep what these name
+    references = [Reference.from_json(ref) for ref in references_doc]
+    base_doc = doc.get("base")
+    base = None if base_doc is None else Reference.from_json(base_doc, "base")
+    # The cycle checks compare the documents, as they always have (keys beyond "step"
+    # and "attempt" are ignored when read, and make an entry differ here).
     itself = {"step": step, "attempt": attempt}
-    _expect(itself not in references, "it references its own attempt (a reference cycle)")
-    _expect(base != itself, "it names its own attempt as its base (a reference cycle)")
+    _expect(itself not in references_doc, "it references its own attempt (a reference cycle)")
+    _expect(base_doc != itself, "it names its own attempt as its base (a reference cycle)")
     timings = doc.get("timings", {})
     _expect(
         isinstance(timings, dict) and all(isinstance(v, (int, float)) for v in timings.values()),
@@ -205,8 +232,8 @@ def _parse(doc: Any) -> Manifest:
         processes=list(doc.get("processes", [])),
         created=float(created),
         metadata=dict(doc.get("metadata", {})),
-        references=list(references),
-        base=dict(base) if base is not None else None,
+        references=references,
+        base=base,
         timings={str(k): float(v) for k, v in timings.items()},
         format_version=version,
         json_items=json_items,

@@ -215,8 +215,7 @@ async def _sources(src: Backend, manifest: Manifest, item: str) -> list[_Source]
         )
     ]
     for k in sorted(set(saved.refs.values())):
-        ref = manifest.references[k]
-        holder = layout.AttemptDir(int(ref["step"]), str(ref["attempt"]))
+        holder = manifest.references[k].dir
         key = holder.manifest
         try:
             theirs = Manifest.from_bytes(await src.read(key), where=f"{src.url}/{key}")

@@ -70,7 +70,7 @@ from ckptstore.checkpoint.commit import (
 )
 from ckptstore.errors import CorruptCheckpointError, FencedError
 from ckptstore.format import layout
-from ckptstore.format.manifest import Manifest
+from ckptstore.format.manifest import Manifest, Reference
 
 Holder = tuple[int, str]  # (step, attempt)
 #: Promotes one committed step of the fast tier (`promote.promote_step`, passed in).
@@ -110,7 +110,7 @@ class Holders:
                     backend=durable.url,
                     key=where.root,
                 )
-            await check_base(durable, {"step": guard[0], "attempt": guard[1]})
+            await check_base(durable, Reference(*guard))
 
     async def release(self, durable: Backend) -> None:
         """After the step's marker: holders copied under a claim are a deleted step's
@@ -130,10 +130,10 @@ async def make_durable(
     out = Holders()
     base = manifest.base
     if base is not None:  # 1: the base step first, if the fast tier still has it
-        if await _promotable(fast, durable, int(base["step"]), str(base["attempt"])):
-            out.add(await promote_step(int(base["step"])))
+        if await _promotable(fast, durable, base.step, base.attempt):
+            out.add(await promote_step(base.step))
     for ref in manifest.references:
-        holder = (int(ref["step"]), str(ref["attempt"]))
+        holder = (ref.step, ref.attempt)
         guard = await find_guard(durable, holder, base)
         if guard is None:  # 3: its own step, if the fast tier still has it committed
             if await _promotable(fast, durable, *holder):
@@ -167,7 +167,7 @@ async def make_durable(
 
 
 async def find_guard(
-    durable: Backend, holder: Holder, base: dict[str, Any] | None = None
+    durable: Backend, holder: Holder, base: Reference | None = None
 ) -> Holder | None:
     """A step committed on ``durable`` that protects ``holder``: the holder's own step
     (committed with that attempt), else the base ``base`` names, else any committed step
@@ -176,10 +176,10 @@ async def find_guard(
     if marker is not None and marker.attempt == holder[1]:
         return holder
     candidates = await committed_steps(durable)
-    if base is not None and int(base["step"]) in candidates:  # the likeliest: try it first
-        candidates.remove(int(base["step"]))
-        candidates.insert(0, int(base["step"]))
-    want = {"step": holder[0], "attempt": holder[1]}
+    if base is not None and base.step in candidates:  # the likeliest: try it first
+        candidates.remove(base.step)
+        candidates.insert(0, base.step)
+    want = Reference(*holder)
     for step in candidates:
         marker = await read_marker(durable, step)
         if marker is None or marker.attempt is None:

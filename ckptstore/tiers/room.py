@@ -104,7 +104,7 @@ async def _freeing(fast: Backend, steps: list[int]) -> list[int]:
             manifest = await load_committed(fast, step)
         except (CheckpointNotFoundError, CorruptCheckpointError):  # gone or damaged meanwhile
             continue
-        referenced |= {(int(r["step"]), str(r["attempt"])) for r in manifest.references}
+        referenced |= {(r.step, r.attempt) for r in manifest.references}
     if not referenced:
         return steps
     out = []

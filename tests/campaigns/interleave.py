@@ -524,7 +524,7 @@ async def survives_gc(world: World) -> list[str]:
         if not (await ckptstore.verify(world.fast.inner, step=step)).ok:
             out.append(f"after gc, step {step} fails verify")
         manifest = await ckptstore.read_manifest(world.fast.inner, step)
-        if any(int(r["step"]) != STEP for r in manifest.references):
+        if any(r.step != STEP for r in manifest.references):
             out.append(f"step {step} references {manifest.references}, not step {STEP}'s holder")
     return out
 

@@ -95,7 +95,7 @@ class IncrementalOps:
         incremental step first if there is none); if even then there is none, the base
         of the newest incremental step (whose holder's step was deleted already)."""
         found = await manifests(store.backend, store.committed)
-        held = {(int(r["step"]), str(r["attempt"])) for m in found.values() for r in m.references}
+        held = {(r.step, r.attempt) for m in found.values() for r in m.references}
         holders = sorted(s for s, m in found.items() if (s, m.attempt) in held)
         if holders:
             return self.rng.choice(holders)

@@ -54,7 +54,7 @@ async def committed_keys(backend: Backend, keys: set[str]) -> set[str]:
     found = await manifests(backend, [m.step for m in markers if m is not None])
     for manifest in found.values():
         for ref in manifest.references:
-            roots.append(layout.AttemptDir(int(ref["step"]), str(ref["attempt"])).root + "/")
+            roots.append(ref.dir.root + "/")
     return {k for k in keys if k in marks or any(k.startswith(r) for r in roots)}
 
 
@@ -67,7 +67,7 @@ async def check_references(backend: Backend, steps: Iterable[int]) -> tuple[list
     held: set[str] = set()
     for step, manifest in (await manifests(backend, steps)).items():
         for k, ref in enumerate(manifest.references):
-            where = layout.AttemptDir(int(ref["step"]), str(ref["attempt"]))
+            where = ref.dir
             keys = {info.key async for info in backend.list(where.root)}
             why: list[str] = []
             if where.manifest not in keys:

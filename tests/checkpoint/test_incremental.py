@@ -25,6 +25,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.digests import ALGORITHM, LEGACY, digest
+from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import entry_size
 from tests.conftest import make_backend
 from tests.paths import committed_root
@@ -64,7 +65,7 @@ async def stored_bytes(backend: Backend, step: int) -> int:
 
 async def holders(backend: Backend, step: int) -> set[tuple[int, str]]:
     manifest = await load_committed(backend, step)
-    return {(r["step"], r["attempt"]) for r in manifest.references}
+    return {(r.step, r.attempt) for r in manifest.references}
 
 
 async def test_only_changed_leaves_are_written_and_restore_bit_exact(backend: Backend) -> None:
@@ -89,7 +90,12 @@ async def test_only_changed_leaves_are_written_and_restore_bit_exact(backend: Ba
     assert_same(await ckptstore.restore(backend, 3), lora(3))
     manifest = await load_committed(backend, 3)
     assert manifest.format_version == 4 and manifest.base is not None
-    assert manifest.base["step"] == 2
+    assert manifest.base == Reference(2, str((await load_committed(backend, 2)).attempt))
+    assert manifest.references == [Reference(*step1)]
+    # Written as read: the references and base are {"step", "attempt"} objects on disk.
+    raw = await backend.read(f"{await committed_root(backend, 3)}/manifest.json")
+    assert Manifest.from_bytes(raw, where="step 3").to_bytes() == raw
+    assert json.loads(raw)["references"] == [{"step": 1, "attempt": step1[1]}]
     assert set(manifest.items["state"].refs) == {"base/w", "base/norm"}
     # A step without references stays format version 3 (what older readers read).
     assert (await load_committed(backend, 1)).format_version == 3

@@ -6,6 +6,7 @@ unchanged since B rather than write them, with the safety rules of ``save(base=)
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.errors import BaseStepGoneError, ConfigError
 from ckptstore.format import layout
+from ckptstore.format.manifest import Reference
+from tests.checkpoint.test_commit import FIXTURE_V1
 from tests.checkpoint.test_incremental import FROZEN, assert_same, holders, lora, stored_bytes
 from tests.conftest import make_backend
 from tests.paths import committed_root
@@ -67,7 +70,7 @@ async def test_a_session_on_a_base_writes_only_what_changed(backend: Backend) ->
     manifest = await load_committed(backend, 2)
     item = manifest.items["state"]
     assert manifest.format_version == layout.FORMAT_VERSION
-    assert manifest.references == [{"step": 1, "attempt": step1.attempt}] and manifest.base
+    assert manifest.references == [Reference(1, step1.attempt)] and manifest.base
     assert set(item.refs) == {"base/w", "base/norm"}
     assert item.packed["base/norm"] == step1.items["state"].packed["base/norm"]  # its pack
     assert set(item.digests) == set(item.leaves)
@@ -220,3 +223,15 @@ async def test_on_tiers_a_session_references_the_fast_base_and_promotes(tmp_path
     durable = str(tmp_path / "durable")
     assert_same(await ckptstore.restore(durable, 3), lora(3))  # the durable tier alone
     assert (await ckptstore.verify(durable, 3)).ok
+
+
+async def test_a_format_v1_step_is_no_session_base(tmp_path: Path) -> None:
+    """A format-version-1 step has no attempt a part could reference: the session is refused
+    when it opens, typed, with no session record left (one naming a null attempt was
+    written before, which every add and every resume then refused)."""
+    root = tmp_path / "v1"
+    shutil.copytree(FIXTURE_V1, root)
+    for _ in range(2):  # and again: nothing was left to resume
+        with pytest.raises(BaseStepGoneError, match="format-version-1"):
+            await ckptstore.partial_save(str(root), step=21, base=9)
+    assert not (root / "21").exists() or not list((root / "21").rglob("SESSION.json"))

@@ -83,7 +83,7 @@ def test_a_lora_loop_writes_the_changed_bytes_and_keeps_what_it_references(
 
     assert ckptstore.list_steps_sync(str(root)) == [5, 6]
     step1 = run(load_committed(ckptstore.open_backend(str(root)), 5)).references
-    assert [r["step"] for r in step1] == [1]  # the original holder, never a chain
+    assert [r.step for r in step1] == [1]  # the original holder, never a chain
     for step in (5, 6):
         assert_bit_exact(ckptstore.restore_sync(str(root), step, like()), expected[step])
         assert ckptstore.verify_sync(str(root), step).ok

@@ -43,7 +43,7 @@ def tiered(request: pytest.FixtureRequest, tmp_path: Path) -> ckptstore.Tiered:
 
 async def references(backend: Backend, step: int) -> set[tuple[int, str]]:
     manifest = await load_committed(backend, step)
-    return {(int(r["step"]), str(r["attempt"])) for r in manifest.references}
+    return {(r.step, r.attempt) for r in manifest.references}
 
 
 async def attempt_bytes(backend: Backend, root: str) -> int:

@@ -47,7 +47,7 @@ async def stored_bytes(target: str, prefix: str = "") -> int:
 def references(target: str, step: int) -> list[int]:
     async def read() -> list[int]:
         async with opened(target) as backend:
-            return [int(r["step"]) for r in (await load_committed(backend, step)).references]
+            return [r.step for r in (await load_committed(backend, step)).references]
 
     return run(read())
 
