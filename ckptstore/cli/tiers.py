@@ -14,7 +14,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.commit import committed_steps, is_committed
 from ckptstore.cli.output import EXIT_OK, Output, print_json
 from ckptstore.cli.steps import entries, print_entries
 from ckptstore.cli.text import count, duration_text, human
@@ -243,9 +244,14 @@ async def _promote_one(
     finally:
         bar.close()
     if done is None:
+        # The signal may have come after the durable marker landed, before the report.
+        assert isinstance(tiers.durable, Backend)  # opened by cmd_promote
+        durable = await is_committed(tiers.durable, step)
+        said = "durable (the signal came as it ended)" if durable else "not durable"
         say(
-            f"step {step}: interrupted, not durable (promoting again resumes it)",
-            {"event": "interrupted", "step": step},
+            f"step {step}: interrupted, {said}"
+            + ("" if durable else " (promoting again resumes it)"),
+            {"event": "interrupted", "step": step, "durable": durable},
         )
         return False
     for p in done:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import pty
+import queue
 import re
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -186,16 +188,20 @@ def test_promote_watch_json_is_one_document_per_line(tmp_path: Path) -> None:
         first = json.loads(proc.stdout.readline())
         assert first["event"] == "watching" and first["durable"] == durable.as_uri()
         ckptstore.save_sync(str(fast), {"x": np.arange(6)}, step=3)
-        deadline = time.monotonic() + 60
-        while ckptstore.list_steps_sync(str(durable)) != [3]:
-            assert time.monotonic() < deadline, "step 3 never became durable"
-            time.sleep(0.1)
+        # The signal goes once the watcher has said it promoted step 3: the step being on
+        # the durable tier is not enough (the commit lands before the line is written, and
+        # a signal between them interrupts the promotion's report, as it should).
+        lines: queue.Queue[str] = queue.Queue()
+        reader = threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True)
+        reader.start()
+        promoted = lines.get(timeout=60)
+        assert ckptstore.list_steps_sync(str(durable)) == [3]
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0 and err == ""
-    events = [json.loads(line) for line in out.splitlines()]  # each line one document
+    events = [json.loads(line) for line in [promoted, *out.splitlines()]]  # one document each
     assert [e["event"] for e in events] == ["promoted", "stopped"]
     assert events[0]["step"] == 3 and events[0]["copied"] > 0
     assert events[1] == {"event": "stopped", "durable": [3], "signal": "SIGTERM"}
@@ -232,6 +238,7 @@ def test_json_errors_as_a_command(tmp_path: Path) -> None:
 
 VERIFY_SCRIPT = """
 import sys
+import threading
 from ckptstore.cli import main, output
 output.PROGRESS_AFTER = float(sys.argv[1])
 sys.exit(main(sys.argv[2:]))
@@ -391,3 +398,35 @@ def test_exit_statuses_as_a_command(root: str, tmp_path: Path) -> None:
     corrupt(root, 1)
     assert status("verify", root, "--step", "1") == 1
     assert status("verify", root, "--all") == 1
+
+
+class _LateSignal:
+    """A signal that came as the promotion ended: the promotion ran to its end, and the
+    command learns of the signal before it reports (`Signals.run` returns None)."""
+
+    async def run(self, coro: Any) -> None:
+        await coro
+
+
+async def test_a_promotion_whose_signal_came_after_its_marker_says_it_is_durable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptstore.cli.tiers import _promote_one, _Say
+    from ckptstore.tiers.target import Tiered
+
+    await ckptstore.save(str(tmp_path / "nvme"), {"x": np.arange(6)}, step=3)
+    tiered = Tiered(fast=str(tmp_path / "nvme"), durable=str(tmp_path / "bucket"))
+    async with tiered.opened() as (fast, durable):
+        tiers = Tiered(fast=fast, durable=durable)
+        say = _Say(as_json=True, watch=False)
+        went_on = await _promote_one(
+            tiers,
+            3,
+            cli_output.Output(json=True),
+            say,
+            _LateSignal(),
+            skip_gone=True,  # type: ignore[arg-type]
+        )
+    assert not went_on
+    assert say.events == [{"event": "interrupted", "step": 3, "durable": True}]
+    assert await ckptstore.list_steps(str(tmp_path / "bucket")) == [3]
