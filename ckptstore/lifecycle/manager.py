@@ -203,7 +203,8 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
         if not self._decide(step, force):
             if not self.stats and not self._warmed:  # once, before the first save: then
                 self._warmed = True  # its device copy is compiled, as the later ones'
-                self._stager.warm(trees, self.options.staging)
+                arrays = {n: v for n, v in trees.items() if is_array_tree(v)}  # as `stage`'s
+                self._stager.warm(arrays, self.options.staging)
             return None
         before = time.perf_counter()
         self._settle()  # the previous save: its errors surface here, unless already seen

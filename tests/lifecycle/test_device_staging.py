@@ -83,10 +83,15 @@ def test_the_copy_is_compiled_once_per_kind_of_array_and_ahead_of_the_first_save
         copier.close()
 
 
-def test_a_manager_compiles_the_device_copy_on_a_step_it_does_not_save(tmp_path: Any) -> None:
-    opts = ckptstore.ManagerOptions(staging="device", handle_sigterm=False)
+def every_other_step(tmp_path: Any, staging: str) -> ckptstore.CheckpointManager:
+    """A manager that saves even steps only: step 1 is a step it declines."""
+    opts = ckptstore.ManagerOptions(staging=staging, handle_sigterm=False)  # type: ignore[arg-type]
     policy = ckptstore.policies.EveryNSteps(2)
-    with ckptstore.CheckpointManager(str(tmp_path), save_policy=policy, options=opts) as mgr:
+    return ckptstore.CheckpointManager(str(tmp_path), save_policy=policy, options=opts)
+
+
+def test_a_manager_compiles_the_device_copy_on_a_step_it_does_not_save(tmp_path: Any) -> None:
+    with every_other_step(tmp_path, "device") as mgr:
         tree = state()
         assert mgr.save(1, tree) is None
         programs = mgr._stager._copier._programs
@@ -99,12 +104,12 @@ def test_a_manager_compiles_the_device_copy_on_a_step_it_does_not_save(tmp_path:
 
 
 def test_a_manager_makes_the_host_buffers_on_a_step_it_does_not_save(tmp_path: Any) -> None:
-    """Host staging's first save pays for fresh pages unless `warm` made them before."""
-    opts = ckptstore.ManagerOptions(staging="host", handle_sigterm=False)
-    policy = ckptstore.policies.EveryNSteps(2)
-    with ckptstore.CheckpointManager(str(tmp_path), save_policy=policy, options=opts) as mgr:
+    """Host staging's first save pays for fresh pages unless `warm` made them before; a
+    configuration item beside the arrays is no array to stage (nor an error)."""
+    config = {"lr": 0.1, "schedule": "cosine"}
+    with every_other_step(tmp_path, "host") as mgr:
         tree = state()
-        assert mgr.save(1, tree) is None
+        assert mgr.save(1, items={"state": tree, "config": config}) is None
         stager = mgr._stager
         assert stager._warming is not None
         stager._warmed()
@@ -112,11 +117,36 @@ def test_a_manager_makes_the_host_buffers_on_a_step_it_does_not_save(tmp_path: A
         arrays = [tree["w"], tree["r"], tree["one"], jax.random.key_data(tree["key"])]
         want = sum(int(a.nbytes) for a in arrays) + tree["host"].nbytes
         assert stager.held_bytes == want  # each array's own shards, once
-        handle = mgr.save(2, tree)
+        handle = mgr.save(2, items={"state": tree, "config": config})
         assert handle is not None and handle.wait().staging_mode == "host"
         assert {key: id(buf) for key, buf in stager._buffers.items()} == made  # reused
         restored = mgr.restore(2, like=tree)
         assert np.array_equal(np.asarray(restored["w"]), np.asarray(tree["w"]))
+        assert mgr.restore(2, item="config") == config
+
+
+def test_the_host_buffers_are_planned_before_the_loop_can_donate_the_arrays() -> None:
+    """`warm` reads the arrays' shards on the caller's thread: a loop that donates them
+    right after the step is declined must not fail its first save."""
+    import threading
+
+    stager = Stager(threads=1)
+    try:
+        busy, go = threading.Event(), threading.Event()
+        stager._pool.submit(lambda: (busy.set(), go.wait()))  # the staging thread is busy
+        busy.wait()
+        tree = state()
+        stager.warm(tree, "host")
+        for leaf in jax.tree.leaves(tree):  # donated by the next step
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+        go.set()
+        staged = stager.stage(state(), "host")
+    finally:
+        stager.close()
+    assert staged.mode == "host"
+    index, piece = staged.tree["w"].pieces[0]
+    assert np.array_equal(piece, np.asarray(state()["w"])[index])
 
 
 def test_auto_stages_views_on_cpu_devices_and_says_why(tmp_path: Any) -> None:
