@@ -52,10 +52,11 @@ class HostPool:
         """An aligned uint8 buffer of ``nbytes`` that nothing else refers to."""
         with self._lock:
             self.taken += 1
-            free = self._free(nbytes)
-            if free is None and self._raws:
-                release_deferred()  # a transfer done with a buffer may not have said so yet
-                free = self._free(nbytes)
+            fits = [raw for raw in self._raws if nbytes <= raw.size - ALIGNMENT <= 2 * nbytes]
+            free = _unreferenced(fits)
+            if free is None and fits:
+                release_deferred()  # a transfer done with one may not have said so yet
+                free = _unreferenced(fits)
             if free is not None:
                 self.reused += 1
                 return _aligned(free, nbytes)
@@ -65,13 +66,15 @@ class HostPool:
                 self.kept += raw.size
             return _aligned(raw, nbytes)
 
-    def _free(self, nbytes: int) -> np.ndarray[Any, Any] | None:
-        for raw in self._raws:
-            size = raw.size - ALIGNMENT
-            # Three references while free: the list's, ``raw`` and getrefcount's argument.
-            if nbytes <= size <= 2 * nbytes and sys.getrefcount(raw) == 3:
-                return raw
-        return None
+
+def _unreferenced(raws: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any] | None:
+    """The first of ``raws`` (pool buffers) nothing outside the pool refers to."""
+    for raw in raws:
+        # Four references while free: the pool's list, ``raws``, ``raw`` and
+        # getrefcount's argument.
+        if sys.getrefcount(raw) == 4:
+            return raw
+    return None
 
 
 def release_deferred() -> None:
