@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import TypeVar
 
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -20,8 +19,6 @@ from ckptstore.errors import (
     StorageError,
     TransientStorageError,
 )
-
-T = TypeVar("T")
 
 #: Service error codes (S3's; GCS answers with statuses only) by meaning.
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"})
