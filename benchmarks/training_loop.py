@@ -286,7 +286,7 @@ def main() -> int:
     row("host-staging pause", ckh["pause"], "host copy", host, 1.2)
     row("save to durable", ck["durable"], "Orbax", ob["durable"], 0.5)
     row("host-staging durable", ckh["durable"], "Orbax", ob["durable"], None)
-    row("save to durable", ck["durable"], "dd direct+fsync", dd, None)
+    row("save to durable", ck["durable"], "dd direct+fsync", dd, 1.1)  # the disk's own limit
     row("dd direct+fsync of the state's bytes", dd, "Orbax", ob["durable"], None)
     row("save to finished (old step deleted)", ck["finished"], "Orbax", ob["finished"], None)
     for n in names:

@@ -62,6 +62,11 @@ Mode = Literal["auto", "host", "view", "device"]
 #: Touching one byte in each page of a new buffer faults the whole page in.
 PAGE = 4096
 
+#: `warm` touches new buffers in slices of this size on all staging threads: faulting
+#: pages in is per-thread work (zeroing them), and one thread alone takes longer than the
+#: steps between a loop's first declined step and its first save.
+TOUCH_SLICE = 64 << 20
+
 #: Copies smaller than this run inline; thread hand-off costs more than it saves.
 THREAD_MIN_BYTES = 1 << 20
 
@@ -94,7 +99,7 @@ class Stager:
         )
         self._copier = DeviceCopier()
         self._on_devices: dict[Any, int] = {}  # bytes per device of the last device copy
-        self._warming: Future[None] | None = None  # `warm` making the host buffers
+        self._warming: list[Future[None]] = []  # `warm` making the host buffers
 
     @property
     def held_bytes(self) -> int:
@@ -102,7 +107,7 @@ class Stager:
         return sum(b.nbytes for b in self._buffers.values())
 
     def close(self) -> None:
-        self._warming = None
+        self._warming = []
         self._pool.shutdown(wait=True)
         self._copier.close()
         self._buffers.clear()
@@ -116,7 +121,7 @@ class Stager:
         time and 3.9 s once the buffers were there). `stage` waits for what is left."""
         leaves = jax.tree_util.tree_leaves(tree)
         arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
-        if not arrays or self._warming is not None:
+        if not arrays or self._warming:
             return
         chosen, _ = self._choose(mode, arrays)
         if chosen == "device":
@@ -137,13 +142,13 @@ class Stager:
                     for name, leaf in zip(names, leaves, strict=True)
                     for _, buf in self._plan(name, leaf, False, False)[1]
                 ]
-                self._warming = self._pool.submit(_touch, bufs)
+                self._warming = [self._pool.submit(_touch, part) for part in _slices(bufs)]
 
     def _warmed(self) -> None:
         """Wait for `warm`'s buffers, if it is making them (raising what it raised)."""
-        warming, self._warming = self._warming, None
-        if warming is not None:
-            warming.result()
+        warming, self._warming = self._warming, []
+        for future in warming:
+            future.result()
 
     def stage(
         self, tree: Any, mode: Mode = "auto", *, host_view: bool = False, drain: bool = True
@@ -316,10 +321,15 @@ class Stager:
         return buf
 
 
-def _touch(bufs: list[np.ndarray[Any, Any]]) -> None:
-    """Fault in every page of ``bufs`` (new staging buffers)."""
-    for buf in bufs:
-        buf.reshape(-1).view(np.uint8)[::PAGE] = 0
+def _slices(bufs: list[np.ndarray[Any, Any]]) -> list[np.ndarray[Any, Any]]:
+    """``bufs`` as flat byte views of at most `TOUCH_SLICE` bytes each."""
+    flat = [buf.reshape(-1).view(np.uint8) for buf in bufs if buf.nbytes]
+    return [b[k : k + TOUCH_SLICE] for b in flat for k in range(0, b.nbytes, TOUCH_SLICE)]
+
+
+def _touch(part: np.ndarray[Any, Any]) -> None:
+    """Fault in every page of ``part`` (a slice of a new staging buffer)."""
+    part[::PAGE] = 0
 
 
 def _data(leaf: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ from ckptstore.lifecycle.devicecopy import (
     device_room,
     room_for_copy,
 )
+from ckptstore.lifecycle import staging
 from ckptstore.lifecycle.staging import Stager
 
 GiB = 1 << 30
@@ -111,7 +112,7 @@ def test_a_manager_makes_the_host_buffers_on_a_step_it_does_not_save(tmp_path: A
         tree = state()
         assert mgr.save(1, items={"state": tree, "config": config}) is None
         stager = mgr._stager
-        assert stager._warming is not None
+        assert stager._warming
         stager._warmed()
         made = {key: id(buf) for key, buf in stager._buffers.items()}
         arrays = [tree["w"], tree["r"], tree["one"], jax.random.key_data(tree["key"])]
@@ -204,3 +205,21 @@ def test_a_drained_piece_lets_jaxs_own_reference_to_its_host_copy_go(
     piece = DrainedPiece(jax.numpy.arange(8.0))
     host = np.asarray(piece)
     assert released == [1] and np.array_equal(host, np.arange(8.0))
+
+
+def test_warm_touches_every_page_of_its_buffers_in_slices_the_threads_share(
+    monkeypatch: Any,
+) -> None:
+    """`warm` splits its buffers into slices for the staging threads: every byte in exactly
+    one slice, each slice a view (touching it faults the buffer's own pages in)."""
+    monkeypatch.setattr(staging, "TOUCH_SLICE", 3 * staging.PAGE)
+    bufs = [np.ones(0, np.float32), np.ones(3, np.int8), np.ones((5, 2 * staging.PAGE), np.uint8)]
+    parts = staging._slices(bufs)
+    page = staging.PAGE
+    assert [p.nbytes for p in parts] == [3, 3 * page, 3 * page, 3 * page, page]
+    for part in parts:
+        staging._touch(part)
+    assert bufs[1][0] == 0 and (bufs[1][1:] == 1).all()
+    flat = bufs[2].reshape(-1).view(np.uint8)
+    assert (flat[:: staging.PAGE] == 0).all()
+    assert (np.delete(flat, np.arange(0, flat.size, staging.PAGE)) == 1).all()
