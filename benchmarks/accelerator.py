@@ -301,9 +301,8 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
         out["durable_orbax_vs_hardware"] = median(s["durable_orbax"]) / hardware
         # The disk's speed varies several-fold within a run (a cloud disk's burst credit):
         # the same ratio per round, against that round's own device_get and dd, is steadier.
-        out["durable_vs_hardware_per_round"] = median(
-            [d / max(g, w) for d, g, w in zip(s["durable_device"], s["device_get"], s["dd_direct"])]
-        )
+        rounds = zip(s["durable_device"], s["device_get"], s["dd_direct"], strict=True)
+        out["durable_vs_hardware_per_round"] = median([d / max(g, w) for d, g, w in rounds])
         out["save_rss_added_gib"] = max(s["rss_device"]) / (1 << 30)
         out["orbax_save_rss_added_gib"] = max(s["rss_orbax"]) / (1 << 30)
         first = result["saves"]["first_pause_s"]["device"]

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.format.leaves import HostShards
+from ckptstore.lifecycle import staging
 from ckptstore.lifecycle.devicecopy import (
     MARGIN_BYTES,
     DeviceCopier,
@@ -21,7 +22,6 @@ from ckptstore.lifecycle.devicecopy import (
     device_room,
     room_for_copy,
 )
-from ckptstore.lifecycle import staging
 from ckptstore.lifecycle.staging import Stager
 
 GiB = 1 << 30
