@@ -10,7 +10,9 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import platform
+import random
 import socket
 import subprocess
 import time
@@ -31,11 +33,38 @@ def unique_bucket_name(prefix: str = "ckpt") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:20]}"
 
 
-def _free_port() -> int:
+#: Under pytest-xdist, worker N draws ports from its own block of this many, starting at
+#: `PORT_BLOCKS_START`: below the kernel's ephemeral range, which ``bind(("", 0))`` uses.
+PORT_BLOCK = 1000
+PORT_BLOCKS_START = 10_000
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a server started next.
+
+    A port is free only until someone binds it. Within one test process the servers start
+    one after another; between pytest-xdist workers two could be handed the same port by
+    the kernel, and a server that then fails to bind is not noticed by a health check that
+    reaches the other worker's server. So each worker (``PYTEST_XDIST_WORKER=gwN``) picks
+    at random in a block of ports of its own, below the ephemeral range.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return _bind_free(0)
+    low = PORT_BLOCKS_START + int(worker[2:]) * PORT_BLOCK
+    for port in random.sample(range(low, low + PORT_BLOCK), PORT_BLOCK):
+        try:
+            return _bind_free(port)
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port in {low}-{low + PORT_BLOCK - 1} for worker {worker}")
+
+
+def _bind_free(port: int) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        sock.bind(("127.0.0.1", port))
+        bound: int = sock.getsockname()[1]
+        return bound
 
 
 class _Server:
@@ -158,7 +187,7 @@ class FakeGcsServer(_Server):
     def start(self) -> None:
         if self._proc is not None:
             return
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         # fmt: off
         args = [

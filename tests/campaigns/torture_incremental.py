@@ -23,7 +23,7 @@ from ckptstore.format import layout
 from tests.campaigns import torture_worker as worker
 from tests.campaigns.torture_refs import everything, manifests
 from tests.campaigns.torture_report import Point
-from tests.multiprocess.test_multiprocess import free_port
+from ckptstore.testing.servers import free_port
 from tests.paths import a_day_later
 
 #: Incremental cells: a save with ``base=`` killed at a random moment ("inc") or at an

@@ -6,7 +6,6 @@ import asyncio
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,13 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore.checkpoint.target import opened
 from ckptstore.cli import main
+from ckptstore.testing.servers import free_port
 from ckptstore.tiers import status as tier_status
 from tests.checkpoint.test_partial import shared_target
 from tests.multiprocess.mp_worker import SHAPES, expected
 from tests.paths import a_day_later
 
 WORKER = Path(__file__).with_name("mp_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_job(

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from tests.multiprocess.incremental_worker import CHANGED, CHANGED_M, DTYPES, SHAPES, expected
-from tests.multiprocess.test_multiprocess import free_port
+from ckptstore.testing.servers import free_port
 
 WORKER = "tests.multiprocess.incremental_worker"
 REPO = Path(__file__).parents[2]

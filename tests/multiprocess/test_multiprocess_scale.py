@@ -20,7 +20,7 @@ import pytest
 
 import ckptstore
 from tests.multiprocess.scale_worker import SHAPES, expected
-from tests.multiprocess.test_multiprocess import free_port
+from ckptstore.testing.servers import free_port
 
 WORKER = Path(__file__).with_name("scale_worker.py")
 COUNTS = [int(n) for n in os.environ.get("CKPTSTORE_SCALE_PROCESSES", "8").split(",")]
