@@ -33,9 +33,11 @@ def unique_bucket_name(prefix: str = "ckpt") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:20]}"
 
 
-#: Under pytest-xdist, worker N draws ports from its own block of this many, starting at
-#: `PORT_BLOCKS_START`: below the kernel's ephemeral range, which ``bind(("", 0))`` uses.
+#: Under pytest-xdist, worker N draws ports from block N % `PORT_BLOCKS` of this many ports
+#: each, starting at `PORT_BLOCKS_START`: below Linux's default ephemeral range (32768 up),
+#: which ``bind(("", 0))`` uses.
 PORT_BLOCK = 1000
+PORT_BLOCKS = 20
 PORT_BLOCKS_START = 10_000
 
 
@@ -51,7 +53,7 @@ def free_port() -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if not worker.startswith("gw") or not worker[2:].isdigit():
         return _bind_free(0)
-    low = PORT_BLOCKS_START + int(worker[2:]) * PORT_BLOCK
+    low = PORT_BLOCKS_START + int(worker[2:]) % PORT_BLOCKS * PORT_BLOCK
     for port in random.sample(range(low, low + PORT_BLOCK), PORT_BLOCK):
         try:
             return _bind_free(port)

@@ -30,6 +30,7 @@ def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch: pytest.Monke
     # A block of three ports far above the real workers' blocks (which this run may use).
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw6000")
     monkeypatch.setattr(servers, "PORT_BLOCK", 3)
+    monkeypatch.setattr(servers, "PORT_BLOCKS", 10_000)
     low = servers.PORT_BLOCKS_START + 6000 * 3
     held = []
     try:
