@@ -420,8 +420,9 @@ async def export_orbax(
 ) -> ExportResult:
     """Write committed ``step`` (the latest by default) of ``source`` as an Orbax checkpoint.
 
-    ``item``: the array item to write (default: the step's only item; a step of several
-    items is `OrbaxExportError`, naming them: one export per item).
+    ``item``: the array item to write as one tree (default: every item of the step; a step
+    of several items, or with JSON items, is written as one Orbax Composite step, a
+    directory per item, and `ExportResult.items` names them).
 
     ``manager=False``: ``destination`` becomes a `StandardCheckpointer` directory,
     ``ocp.StandardCheckpointer().restore(destination)``. ``manager=True``:

@@ -173,7 +173,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     exp.add_argument("dst", help="new Orbax directory (or CheckpointManager root, --manager)")
     exp.add_argument("--step", type=int, help="the step (default: the latest)")
     exp.add_argument(
-        "--item", help="the ckptstore item (default: the step's only item; one export per item)"
+        "--item",
+        help="export only this array item, as one tree (default: every item of the step; "
+        "several, or JSON items, as one Orbax Composite step)",
     )
     exp.add_argument(
         "--manager", action="store_true", help="add the step to a CheckpointManager root DST"
@@ -217,11 +219,13 @@ async def run(args: argparse.Namespace) -> int:
                     "linked": r.linked,
                     "copied": r.copied,
                     "copied_bytes": r.copied_bytes,
+                    "items": list(r.items),
                 }
             )
             return 0
+        items = f" as a Composite of {', '.join(r.items)}" if r.items else ""
         print(
-            f"exported step {r.step} ({r.leaves} leaves, {human(r.bytes)}) to {r.path}: "
+            f"exported step {r.step}{items} ({r.leaves} leaves, {human(r.bytes)}) to {r.path}: "
             f"{r.linked} objects linked, {r.copied} copied ({human(r.copied_bytes)})"
         )
         return 0

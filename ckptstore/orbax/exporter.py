@@ -10,7 +10,9 @@ there would outlive `delete_step` and be collected by `gc`. So the export writes
 new directory and never touches the source:
 
 ```
-DST/                                   (or DST/<step>/default/ with manager=True)
+DST/                                   (or DST/<step>/default/ with manager=True; a step
+                                       of several items or with JSON items: one
+                                       directory per item, as an Orbax Composite step)
   ckptstore.<item>/                    the step's stores, hard-linked (local disk,
                                        same filesystem) or copied object by object
   ckptstore.<item>.held-<k>/           an incremental step's: the stores of each
@@ -19,12 +21,12 @@ DST/                                   (or DST/<step>/default/ with manager=True
                                        references to the data above, no data
   _METADATA, _CHECKPOINT_METADATA      what Orbax needs to rebuild the tree
   commit_success.txt                   last
+DST/<item>/metadata                    a JSON item, as Orbax's ``JsonSave`` writes it
 ```
 
-On local disk everything is written in ``DST.orbax-checkpoint-tmp-<ns>`` and
-renamed into place (Orbax's own convention), so DST never looks finished early;
-elsewhere ``commit_success.txt`` is written last. Copies are bounded by a byte
-budget; hard links share the source's immutable data files and add no bytes.
+`ckptstore.orbax.destination` says how the directory is finished (renamed into place on
+local disk). Copies are bounded by a byte budget; hard links share the source's immutable
+data files and add no bytes.
 """
 
 from __future__ import annotations
@@ -32,24 +34,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.backends.local import LocalBackend, fsync_dir
+from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import settle
-from ckptstore.checkpoint.target import Target, open_target
+from ckptstore.checkpoint.target import Target
 from ckptstore.datapath.arrays import ocdbt_spec
 from ckptstore.datapath.packs import read_packed
 from ckptstore.errors import (
-    AlreadyExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -59,11 +59,13 @@ from ckptstore.errors import (
 from ckptstore.format import chunks, layout
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
+from ckptstore.orbax.destination import Destination
 from ckptstore.orbax.inspect import read_all
-from ckptstore.orbax.items import TREE_METADATA
+from ckptstore.orbax.items import JSON_FILE, TREE_METADATA
 from ckptstore.orbax.keys import ARRAY_METADATAS
 from ckptstore.orbax.metadata import (
-    DEFAULT_ITEM,
+    HANDLER,
+    JSON_HANDLER,
     OrbaxEntry,
     array_metadatas,
     checkpoint_metadata,
@@ -76,7 +78,6 @@ from ckptstore.runtime.progress import Progress
 
 #: Bytes of copied objects held in memory at once (one larger object may pass alone).
 COPY_BUDGET = 256 << 20
-TMP_MARK = ".orbax-checkpoint-tmp-"
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,19 @@ class ExportResult:
     linked: int  # objects hard-linked (no bytes written)
     copied: int  # objects copied
     copied_bytes: int  # theirs, and the packed leaves' written into the view
+    #: The Orbax items written, for a Composite export (a step of several items, or of
+    #: JSON items); empty where the export is one tree.
+    items: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One array item to export, planned before anything is written."""
+
+    name: str
+    saved: ItemManifest
+    found: list[OrbaxEntry]  # its leaves under Orbax's names
+    copies: list[tuple[_Source, list[ObjectInfo]]]  # the stores to mirror, and their objects
 
 
 async def export(
@@ -103,39 +117,36 @@ async def export(
     """`export_orbax` from one backend."""
     started = time.time()
     manifest = await latest_manifest(src, step)
-    item = _choose_item(manifest, item, src.url)
-    saved = manifest.items[item]
-    found = entries(saved.structure, saved.leaves)  # refuse before writing anything
-    sources = await _sources(src, manifest, item)
-    copies = [(source, await _objects_to_copy(src, source)) for source in sources]
-    out = await _Destination.open(destination, manifest.step, manager)
+    arrays, jsons = _choose_items(manifest, item, src.url)
+    composite = item is None and (len(arrays) != 1 or bool(jsons))
+    todo = [await _plan(src, manifest, name) for name in arrays]  # refuse before writing
+    out = await Destination.open(destination, manifest.step, manager)
     try:
-        total = sum(len(objects) for _, objects in copies)
-        nbytes = sum(o.size for _, objects in copies for o in objects)
-        bar = Progress.make(progress, total, nbytes, "objects")
-        dst, item_dir, step_dir = out.backend, out.item_dir, out.step_dir
+        objects = [o for planned in todo for _, listed in planned.copies for o in listed]
+        bar = Progress.make(progress, len(objects), sum(o.size for o in objects), "objects")
         counts = [0, 0, 0]
-        for source, objects in copies:
-            mirror = _join(item_dir, source.mirror)
-            done = await _mirror(src, source.where, objects, dst, mirror, link=link, bar=bar)
+        handlers = {}
+        for planned in todo:
+            item_dir = out.item_dir(planned.name if composite else None)
+            done = await _write_item(src, planned, out.backend, item_dir, link, verify, bar)
             counts = [a + b for a, b in zip(counts, done, strict=True)]
+            if manager or composite:
+                await out.backend.write(_join(item_dir, COMMIT_SUCCESS), out.success())
+            handlers[planned.name] = HANDLER
         bar.close()
-        where_of = {leaf: s.where for s in sources for leaf in s.leaves}
-        mirror_of = {leaf: _join(item_dir, s.mirror) for s in sources for leaf in s.leaves}
-        packed_bytes = await _write_packed(src, where_of, dst, item_dir, found, saved)
-        unpacked = [e for e in found if e.leaf not in saved.packed]
-        await _build_view(dst, mirror_of, item_dir, unpacked)
-        if verify:
-            await _read_back(dst, item_dir, found, saved.leaves)
-        keys = array_metadatas(found, saved.leaves)
-        if keys is not None:  # typed PRNG keys: their implementation, as Orbax records it
-            await dst.write(_join(item_dir, ARRAY_METADATAS, "process_0"), keys)
-        await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
-        if manager:
-            await dst.write(_join(item_dir, COMMIT_SUCCESS), _success(out.final))
-        doc = checkpoint_metadata(manager=manager, started=started)
-        await dst.write(_join(step_dir, CHECKPOINT_METADATA), doc)
-        await dst.write(_join(step_dir, COMMIT_SUCCESS), _success(out.final))  # last
+        for name in jsons:
+            item_dir = out.item_dir(name)
+            value = manifest.json_items[name].value
+            await out.backend.write(_join(item_dir, JSON_FILE), json.dumps(value).encode())
+            await out.backend.write(_join(item_dir, COMMIT_SUCCESS), out.success())
+            handlers[name] = JSON_HANDLER
+        doc = checkpoint_metadata(
+            handlers=dict(sorted(handlers.items())) if composite else None,
+            manager=manager,
+            started=started,
+        )
+        await out.backend.write(_join(out.step_dir, CHECKPOINT_METADATA), doc)
+        await out.backend.write(_join(out.step_dir, COMMIT_SUCCESS), out.success())  # last
     except BaseException:
         await out.discard()
         raise
@@ -143,46 +154,78 @@ async def export(
     return ExportResult(
         step=manifest.step,
         path=out.final,
-        leaves=len(saved.leaves),
-        bytes=saved.nbytes,
+        leaves=sum(len(p.saved.leaves) for p in todo),
+        bytes=sum(p.saved.nbytes for p in todo),
         linked=counts[0],
         copied=counts[1],
-        copied_bytes=counts[2] + packed_bytes,
+        copied_bytes=counts[2],
+        items=tuple(sorted([*arrays, *jsons])) if composite else (),
     )
 
 
-def _choose_item(manifest: Manifest, item: str | None, url: str) -> str:
-    """The array item to export: ``item``, or (None) the step's only item. A step of
-    several items is refused, naming them and ``--item``: an export writes one item as one
-    Orbax tree (`CheckpointNotFoundError` for an item the step lacks, `OrbaxExportError`
-    for a JSON item or a choice to make)."""
-    names = manifest.item_names
-    if item is None and len(names) == 1:
-        item = names[0]
+async def _plan(src: Backend, manifest: Manifest, name: str) -> _Item:
+    saved = manifest.items[name]
+    found = entries(saved.structure, saved.leaves)
+    sources = await _sources(src, manifest, name)
+    return _Item(name, saved, found, [(s, await _objects_to_copy(src, s)) for s in sources])
+
+
+async def _write_item(
+    src: Backend,
+    planned: _Item,
+    dst: Backend,
+    item_dir: str,
+    link: bool,
+    verify: bool,
+    bar: Progress,
+) -> tuple[int, int, int]:
+    """One array item as an Orbax tree in ``dst/item_dir``: its stores mirrored, its packed
+    leaves written, the view built (and read back with ``verify``), its metadata.
+    Returns (objects linked, objects copied, bytes copied or written)."""
+    counts = [0, 0, 0]
+    for source, objects in planned.copies:
+        mirror = _join(item_dir, source.mirror)
+        done = await _mirror(src, source.where, objects, dst, mirror, link=link, bar=bar)
+        counts = [a + b for a, b in zip(counts, done, strict=True)]
+    sources = [source for source, _ in planned.copies]
+    where_of = {leaf: s.where for s in sources for leaf in s.leaves}
+    mirror_of = {leaf: _join(item_dir, s.mirror) for s in sources for leaf in s.leaves}
+    saved, found = planned.saved, planned.found
+    counts[2] += await _write_packed(src, where_of, dst, item_dir, found, saved)
+    unpacked = [e for e in found if e.leaf not in saved.packed]
+    await _build_view(dst, mirror_of, item_dir, unpacked)
+    if verify:
+        await _read_back(dst, item_dir, found, saved.leaves)
+    keys = array_metadatas(found, saved.leaves)
+    if keys is not None:  # typed PRNG keys: their implementation, as Orbax records it
+        await dst.write(_join(item_dir, ARRAY_METADATAS, "process_0"), keys)
+    await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
+    return counts[0], counts[1], counts[2]
+
+
+def _choose_items(manifest: Manifest, item: str | None, url: str) -> tuple[list[str], list[str]]:
+    """The array items and the JSON items to export: ``item`` alone (an array item), or
+    (None) every item of the step, as one Orbax Composite step where there are several or
+    any JSON item (`CheckpointNotFoundError` for an item the step lacks, `OrbaxExportError`
+    for a JSON item named alone: Orbax keeps those beside trees, not as a checkpoint)."""
     if item is None:
-        raise OrbaxExportError(
-            f"step {manifest.step} of {url} has items {names}, and export-orbax writes one "
-            "item as an Orbax checkpoint: name it with --item NAME (item=NAME in Python), "
-            "one export per item"
-        )
+        return sorted(manifest.items), sorted(manifest.json_items)
     if item in manifest.json_items:
         raise OrbaxExportError(
-            f"item {item!r} of step {manifest.step} is a JSON item, not arrays: export-orbax "
-            f"writes array items ({sorted(manifest.items)}); restore it with item={item!r}"
+            f"item {item!r} of step {manifest.step} is a JSON item, not arrays: export it with "
+            f"the step's other items (no --item: one Orbax Composite step of "
+            f"{manifest.item_names}), or restore it with item={item!r}"
         )
     if item not in manifest.items:
         raise CheckpointNotFoundError(
-            f"step {manifest.step} has no item {item!r} (it has {names})", backend=url
+            f"step {manifest.step} has no item {item!r} (it has {manifest.item_names})",
+            backend=url,
         )
-    return item
+    return [item], []
 
 
 def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
-
-
-def _success(final: str) -> bytes:
-    return f"Checkpoint commit was successful to {final}".encode()
 
 
 @dataclass(frozen=True)
@@ -306,85 +349,6 @@ async def _write_packed(
 
 #: Bytes of packed leaves read and written into an export's view at a time.
 _PACKED_BATCH = 64 << 20
-
-
-class _Destination:
-    """Where the export is written: a temporary directory renamed into place on local
-    disk, else the destination itself (finished by ``commit_success.txt``)."""
-
-    def __init__(
-        self,
-        backend: Backend,
-        owned: bool,
-        final: str,
-        step_dir: str,
-        item_dir: str,
-        tmp: Path | None,
-        rename_to: Path | None,
-    ):
-        self.backend, self.owned, self.final = backend, owned, final
-        self.step_dir, self.item_dir = step_dir, item_dir
-        self.tmp, self.rename_to = tmp, rename_to
-
-    @classmethod
-    async def open(cls, destination: Target, step: int, manager: bool) -> _Destination:
-        backend = open_target(destination)
-        owned = not isinstance(destination, Backend)
-        if isinstance(backend, LocalBackend):
-            if owned:
-                await backend.close()
-            final = backend.root / str(step) if manager else backend.root
-            if final.exists() and (not final.is_dir() or any(final.iterdir())):
-                raise AlreadyExistsError(f"{final} already exists", backend=backend.url)
-            tmp = final.with_name(f"{final.name}{TMP_MARK}{time.time_ns()}")
-            tmp.mkdir(parents=True)
-            item_dir = DEFAULT_ITEM if manager else ""
-            return cls(LocalBackend(tmp), True, os.fspath(final), "", item_dir, tmp, final)
-        step_dir = str(step) if manager else ""
-        taken = _join(step_dir, TREE_METADATA if not manager else "")
-        if (
-            (await backend.exists(_join(step_dir, COMMIT_SUCCESS)))
-            or (not manager and await backend.exists(taken))
-            or (manager and await backend.list_dir(step_dir))
-        ):
-            if owned:
-                await backend.close()
-            raise AlreadyExistsError(
-                f"{backend.url}/{step_dir} already holds a checkpoint", backend=backend.url
-            )
-        return cls(
-            backend,
-            owned,
-            _join(backend.url, step_dir),
-            step_dir,
-            _join(step_dir, DEFAULT_ITEM if manager else ""),
-            None,
-            None,
-        )
-
-    async def finish(self) -> None:
-        if self.owned:
-            await self.backend.close()
-        if self.tmp is not None and self.rename_to is not None:
-            _fsync_tree(self.tmp)
-            if self.rename_to.is_dir():  # empty (checked at open): the rename replaces it
-                self.rename_to.rmdir()
-            os.rename(self.tmp, self.rename_to)
-            fsync_dir(self.rename_to.parent)
-
-    async def discard(self) -> None:
-        """Remove a local temporary directory; elsewhere leave the unfinished export (it
-        has no ``commit_success.txt``) for the caller to inspect or delete."""
-        if self.owned:
-            await self.backend.close()
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every directory below ``root`` (hard links are directory entries)."""
-    for path, _, _ in os.walk(root):
-        fsync_dir(Path(path))
 
 
 async def _mirror(

@@ -25,6 +25,7 @@ VALUE_TYPES = {"jax": "jax.Array", "numpy": "np.ndarray", "scalar": "scalar"}
 #: Orbax's value types for containers that hold nothing.
 EMPTY_TYPES = {"dict": "Dict", "list": "List", "tuple": "Tuple", "namedtuple": "NamedTuple"}
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 #: Orbax's item name in a `CheckpointManager` step holding one tree.
 DEFAULT_ITEM = "default"
 
@@ -141,12 +142,14 @@ def array_metadatas(found: list[OrbaxEntry], leaves: dict[str, LeafInfo]) -> byt
     return json.dumps({"array_metadatas": records}).encode() if records else None
 
 
-def checkpoint_metadata(*, manager: bool, started: float) -> bytes:
-    """``_CHECKPOINT_METADATA``: of a `CheckpointManager` step (one ``default`` item) or
-    of a `StandardCheckpointer` directory."""
-    handlers: Any = {DEFAULT_ITEM: HANDLER} if manager else HANDLER
+def checkpoint_metadata(*, handlers: dict[str, str] | None, manager: bool, started: float) -> bytes:
+    """``_CHECKPOINT_METADATA``: of a Composite step (``handlers``: each item's handler),
+    else of a `CheckpointManager` step (one ``default`` item) or of a
+    `StandardCheckpointer` directory."""
+    if handlers is None:
+        handlers = {DEFAULT_ITEM: HANDLER} if manager else None
     doc = {
-        "item_handlers": handlers,
+        "item_handlers": HANDLER if handlers is None else handlers,
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": int(started * 1e9),

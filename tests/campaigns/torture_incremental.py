@@ -20,10 +20,10 @@ from typing import Any
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.format import layout
+from ckptstore.testing.servers import free_port
 from tests.campaigns import torture_worker as worker
 from tests.campaigns.torture_refs import everything, manifests
 from tests.campaigns.torture_report import Point
-from ckptstore.testing.servers import free_port
 from tests.paths import a_day_later
 
 #: Incremental cells: a save with ``base=`` killed at a random moment ("inc") or at an

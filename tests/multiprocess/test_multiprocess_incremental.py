@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from tests.multiprocess.incremental_worker import CHANGED, CHANGED_M, DTYPES, SHAPES, expected
 from ckptstore.testing.servers import free_port
+from tests.multiprocess.incremental_worker import CHANGED, CHANGED_M, DTYPES, SHAPES, expected
 
 WORKER = "tests.multiprocess.incremental_worker"
 REPO = Path(__file__).parents[2]

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import ckptstore
-from tests.multiprocess.scale_worker import SHAPES, expected
 from ckptstore.testing.servers import free_port
+from tests.multiprocess.scale_worker import SHAPES, expected
 
 WORKER = Path(__file__).with_name("scale_worker.py")
 COUNTS = [int(n) for n in os.environ.get("CKPTSTORE_SCALE_PROCESSES", "8").split(",")]

@@ -195,22 +195,59 @@ def test_a_killed_composite_import_commits_nothing_and_resumes(tmp_path: Path) -
 # ---- export-orbax ----
 
 
-def test_export_of_a_step_of_several_items_names_them_and_exports_one_by_one(
+def composite_args(like: dict[str, Any]) -> Any:
+    return ocp.args.Composite(
+        model=ocp.args.StandardRestore(like["model"]),
+        opt=ocp.args.StandardRestore(like["opt"]),
+        config=ocp.args.JsonRestore(),
+    )
+
+
+def test_export_of_a_step_of_several_items_is_one_composite_step_orbax_restores(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An export writes one item as one Orbax tree: without --item a step of several items
-    is refused, naming them and the flag (it said only that "state" was missing); with
-    --item each array item exports, and real Orbax restores it."""
+    """Without --item every item of the step is exported, JSON items included, as one
+    Orbax Composite step (it was refused: "export-orbax writes one item"); real Orbax
+    restores it as a checkpoint directory and as a CheckpointManager step, and the run
+    continues in Orbax."""
     root, cs = tmp_path / "run", tmp_path / "cs"
     composite_run(root, steps=(20,))
     ckptstore.import_orbax_sync(root, cs)
-    refused = run_json(["export-orbax", str(cs), str(tmp_path / "all")], capsys, status=2)
-    message = refused["error"]["message"]
-    assert refused["error"]["type"] == "OrbaxExportError"
-    assert "['config', 'model', 'opt']" in message and "--item NAME" in message
-    assert not (tmp_path / "all").exists()
-    with pytest.raises(OrbaxExportError, match="JSON item"):
+    like = {"model": saved_form(model(20)), "opt": saved_form(opt(20))}
+    done = run_json(["export-orbax", str(cs), str(tmp_path / "all")], capsys)
+    assert done["items"] == ["config", "model", "opt"] and done["leaves"] == 4
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        got = checkpointer.restore(tmp_path / "all", args=composite_args(like))
+    assert got["config"] == {**CONFIG, "step": 20}
+    for name in ("model", "opt"):
+        assert_bit_exact(jax.tree.map(np.asarray, got[name]), like[name])
+
+    runs = tmp_path / "orbax-run"
+    assert main(["export-orbax", str(cs), str(runs), "--manager"]) == 0
+    with ocp.CheckpointManager(runs) as manager:
+        assert manager.all_steps() == [20]
+        got = manager.restore(20, args=composite_args(like))
+        assert got["config"] == {**CONFIG, "step": 20}
+        assert_bit_exact(jax.tree.map(np.asarray, got["model"]), like["model"])
+        args = ocp.args.Composite(
+            model=ocp.args.StandardSave(model(30)),
+            opt=ocp.args.StandardSave(opt(30)),
+            config=ocp.args.JsonSave({**CONFIG, "step": 30}),
+        )
+        manager.save(30, args=args)
+        manager.wait_until_finished()
+    assert ckptstore.restore_sync(runs, step=30, item="config")["step"] == 30
+
+
+def test_export_of_one_item_of_several_is_a_plain_tree(tmp_path: Path) -> None:
+    """--item narrows the export to one array item, written as one Orbax tree; a JSON
+    item alone is refused, saying how to export it."""
+    root, cs = tmp_path / "run", tmp_path / "cs"
+    composite_run(root, steps=(20,))
+    ckptstore.import_orbax_sync(root, cs)
+    with pytest.raises(OrbaxExportError, match=r"JSON item.*no --item"):
         ckptstore.export_orbax_sync(cs, tmp_path / "cfg", item="config")
+    assert not (tmp_path / "cfg").exists()
     for name, want in (("model", model(20)), ("opt", opt(20))):
         out = tmp_path / f"orbax-{name}"
         assert main(["export-orbax", str(cs), str(out), "--item", name]) == 0
