@@ -5,7 +5,8 @@ An Orbax `CheckpointManager` step holds one directory per item. Two kinds are re
 - tree items (``ocp.args.StandardSave``, ``PyTreeSave``): a directory with ``_METADATA``
   (the tree) and the arrays, read by `ckptstore.orbax.read.open_item`;
 - JSON items (``ocp.args.JsonSave``): a directory with one file, ``metadata`` (the
-  ``JsonCheckpointHandler``'s default file name), holding the value as JSON. It is read
+  ``JsonCheckpointHandler``'s default file name) or the name a handler was given
+  (``JsonCheckpointHandler(filename=...)``), holding the value as JSON. It is read
   here as a ckptstore `JsonItem`, the way ckptstore keeps configuration items: parsed
   strictly (no duplicate keys, no NaN), at most `jsonitems.MAX_BYTES`, nothing evaluated.
 
@@ -26,6 +27,8 @@ from ckptstore.orbax.keys import strict_json
 TREE_METADATA = "_METADATA"
 #: The file an Orbax ``JsonCheckpointHandler`` writes its value to (its default name).
 JSON_FILE = "metadata"
+#: What Orbax writes in an item directory besides the item's own data.
+MARKERS = frozenset({"commit_success.txt"})
 TREE, JSON = "tree", "json"
 
 
@@ -39,12 +42,12 @@ async def item_kinds(backend: Backend, where: str) -> dict[str, str]:
     trees = await asyncio.gather(*(backend.exists(_join(where, n, TREE_METADATA)) for n in names))
     jsons = await asyncio.gather(
         *(
-            backend.exists(_join(where, n, JSON_FILE))
+            json_file(backend, _join(where, n))
             for n, tree in zip(names, trees, strict=True)
             if not tree
         )
     )
-    found = iter(jsons)
+    found = iter(file is not None for file in jsons)
     kinds = {}
     for name, tree in zip(names, trees, strict=True):
         if tree:
@@ -59,11 +62,24 @@ async def item_names(backend: Backend, where: str) -> list[str]:
     return [n for n, kind in (await item_kinds(backend, where)).items() if kind == TREE]
 
 
+async def json_file(backend: Backend, prefix: str) -> str | None:
+    """The file of the JSON item whose directory is ``prefix``: `JSON_FILE`, or the
+    directory's one file where a handler was given another name; None where ``prefix``
+    holds no JSON item (no file, or several)."""
+    if await backend.exists(_join(prefix, JSON_FILE)):
+        return JSON_FILE
+    names = [n for n in await backend.list_dir(prefix) if n not in MARKERS]
+    if len(names) == 1 and not names[0].startswith("_"):  # no _METADATA, no ocdbt store
+        if await backend.exists(_join(prefix, names[0])):  # a file, not a directory
+            return names[0]
+    return None
+
+
 async def read_json_item(backend: Backend, prefix: str) -> JsonItem:
     """The JSON item whose directory is ``prefix``: its value, as ckptstore restores a JSON
     item it saved. `CorruptCheckpointError` for what is not strict JSON (or nests deeper
     than a tree may), `UnsupportedLeafError` for more than `jsonitems.MAX_BYTES`."""
-    key = _join(prefix, JSON_FILE)
+    key = _join(prefix, await json_file(backend, prefix) or JSON_FILE)
     where = f"{backend.url}/{key}"
     size = (await backend.stat(key)).size
     if size > jsonitems.MAX_BYTES:

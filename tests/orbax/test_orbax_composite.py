@@ -253,3 +253,25 @@ def test_export_of_one_item_of_several_is_a_plain_tree(tmp_path: Path) -> None:
         assert main(["export-orbax", str(cs), str(out), "--item", name]) == 0
         got = ocp.StandardCheckpointer().restore(out)
         assert_bit_exact(jax.tree.map(np.asarray, got), saved_form(want))
+
+
+def test_a_json_item_under_a_file_name_of_its_own_is_read_and_imported(tmp_path: Path) -> None:
+    """``JsonCheckpointHandler(filename=...)`` writes the value under another name than
+    ``metadata``: the item is still listed, restored in place and imported (it was not an
+    item at all: "no item 'config'")."""
+    root, cs = tmp_path / "run", tmp_path / "cs"
+    handlers = {
+        "model": ocp.StandardCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(filename="config.json"),
+    }
+    with ocp.CheckpointManager(root, item_handlers=handlers) as manager:
+        args = ocp.args.Composite(
+            model=ocp.args.StandardSave(model(5)), config=ocp.args.JsonSave(CONFIG)
+        )
+        manager.save(5, args=args)
+        manager.wait_until_finished()
+    assert (root / "5" / "config" / "config.json").is_file()
+    assert ckptstore.restore_sync(root, item="config") == CONFIG
+    ckptstore.import_orbax_sync(root, cs)
+    assert ckptstore.restore_sync(cs, item="config") == CONFIG
+    assert_bit_exact(ckptstore.restore_sync(cs, item="model"), saved_form(model(5)))
