@@ -212,9 +212,11 @@ class OrbaxCompat:
         manager there; with several items, how to restore them all."""
         latest = self._orbax_steps[-1]
         holder = self.backend
-        if self.durable is not None and not await orbax.is_finalized(holder, latest):
+        where = await orbax.locate(holder, latest)
+        if where is None and self.durable is not None:
             holder = self.durable
-        names = list(await orbax_items.item_kinds(holder, layout.step_dir(latest)))
+            where = await orbax.locate(holder, latest)
+        names = list(await orbax_items.item_kinds(holder, where or layout.step_dir(latest)))
         said = (
             f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
             "manager restores its steps but does not save beside them"

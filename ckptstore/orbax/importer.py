@@ -157,7 +157,7 @@ async def import_orbax(
     resumes it); every item's parts and the JSON items commit with its `finalize`."""
     async with opened(source) as src:
         where, found = await open_orbax(src, step, item, as_item)
-        written = as_step if as_step is not None else (layout.parse_step(where) or 0)
+        written = as_step if as_step is not None else (orbax.orbax_step(where) or 0)
         place = f"{src.url}/{where}" if where else src.url
         trees = {n: s for n, (_, s) in sorted(found.items()) if isinstance(s, StoredItem)}
         configs = {n: s for n, (_, s) in found.items() if isinstance(s, JsonItem)}

@@ -87,10 +87,8 @@ async def find(backend: Backend, step: int | None = None) -> list[tuple[int | No
     when given). Empty when there is none."""
     if step is None and await backend.exists(TREE_METADATA):
         return [(None, "")]
-    steps = await orbax.finalized_steps(backend)
-    if step is not None:
-        steps = [s for s in steps if s == step]
-    return [(s, layout.step_dir(s)) for s in steps]
+    dirs = await orbax.finalized_dirs(backend)
+    return [(s, name) for s, name in dirs.items() if step is None or s == step]
 
 
 @dataclass
