@@ -28,7 +28,7 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     text = section()
-    orbax_run, continued = re.findall(r"```python\n(.*?)```", text, re.S)
+    orbax_run, continued, in_place = re.findall(r"```python\n(.*?)```", text, re.S)
     (commands,) = re.findall(r"```sh\n(.*?)```", text, re.S)
     assert orbax_run.startswith("# The Orbax run to move\n") and "ocp.args.JsonSave" in orbax_run
     assert "import orbax" not in continued
@@ -64,3 +64,12 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
         config = ckptstore.restore_sync(dst, step, item="config")
         assert config == {"lr": 0.5, "model": "mlp", "layers": [4, 4]}
     assert ckptstore.list_steps_sync(src) == [10, 20]  # the Orbax run is untouched
+
+    # Continuing from the Orbax root in place, into a new root.
+    assert "import orbax" not in in_place
+    got, said = run_block(in_place, tmp_path)
+    assert got == said == ["[21, 22]", "2 mlp"]
+    again = tmp_path / "ckptstore-continued"
+    model = ckptstore.restore_sync(again, 22, item="model")
+    np.testing.assert_array_equal(model["w"], np.zeros((4, 4), np.float32))
+    assert ckptstore.list_steps_sync(src) == [10, 20]
