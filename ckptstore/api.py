@@ -33,6 +33,7 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
 from ckptstore.orbax import exporter, importer
 from ckptstore.orbax import read as orbax
+from ckptstore.orbax import steps as orbax_steps
 from ckptstore.orbax.exporter import ExportResult
 from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES, OrbaxImportResult
 from ckptstore.runtime import distributed
@@ -260,7 +261,7 @@ async def list_steps(target: AnyTarget) -> list[int]:
     if tiers is not None:
         return await tier_read.list_steps(tiers)
     async with opened(single(target)) as backend:
-        return await committed_steps(backend) or await orbax.finalized_steps(backend)
+        return await committed_steps(backend) or await orbax_steps.finalized_steps(backend)
 
 
 list_steps_sync = blocking(list_steps)
@@ -332,7 +333,7 @@ async def _stored_or_orbax(backend: Backend, step: int | None, item: str) -> Sto
     try:
         return await plain.open_stored(backend, step, item)
     except CheckpointNotFoundError:
-        where = await orbax.locate(backend, step)
+        where = await orbax_steps.locate(backend, step)
         if where is None:
             raise
         return await orbax.open_item(backend, where, item, default_item=layout.DEFAULT_ITEM)

@@ -28,7 +28,7 @@ from ckptstore.format.tree import rebuild
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.orbax import items as orbax_items
-from ckptstore.orbax import read as orbax
+from ckptstore.orbax import steps as orbax
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.target import Tiered
 

@@ -19,7 +19,7 @@ from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import AlreadyExistsError
 from ckptstore.orbax.items import TREE_METADATA
 from ckptstore.orbax.metadata import DEFAULT_ITEM
-from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS
+from ckptstore.orbax.steps import CHECKPOINT_METADATA, COMMIT_SUCCESS
 
 TMP_MARK = ".orbax-checkpoint-tmp-"
 

@@ -72,7 +72,7 @@ from ckptstore.orbax.metadata import (
     entries,
     tree_metadata,
 )
-from ckptstore.orbax.read import CHECKPOINT_METADATA, COMMIT_SUCCESS
+from ckptstore.orbax.steps import CHECKPOINT_METADATA, COMMIT_SUCCESS
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.progress import Progress
 

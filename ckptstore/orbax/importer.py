@@ -38,6 +38,7 @@ from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
+from ckptstore.orbax import steps as orbax_steps
 from ckptstore.orbax.items import TREE, TREE_METADATA, item_kinds
 from ckptstore.runtime.progress import Progress
 
@@ -67,7 +68,7 @@ async def open_orbax(
     """(the Orbax directory, its items to import: ckptstore name -> (Orbax name, item)) at
     ``backend``: a `StandardCheckpointer` directory, or a `CheckpointManager` root's
     ``step`` (the latest finalized one by default); every item, or only ``item``."""
-    where = await orbax.locate(backend, step)
+    where = await orbax_steps.locate(backend, step)
     if where is None:
         what = "a finalized Orbax step {step}" if step is not None else "an Orbax checkpoint"
         raise CheckpointNotFoundError(
@@ -157,7 +158,7 @@ async def import_orbax(
     resumes it); every item's parts and the JSON items commit with its `finalize`."""
     async with opened(source) as src:
         where, found = await open_orbax(src, step, item, as_item)
-        written = as_step if as_step is not None else (orbax.orbax_step(where) or 0)
+        written = as_step if as_step is not None else (orbax_steps.orbax_step(where) or 0)
         place = f"{src.url}/{where}" if where else src.url
         trees = {n: s for n, (_, s) in sorted(found.items()) if isinstance(s, StoredItem)}
         configs = {n: s for n, (_, s) in found.items() if isinstance(s, JsonItem)}

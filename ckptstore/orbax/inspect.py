@@ -23,6 +23,7 @@ from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
+from ckptstore.orbax import steps as orbax_steps
 from ckptstore.orbax.items import TREE_METADATA, item_kinds
 from ckptstore.runtime.membudget import check_fits
 
@@ -87,7 +88,7 @@ async def find(backend: Backend, step: int | None = None) -> list[tuple[int | No
     when given). Empty when there is none."""
     if step is None and await backend.exists(TREE_METADATA):
         return [(None, "")]
-    dirs = await orbax.finalized_dirs(backend)
+    dirs = await orbax_steps.finalized_dirs(backend)
     return [(s, name) for s, name in dirs.items() if step is None or s == step]
 
 

@@ -1,17 +1,11 @@
 """Reading Orbax 0.12.x checkpoints in place: no conversion, and no Orbax import.
 
-Two layouts are recognized, on any backend:
-
-- a `StandardCheckpointer` (or `PyTreeCheckpointer`) directory: ``_METADATA`` (the
-  tree: key paths and value types), ``_CHECKPOINT_METADATA``, and the arrays, either in
-  one OCDBT store (``manifest.ocdbt``, ``d/``, ``ocdbt.process_<i>/``) or as plain zarr
-  directories (``use_ocdbt=False``);
-- a `CheckpointManager` root: step directories ``<step>/`` (or, with Orbax's
-  ``step_prefix`` and ``step_format_fixed_length``, ``<prefix>_<zero-padded step>/``:
-  `orbax_step`) holding one such directory per item (``default/`` or named items). A
-  step counts once it is finalized: it holds ``commit_success.txt``, or (where rename
-  is atomic, as Orbax renames ``<step>.orbax-checkpoint-tmp-*`` into place)
-  ``_CHECKPOINT_METADATA``. Temporary directories are never steps.
+What is read is one Orbax checkpoint directory (`ckptstore.orbax.steps` finds it: a
+`StandardCheckpointer` directory, or one step of a `CheckpointManager` root): ``_METADATA``
+(the tree: key paths and value types), ``_CHECKPOINT_METADATA``, and the arrays, either in
+one OCDBT store (``manifest.ocdbt``, ``d/``, ``ocdbt.process_<i>/``) or as plain zarr
+directories (``use_ocdbt=False``); a step holds one such directory per item (``default/``
+or named items; JSON items: `ckptstore.orbax.items`).
 
 Each array is zarr v2 (Orbax's default) or zarr3 under its dot-joined key path
 (``params.w/.zarray``). ``_METADATA`` is parsed strictly: anything malformed is a
@@ -20,7 +14,6 @@ Each array is zarr v2 (Orbax's default) or zarr3 under its dot-joined key path
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +38,6 @@ from ckptstore.format.tree import MAX_DEPTH, check_structure, path_name
 from ckptstore.orbax.items import JSON, TREE, TREE_METADATA, item_kinds, read_json_item
 from ckptstore.orbax.keys import key_impls, strict_json, typed_key
 
-CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
-COMMIT_SUCCESS = "commit_success.txt"
-
 SEQUENCE, DICT = 1, 2  # Orbax's KeyType values
 #: Orbax value types stored as arrays, and the leaf kind each becomes.
 ARRAY_KINDS = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": "scalar"}
@@ -65,64 +55,8 @@ UNSUPPORTED = {"string"}
 _PYTHON_TYPES = {"b": "bool", "i": "int", "u": "int", "f": "float", "c": "complex"}
 
 
-# ---- finding Orbax checkpoints ----
-
-
 def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
-
-
-def orbax_step(name: str) -> int | None:
-    """The step an Orbax step directory's name stands for: ``<step>``, or as Orbax names
-    it with ``step_prefix`` (``<prefix>_<step>``) and ``step_format_fixed_length``
-    (zero-padded, ``<prefix>_00000100``); None for anything else (temporary directories,
-    ``_<step>`` with an empty prefix)."""
-    prefix, _, digits = name.rpartition("_")
-    if not (digits.isascii() and digits.isdigit()) or (digits != name and not prefix):
-        return None
-    return int(digits)
-
-
-async def is_finalized(backend: Backend, step_dir: str) -> bool:
-    """Whether ``step_dir`` is a finalized Orbax step (see the module docstring)."""
-    names = set(await backend.list_dir(step_dir))
-    if COMMIT_SUCCESS in names:
-        return True
-    return backend.capabilities.atomic_rename and CHECKPOINT_METADATA in names
-
-
-async def finalized_dirs(backend: Backend) -> dict[int, str]:
-    """The finalized steps of an Orbax `CheckpointManager` root, ascending, each with its
-    directory's name. Two finalized directories for one step (``7`` and ``step_7``) are
-    `CorruptCheckpointError`: which one Orbax would read depends on its options."""
-    named = sorted((s, n) for n in await backend.list_dir() if (s := orbax_step(n)) is not None)
-    flags = await asyncio.gather(*(is_finalized(backend, n) for _, n in named))
-    out: dict[int, str] = {}
-    for (step, name), ok in zip(named, flags, strict=True):
-        if ok and step in out:
-            raise CorruptCheckpointError(
-                f"{backend.url} holds Orbax step {step} twice ({out[step]!r} and {name!r}): "
-                "move one of them away"
-            )
-        if ok:
-            out[step] = name
-    return out
-
-
-async def finalized_steps(backend: Backend) -> list[int]:
-    """The finalized steps of an Orbax `CheckpointManager` root, ascending."""
-    return list(await finalized_dirs(backend))
-
-
-async def locate(backend: Backend, step: int | None) -> str | None:
-    """The Orbax directory to read ("" for a `StandardCheckpointer` root, else the step's),
-    or None when the backend holds no such Orbax checkpoint."""
-    if step is None and await backend.exists(TREE_METADATA):
-        return ""
-    dirs = await finalized_dirs(backend)
-    if step is None:
-        return dirs[max(dirs)] if dirs else None
-    return dirs.get(layout.check_step(step))
 
 
 # ---- _METADATA ----

@@ -16,7 +16,7 @@ import pytest
 import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.errors import CorruptCheckpointError, UnsupportedOperationError
-from ckptstore.orbax.read import orbax_step
+from ckptstore.orbax.steps import orbax_step
 from tests.orbax.conftest import assert_bit_exact, saved_form
 
 
