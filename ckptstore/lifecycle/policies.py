@@ -7,6 +7,7 @@ step that is still being written, whatever a keep policy says.
 
     from ckptstore import policies as P
     save_policy = P.AnyOf(P.EveryNSteps(1000), P.EveryNSeconds(1800), P.OnPreemption())
+    save_policy = P.AnyOf(P.Goodput(mtbf=6 * 3600), P.OnPreemption())  # the interval chosen
     keep_policy = P.KeepAnyOf(P.KeepLatest(3), P.KeepBest(1, "val_acc", mode="max"))
 """
 
@@ -132,7 +133,119 @@ class AnyOf(SavePolicy):
         return all(p.deterministic for p in self.policies)
 
     def should_save(self, ctx: SaveContext) -> bool:
-        return any(p.should_save(ctx) for p in self.policies)
+        # Every policy is asked (no short cut): one that measures the loop sees every step.
+        return any([p.should_save(ctx) for p in self.policies])
+
+
+class Goodput(SavePolicy):
+    """Saves at the interval that loses the least work to saving and to failures.
+
+    A save costs the loop its pause plus the slowdown of the steps that run while it is
+    written; a failure loses the work done since the last durable save. With ``mtbf``
+    seconds between failures (declared) and a save cost of ``c`` seconds (measured here),
+    the interval between save starts that loses the least is about ``sqrt(2 c mtbf)``
+    (Young, 1974), refined by Daly (2006) to
+    ``sqrt(2 c mtbf) (1 + sqrt(c / (2 mtbf)) / 3 + c / (18 mtbf))`` for ``c < 2 mtbf``
+    (``mtbf`` itself beyond). Never shorter than ``min_interval`` seconds (nor longer than
+    ``max_interval``), and the first save waits ``min_interval`` after the first step.
+
+    The cost is measured from the loop itself, once per step (the manager asks the policy
+    at every ``save`` call): a step's time is the time between two calls; steps with no
+    save running give the step time alone; from the call where a save started (it
+    includes the pause) to the first call that finds the save finished, what the steps
+    took beyond that is the save's cost. The latest costs are averaged with weight
+    ``1 - decay`` for the newest, so the interval follows a change in the cost (say
+    incremental saves after full ones) within a few saves. `metrics` says what it chose
+    and why. One instance per manager: it keeps what it measured.
+    """
+
+    deterministic = False  # clocks: process 0 decides for everyone
+
+    def __init__(
+        self,
+        mtbf: float,
+        *,
+        min_interval: float = 60.0,
+        max_interval: float | None = None,
+        decay: float = 0.5,
+    ) -> None:
+        _positive("Goodput.mtbf", mtbf)
+        _positive("Goodput.min_interval", min_interval)
+        if max_interval is not None:
+            _positive("Goodput.max_interval", max_interval)
+            if max_interval < min_interval:
+                raise ConfigError("Goodput.max_interval must be at least min_interval")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
+            raise ConfigError(f"Goodput.decay must be in [0, 1), got {decay!r}")
+        self.mtbf, self.min_interval, self.max_interval = float(mtbf), min_interval, max_interval
+        self.decay = decay
+        self.step_time: float | None = None  # seconds per step without a save running
+        self.save_cost: float | None = None  # seconds a save costs the loop
+        self.saves_measured = 0
+        self._started: float | None = None  # the first call's time
+        self._seen: tuple[int, float, float | None, bool] | None = None  # step, now, last, busy
+        self._extra: float | None = None  # a save being measured: its cost so far
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        self._observe(ctx)
+        if ctx.last_time is None:
+            assert self._started is not None
+            return ctx.now - self._started >= self.min_interval
+        return ctx.now - ctx.last_time >= self.interval()
+
+    def interval(self) -> float:
+        """Seconds between save starts: Daly's optimum for the measured cost, within the
+        bounds (`min_interval` until a save's cost has been measured)."""
+        if self.save_cost is None:
+            return self.min_interval
+        c, m = self.save_cost, self.mtbf
+        best = math.sqrt(2 * c * m) * (1 + math.sqrt(c / (2 * m)) / 3 + c / (18 * m))
+        best = m if c >= 2 * m else best
+        best = max(best, self.min_interval)
+        return best if self.max_interval is None else min(best, self.max_interval)
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """What the policy measured and chose: the interval, the save cost and step time
+        it was chosen from, and the expected fraction of time lost to saving plus the
+        recomputation after failures, ``c / interval + interval / (2 mtbf)`` (None until
+        a save's cost is known)."""
+        interval = self.interval()
+        lost = None
+        if self.save_cost is not None:
+            lost = self.save_cost / interval + interval / (2 * self.mtbf)
+        return {
+            "interval_s": interval,
+            "save_cost_s": self.save_cost,
+            "step_s": self.step_time,
+            "mtbf_s": self.mtbf,
+            "saves_measured": self.saves_measured,
+            "expected_lost_fraction": lost,
+        }
+
+    def _observe(self, ctx: SaveContext) -> None:
+        """Fold the time since the previous step's call into the step time or the cost of
+        the save running (a repeated call for one step, as `should_save` makes, adds nothing)."""
+        seen, self._seen = self._seen, (ctx.step, ctx.now, ctx.last_time, ctx.in_flight)
+        if seen is None:
+            self._started = ctx.now
+            return
+        step, then, last, busy = seen
+        if ctx.step <= step:
+            self._seen = seen
+            return
+        took = (ctx.now - then) / (ctx.step - step)  # seconds per step since the last call
+        started = ctx.last_time is not None and ctx.last_time != last
+        if started or self._extra is not None:
+            extra = (ctx.now - then) - (ctx.step - step) * (self.step_time or took)
+            self._extra = (0.0 if started or self._extra is None else self._extra) + extra
+            if not ctx.in_flight:  # finished: one more cost measured
+                cost, self._extra = max(self._extra, 0.0), None
+                old = self.save_cost
+                self.save_cost = cost if old is None else self.decay * old + (1 - self.decay) * cost
+                self.saves_measured += 1
+        elif not busy and not ctx.in_flight:
+            old = self.step_time
+            self.step_time = took if old is None else 0.8 * old + 0.2 * took
 
 
 # ---- keep policies ----
