@@ -13,8 +13,7 @@ import tensorstore as ts
 
 import ckptstore
 from ckptstore.importers.safetensors import load_rules
-
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+from tests.helpers import DOCS, run_block
 
 
 def blocks(doc: str, lang: str) -> list[str]:
@@ -103,24 +102,6 @@ def test_orbax_out_example_runs_as_written(tmp_path: Path) -> None:
     w = np.arange(32, dtype=np.float32).reshape(8, 4)
     assert np.asarray(state["params"]["w"]).tobytes() == w.tobytes()
     assert again["step"] == 10 and np.asarray(again["params"]["w"]).tobytes() == w.tobytes()
-
-
-PRINTED = re.compile(r"^\s*print\(.*\)\s*#\s*(.*)$")
-
-
-def run_block(code: str, tmp_path: Path) -> tuple[list[str], list[str]]:
-    """Run one example (its /tmp/ paths moved below ``tmp_path``): (what it printed, what
-    its ``print(...)  # comment`` lines say it prints)."""
-    for name in set(re.findall(r'"/tmp/([\w-]+)"', code)):
-        code = code.replace(f'"/tmp/{name}"', repr(str(tmp_path / name)))
-    assert '"/tmp/' not in code
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(code, "docs/migrating-from-orbax.md", "exec"), {"__name__": "example"})
-    lines = [line for line in code.splitlines() if line.lstrip().startswith("print(")]
-    expected = [m[1] for line in lines if (m := PRINTED.match(line))]
-    assert len(expected) == len(lines), "every print(...) says what it prints"
-    return printed.getvalue().splitlines(), expected
 
 
 def test_migrating_from_orbax_examples_run_against_both_libraries(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from tests.backends.test_plugin import clean_env
+from tests.backends.helpers import clean_env
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -15,14 +15,9 @@ import numpy as np
 import ckptstore
 from ckptstore.testing import plugin
 from ckptstore.testing.servers import FakeGcsServer, MotoS3Server
+from tests.backends.helpers import clean_env
 
 HEAVY = ("jax", "jaxlib", "tensorstore", "numpy", "s3fs", "gcsfs", "botocore")
-
-
-def clean_env() -> dict[str, str]:
-    """This process's environment without what our own fixtures and conftest set."""
-    prefixes = ("AWS_", "STORAGE_EMULATOR", "TENSORSTORE_", "XLA_FLAGS", "JAX_", "CKPTSTORE_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
 
 
 def test_loading_the_plugin_imports_neither_jax_nor_tensorstore() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore.backends.sdklog import is_aws_line, quiet_aws_sdk
-from tests.backends.test_plugin import clean_env
+from tests.backends.helpers import clean_env
 
 AWS_LINE = (
     b"E1201 05:08:52.124881   31545 common-io:5] static: Failed to open file. "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.benchmarks.test_benchmarks_smoke import quick_run
+from tests.benchmarks.helpers import quick_run
 
 pytest.importorskip("moto", reason="the benchmark runs a moto S3 server")
 

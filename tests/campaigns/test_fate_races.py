@@ -19,7 +19,7 @@ import pytest
 
 import ckptstore
 from tests.campaigns.fate_race_worker import LATER, SHAPES, fast_dir, parts_tree, run, tree
-from tests.checkpoint.test_partial import shared_target
+from tests.checkpoint.helpers import shared_target
 
 ROUNDS = {"local": 4, "s3": 1}  # `make races`: 50 each (CKPTSTORE_RACE_ROUNDS)
 

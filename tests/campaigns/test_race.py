@@ -10,7 +10,7 @@ import pytest
 
 import ckptstore
 from tests.campaigns.race_worker import run, tree
-from tests.checkpoint.test_partial import shared_target
+from tests.checkpoint.helpers import shared_target
 
 WRITERS = 4
 ROUNDS = {"local": 20, "s3": 10}

@@ -21,7 +21,7 @@ from ckptstore.checkpoint.staged import staged_key
 from ckptstore.cli import main
 from ckptstore.format import layout
 from ckptstore.tiers import hostlocal
-from tests.checkpoint.test_commit import STALLS, Stalled, assert_is_tree, snapshot, tree_of
+from tests.checkpoint.helpers import STALLS, Stalled, assert_is_tree, snapshot, tree_of
 from tests.paths import attempts, committed_root
 
 

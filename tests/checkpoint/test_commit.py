@@ -7,46 +7,26 @@ import json
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import digest
 from ckptstore.format import layout
-from ckptstore.testing.faults import FaultyBackend
+from tests.checkpoint.helpers import (
+    FIXTURE_V1,
+    STALLS,
+    Stalled,
+    assert_is_tree,
+    resign,
+    snapshot,
+    tree_of,
+)
 from tests.paths import attempts, committed_root
-
-T = TypeVar("T")
-FIXTURE_V1 = Path(__file__).parents[1].joinpath("fixtures") / "v1"
-
-
-def sharded(values: np.ndarray) -> jax.Array:
-    """``values`` spread over 8 CPU devices: one chunk per shard."""
-    mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
-    return jax.device_put(values, NamedSharding(mesh, P("d")))
-
-
-def tree_of(k: int) -> dict[str, Any]:
-    return {"x": np.full(64, k, np.int32), "w": sharded(np.arange(64.0, dtype=np.float32) * k)}
-
-
-def assert_is_tree(restored: dict[str, Any], k: int) -> None:
-    np.testing.assert_array_equal(restored["x"], np.full(64, k, np.int32))
-    np.testing.assert_array_equal(restored["w"], np.arange(64.0, dtype=np.float32) * k)
-
-
-async def snapshot(backend: Backend, prefix: str) -> dict[str, bytes]:
-    """Every object below ``prefix`` with its bytes."""
-    keys = [info.key async for info in backend.list(prefix)]
-    return {k: await backend.read(k) for k in keys}
-
 
 # ---- the layout ----
 
@@ -149,34 +129,6 @@ async def test_missing_chunk_is_an_error_not_zeros(any_backend: Backend) -> None
 
 
 # ---- racing and stalled writers ----
-
-
-class Stalled(FaultyBackend):
-    """Pauses one operation (the first matching one) until released."""
-
-    def __init__(self, inner: Backend, op: str, suffix: str, *, after: bool = False):
-        super().__init__(inner)
-        self.op, self.suffix, self.stall_after = op, suffix, after
-        self.reached, self.release = asyncio.Event(), asyncio.Event()
-
-    async def _around(self, op: str, key: str | None, call: Callable[[], Awaitable[T]]) -> T:
-        stall = op == self.op and (key or "").endswith(self.suffix) and not self.reached.is_set()
-        if stall and not self.stall_after:
-            await self._pause()
-        try:
-            return await call()
-        finally:
-            if stall and self.stall_after:
-                await self._pause()
-
-    async def _pause(self) -> None:
-        self.reached.set()
-        await self.release.wait()
-
-
-#: Where a writer stalls: right after its "is the step committed?" check, or with all its
-#: data written and merged, just before it writes its manifest and creates the marker.
-STALLS = {"checked": ("list_dir", "5", True), "merged": ("write", "manifest.json", False)}
 
 
 Writer = Callable[[Backend, int], Awaitable[Any]]
@@ -312,14 +264,6 @@ async def test_v1_tampering_is_still_caught(v1_root: Path) -> None:
     (v1_root / "7" / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ckptstore.CorruptCheckpointError, match="describes step 9"):
         await ckptstore.restore(str(v1_root), step=7)
-
-
-async def resign(backend: Backend, step: int, manifest: bytes) -> None:
-    """Replace a committed step's manifest and fix its marker's digest: a forger's edit."""
-    marker = json.loads(await backend.read(f"{step}/COMMITTED"))
-    await backend.write(f"{await committed_root(backend, step)}/manifest.json", manifest)
-    marker["manifest_digest"] = digest(manifest)
-    await backend.write(f"{step}/COMMITTED", json.dumps(marker).encode())
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,7 @@ import ckptstore
 from ckptstore.backends import local
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint import commit as commit_protocol
-from tests.tiers.test_room import STEP_BYTES, tiers_on
-from tests.tiers.test_tiers import tree
+from tests.tiers.helpers import STEP_BYTES, tiers_on, tree
 
 
 def empty_dirs(root: Path) -> list[str]:

@@ -27,10 +27,9 @@ from ckptstore.format import layout
 from ckptstore.format.digests import ALGORITHM, LEGACY, digest
 from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import entry_size
+from tests.checkpoint.helpers import FROZEN, assert_same, holders, lora, stored_bytes
 from tests.conftest import make_backend
 from tests.paths import committed_root
-
-FROZEN = np.arange(2 << 20, dtype=np.float32).reshape(2048, 1024)  # 8 MiB: never changes
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -38,34 +37,6 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     b = await make_backend(request.param, request, tmp_path)
     async with b:
         yield b
-
-
-def lora(k: int) -> dict[str, Any]:
-    """A frozen base (a large leaf, a small packed one) and adapters that change with k."""
-    return {
-        "base": {"w": FROZEN, "norm": np.linspace(0, 1, 7, dtype=np.float32)},
-        "adapter": {"a": np.full((64, 16), k, np.float32), "b": np.full((16, 64), -k, np.int32)},
-        "step": k,
-    }
-
-
-def assert_same(got: Any, want: Any) -> None:
-    flat_got, tree_got = jax.tree_util.tree_flatten(got)
-    flat_want, tree_want = jax.tree_util.tree_flatten(want)
-    assert tree_got == tree_want
-    for g, w in zip(flat_got, flat_want, strict=True):
-        assert type(g) is type(w) or isinstance(w, np.ndarray)
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-        assert np.asarray(g).dtype == np.asarray(w).dtype
-
-
-async def stored_bytes(backend: Backend, step: int) -> int:
-    return sum(o.size for o in [o async for o in backend.list(await committed_root(backend, step))])
-
-
-async def holders(backend: Backend, step: int) -> set[tuple[int, str]]:
-    manifest = await load_committed(backend, step)
-    return {(r.step, r.attempt) for r in manifest.references}
 
 
 async def test_only_changed_leaves_are_written_and_restore_bit_exact(backend: Backend) -> None:
@@ -369,7 +340,7 @@ async def test_verify_compares_referenced_bytes_with_their_recorded_digests(
     """A forged (re-signed) manifest whose reference points at another attempt of the same
     shape, or whose recorded digest is false: a restore would return other values, and
     `verify` says so instead of "intact"."""
-    from tests.checkpoint.test_commit import resign
+    from tests.checkpoint.helpers import resign
 
     backend = ckptstore.open_backend(str(tmp_path / "ckpt"))
     other = {**lora(3), "base": {"w": FROZEN + 1, "norm": np.linspace(1, 2, 7, dtype=np.float32)}}

@@ -18,18 +18,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.retry import RetryPolicy
 from ckptstore.checkpoint.target import opened
 from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
-
-
-def part_tree(k: int) -> dict[str, Any]:
-    rng = np.random.default_rng(k)
-    return {
-        "layers": {
-            str(k): {
-                "w": rng.standard_normal((64, 32)).astype(np.float32),
-                "b": np.full(32, k, np.int16),
-            }
-        }
-    }
+from tests.checkpoint.helpers import part_tree, shared_target
 
 
 def combined(n: int) -> dict[str, Any]:
@@ -164,7 +153,7 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
     import ckptstore
     import ckptstore.datapath.arrays as arrays_module
     from tests.campaigns.killpoints import first_bytes
-    from tests.checkpoint.test_partial import part_tree
+    from tests.checkpoint.helpers import part_tree
 
     real_write = arrays_module.write_leaves
     calls = 0
@@ -190,25 +179,6 @@ IMPORTER_KILLED_MID_PART = textwrap.dedent(
     asyncio.run(main())
     """
 )
-
-
-def shared_target(kind: str, request: pytest.FixtureRequest, tmp_path: Path, name: str) -> str:
-    """A target another process can open too: a path, or a profile naming an emulator."""
-    if kind == "local":
-        return str(tmp_path / name)
-    if kind == "s3":
-        server, bucket = (
-            request.getfixturevalue("ckptstore_s3_server"),
-            request.getfixturevalue("ckptstore_s3_bucket"),
-        )
-        url, options = f"s3://{bucket}/{name}", 'credentials = "env"'
-    else:
-        server = request.getfixturevalue("ckptstore_gcs_server")
-        bucket = request.getfixturevalue("ckptstore_gcs_bucket")
-        url, options = f"gs://{bucket}/{name}", 'credentials = "anonymous"\nemulator = true'
-    profile = tmp_path / f"{name}.toml"
-    profile.write_text(f'url = "{url}"\n[options]\nendpoint = "{server.endpoint}"\n{options}\n')
-    return str(profile)
 
 
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs"])

@@ -19,8 +19,7 @@ from ckptstore.checkpoint.commit import load_committed
 from ckptstore.errors import BaseStepGoneError, ConfigError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Reference
-from tests.checkpoint.test_commit import FIXTURE_V1
-from tests.checkpoint.test_incremental import FROZEN, assert_same, holders, lora, stored_bytes
+from tests.checkpoint.helpers import FIXTURE_V1, FROZEN, assert_same, holders, lora, stored_bytes
 from tests.conftest import make_backend
 from tests.paths import committed_root
 

@@ -12,57 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.format.manifest import parse_leaf
-
-
-def _known(impl: str) -> bool:
-    try:
-        jax.random.key(0, impl=impl)
-    except ValueError:
-        return False
-    return True
-
-
-# Every implementation this jax registers by name (threefry2x32, rbg and unsafe_rbg always).
-IMPLS = [
-    name
-    for name in ("threefry2x32", "rbg", "unsafe_rbg", "philox2x32", "philox4x32", "threefry4x32")
-    if _known(name)
-]
-
-
-def mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
-
-
-def keys_tree(impl: str) -> dict[str, Any]:
-    root = jax.random.key(7, impl=impl)
-    return {
-        "one": root,
-        "batch": jax.random.split(root, 6),
-        "grid": jax.random.split(jax.random.fold_in(root, 1), (2, 3)),
-        "w": np.arange(4, dtype=np.float32),
-    }
-
-
-def assert_same_keys(got: Any, want: jax.Array) -> None:
-    assert isinstance(got, jax.Array)
-    assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    assert jax.random.key_impl(got) == jax.random.key_impl(want)
-    assert got.shape == want.shape
-    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
-    # Bit-exact keys draw the same numbers.
-    bits = jax.vmap(jax.random.bits)
-    flat = (-1,) if want.shape else ()
-    np.testing.assert_array_equal(
-        (bits if want.shape else jax.random.bits)(got.reshape(flat)),
-        (bits if want.shape else jax.random.bits)(want.reshape(flat)),
-    )
+from tests.checkpoint.helpers import IMPLS, assert_same_keys, keys_tree, mesh
 
 
 def assert_same_tree(got: dict[str, Any], want: dict[str, Any]) -> None:

@@ -209,7 +209,7 @@ async def test_rm_of_a_step_another_process_deleted_meanwhile_succeeds_and_says_
     from ckptstore.backends.local import LocalBackend
     from ckptstore.cli.output import Output
     from ckptstore.cli.remove import StepSpec, cmd_rm
-    from tests.lifecycle.test_manager import _DeletedFirst
+    from tests.lifecycle.helpers import _DeletedFirst
 
     backend = _DeletedFirst(LocalBackend(tmp_path / "run"))
     for step in (1, 2, 3):

@@ -26,6 +26,7 @@ from ckptstore.backends.retry import RetryPolicy
 from ckptstore.format import layout
 from ckptstore.lifecycle.policies import SaveContext, StepRecord
 from ckptstore.testing.faults import FaultyBackend, InjectedPermanentFault
+from tests.lifecycle.helpers import _DeletedFirst
 
 
 def make_state(seed: int = 0) -> dict[str, Any]:
@@ -264,7 +265,7 @@ def test_a_step_committed_only_on_the_durable_tier_is_refused_at_save(tmp_path: 
 
 
 async def test_retention_never_touches_a_step_being_written(tmp_path: Path) -> None:
-    from tests.checkpoint.test_commit import STALLS, Stalled
+    from tests.checkpoint.helpers import STALLS, Stalled
 
     root = str(tmp_path / "run")
     backend = ckptstore.open_backend(root)
@@ -507,22 +508,6 @@ def test_a_bad_target_fails_before_any_thread_starts(tmp_path: Path) -> None:
     with pytest.raises(ckptstore.ConfigError, match="does not exist"):
         ckptstore.CheckpointManager(str(tmp_path / "typo.toml"))
     assert threading.active_count() == before
-
-
-class _DeletedFirst(FaultyBackend):
-    """A backend on which another process deletes a step just before this one reads its
-    marker (armed by `_DropsOlder`)."""
-
-    def __init__(self, inner: Backend):
-        super().__init__(inner)
-        self.armed: set[int] = set()
-
-    async def _read(self, key: str, start: int | None, end: int | None) -> bytes:
-        step = key.split("/")[0]
-        if "/COMMITTED" in key and step.isdigit() and int(step) in self.armed:
-            self.armed.discard(int(step))
-            await ckptstore.delete_step(self.inner, int(step))  # `ckptstore rm` elsewhere
-        return await self.inner.read(key, start, end)
 
 
 class _DropsOlder(pol.KeepPolicy):

@@ -23,36 +23,15 @@ from ckptstore import policies as pol
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.format import layout
 from ckptstore.runtime.blocking import run
-from tests.lifecycle.incremental_worker import FROZEN_SHAPE, advance, initial, like, state_at
+from tests.lifecycle.helpers import CHANGED, FROZEN, OVERHEAD, assert_bit_exact, host, options
+from tests.lifecycle.incremental_worker import advance, initial, like, state_at
 
 REPO = Path(__file__).resolve().parents[2]
-FROZEN = FROZEN_SHAPE[0] * FROZEN_SHAPE[1] * 4
-CHANGED = 3 * 1024 * 8 * 4  # lora a and b, opt mu: float32
-#: What a step's attempt holds besides its leaves' chunks: zarr.json files, OCDBT
-#: manifests and B-tree nodes, digests, the manifest and the marker.
-OVERHEAD = 64 << 10
-
-
-def options(**kw: Any) -> ckptstore.ManagerOptions:
-    return ckptstore.ManagerOptions(handle_sigterm=False, incremental=True, **kw)
 
 
 def disk_usage(path: Path) -> int:
     """Bytes of every file below ``path`` (0 if it does not exist)."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def host(state: Any) -> Any:
-    return jax.tree.map(np.asarray, state)
-
-
-def assert_bit_exact(got: Any, want: Any) -> None:
-    flat_got, tree_got = jax.tree_util.tree_flatten(got)
-    flat_want, tree_want = jax.tree_util.tree_flatten(want)
-    assert tree_got == tree_want
-    for g, w in zip(flat_got, flat_want, strict=True):
-        assert np.asarray(g).dtype == np.asarray(w).dtype
-        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
 
 
 @pytest.mark.parametrize("staging", ["host", "view"])

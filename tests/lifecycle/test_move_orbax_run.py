@@ -14,7 +14,7 @@ import pytest
 
 import ckptstore
 from ckptstore.cli.main import main
-from tests.test_docs import DOCS, run_block
+from tests.helpers import DOCS, run_block
 
 SECTION = re.compile(r"## Move an existing run\n(.*?)(?:\n## |\Z)", re.S)
 

@@ -23,7 +23,7 @@ from ckptstore.checkpoint.target import opened
 from ckptstore.cli import main
 from ckptstore.testing.servers import free_port
 from ckptstore.tiers import status as tier_status
-from tests.checkpoint.test_partial import shared_target
+from tests.checkpoint.helpers import shared_target
 from tests.multiprocess.mp_worker import SHAPES, expected
 from tests.paths import a_day_later
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.errors import CorruptCheckpointError, UnsupportedLeafError
-from tests.checkpoint.test_prng_keys import IMPLS, assert_same_keys, keys_tree, mesh
+from tests.checkpoint.helpers import IMPLS, assert_same_keys, keys_tree, mesh
 
 
 def sharded_trees() -> dict[str, Any]:

@@ -16,8 +16,7 @@ import pytest
 
 import ckptstore
 from ckptstore.checkpoint.target import open_target
-from tests.checkpoint.test_incremental import assert_same, lora
-from tests.checkpoint.test_partial import shared_target
+from tests.checkpoint.helpers import assert_same, lora, shared_target
 from tests.paths import committed_root, largest_data_file
 
 

@@ -26,10 +26,9 @@ from ckptstore.checkpoint.target import open_target
 from ckptstore.format import layout
 from ckptstore.testing.faults import FaultyBackend
 from ckptstore.tiers import save as tier_save
-from tests.checkpoint.test_incremental import FROZEN, assert_same, lora
-from tests.checkpoint.test_partial import shared_target
+from tests.checkpoint.helpers import FROZEN, assert_same, lora, shared_target
 from tests.paths import a_day_later, committed_root, largest_data_file
-from tests.tiers.test_room import SmallDisk
+from tests.tiers.helpers import SmallDisk
 
 CHANGED = 64 * 16 * 4 * 2 + 8  # lora(k)'s adapters and step counter: what changes per step
 

@@ -20,9 +20,8 @@ from ckptstore.checkpoint.cleanup import trim_step
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.target import opened
 from ckptstore.runtime.blocking import run
-from tests.checkpoint.test_partial import shared_target
-from tests.lifecycle.incremental_worker import advance, initial, like
-from tests.lifecycle.test_manager_incremental import (
+from tests.checkpoint.helpers import shared_target
+from tests.lifecycle.helpers import (
     CHANGED,
     FROZEN,
     OVERHEAD,
@@ -30,6 +29,7 @@ from tests.lifecycle.test_manager_incremental import (
     host,
     options,
 )
+from tests.lifecycle.incremental_worker import advance, initial, like
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -16,26 +16,7 @@ from ckptstore.checkpoint.commit import Marker
 from ckptstore.format import layout
 from ckptstore.tiers.hostlocal import Staged
 from ckptstore.tiers.room import Room, ensure_room, promoted_steps
-from tests.tiers.test_tiers import assert_tree, tree
-
-STEP_BYTES = 256 * 128 * 4 + 7 * 2 + 8  # one tree(step)'s payload
-
-
-class SmallDisk(LocalBackend):
-    """A local tier on a disk of ``capacity`` bytes."""
-
-    def __init__(self, root: Path, capacity: int) -> None:
-        super().__init__(root)
-        self.capacity = capacity
-
-    async def free_bytes(self) -> int | None:
-        used = sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
-        return self.capacity - used
-
-
-def tiers_on(tmp_path: Path, capacity: int, margin: int = 4096) -> ckptstore.Tiered:
-    fast = SmallDisk(tmp_path / "nvme", capacity)
-    return ckptstore.Tiered(fast, str(tmp_path / "bucket"), free_margin=margin)
+from tests.tiers.helpers import STEP_BYTES, SmallDisk, assert_tree, tiers_on, tree
 
 
 async def test_promoted_steps_make_room_oldest_first(tmp_path: Path) -> None:
@@ -135,7 +116,7 @@ async def test_an_incremental_save_counts_what_it_writes_and_never_evicts_its_ba
     """Step 1 promoted and on the fast tier; too little room left for a full save, enough
     for step 2's changed leaves: the incremental save on base 1 evicts nothing (step 1 is
     its base, and its frozen leaves are only referenced) and references them."""
-    from tests.checkpoint.test_incremental import FROZEN, assert_same, lora
+    from tests.checkpoint.helpers import FROZEN, assert_same, lora
 
     fast = SmallDisk(tmp_path / "nvme", capacity=1 << 40)
     tiers = ckptstore.Tiered(fast, str(tmp_path / "bucket"), free_margin=4096)

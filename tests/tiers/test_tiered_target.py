@@ -15,9 +15,9 @@ import pytest
 import ckptstore
 from ckptstore.checkpoint.target import open_target
 from ckptstore.cli import main
-from tests.checkpoint.test_partial import shared_target
+from tests.checkpoint.helpers import shared_target
 from tests.paths import committed_root, largest_data_file
-from tests.tiers.test_tiers import assert_tree, tree
+from tests.tiers.helpers import assert_tree, tree
 
 
 @pytest.fixture(params=["s3", "gcs"])

@@ -18,38 +18,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 import ckptstore
 from ckptstore.checkpoint.target import open_target, opened
 from ckptstore.cli import main
 from ckptstore.tiers import status as tier_status
-from tests.checkpoint.test_partial import shared_target
+from tests.checkpoint.helpers import shared_target
 from tests.paths import committed_root, largest_data_file
+from tests.tiers.helpers import assert_tree, tree
 
 DURABLE = ["s3", "gcs"]
 #: SIGKILLs of the promoter per durable backend (CKPTSTORE_PROMOTE_KILLS=50 for the long run).
 #: 3 here: with the seeded choices each backend's include a kill at the last object left
 #: and kills of resumed promotions (6 before; the later ones repeated early kills).
 KILLS = int(os.environ.get("CKPTSTORE_PROMOTE_KILLS", "3"))
-
-
-def tree(step: int) -> dict[str, Any]:
-    rng = np.random.default_rng(step)
-    return {
-        "w": rng.standard_normal((256, 128)).astype(np.float32),
-        "b": np.full(7, step, np.int16),
-        "step": step,
-    }
-
-
-def assert_tree(restored: dict[str, Any], step: int) -> None:
-    expected = tree(step)
-    assert restored["step"] == step
-    for key in ("w", "b"):
-        assert restored[key].dtype == expected[key].dtype
-        assert restored[key].tobytes() == expected[key].tobytes()
 
 
 @pytest.fixture(params=DURABLE)

@@ -1,0 +1,52 @@
+"""Helpers the tier tests share: a step's tree and its check, a small fast-tier disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import ckptstore
+from ckptstore.backends.local import LocalBackend
+
+# ---- a step's tree (test_tiers.py) ----
+
+
+def tree(step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    return {
+        "w": rng.standard_normal((256, 128)).astype(np.float32),
+        "b": np.full(7, step, np.int16),
+        "step": step,
+    }
+
+
+def assert_tree(restored: dict[str, Any], step: int) -> None:
+    expected = tree(step)
+    assert restored["step"] == step
+    for key in ("w", "b"):
+        assert restored[key].dtype == expected[key].dtype
+        assert restored[key].tobytes() == expected[key].tobytes()
+
+
+# ---- room on the fast tier (test_room.py) ----
+
+STEP_BYTES = 256 * 128 * 4 + 7 * 2 + 8  # one tree(step)'s payload
+
+
+class SmallDisk(LocalBackend):
+    """A local tier on a disk of ``capacity`` bytes."""
+
+    def __init__(self, root: Path, capacity: int) -> None:
+        super().__init__(root)
+        self.capacity = capacity
+
+    async def free_bytes(self) -> int | None:
+        used = sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+        return self.capacity - used
+
+
+def tiers_on(tmp_path: Path, capacity: int, margin: int = 4096) -> ckptstore.Tiered:
+    fast = SmallDisk(tmp_path / "nvme", capacity)
+    return ckptstore.Tiered(fast, str(tmp_path / "bucket"), free_margin=margin)
