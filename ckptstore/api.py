@@ -17,7 +17,7 @@ from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import save as plain_save
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
-from ckptstore.checkpoint.commit import committed_steps, latest_manifest
+from ckptstore.checkpoint.commit import committed_steps, latest_manifest, resolve_step
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.parts import Part
@@ -360,9 +360,11 @@ async def verify(
         return await tier_read.verify(
             tiers, step, max_inflight_bytes=max_inflight_bytes, progress=progress
         )
-    return await plain_verify.verify(
-        single(target), step, max_inflight_bytes=max_inflight_bytes, progress=progress
-    )
+    async with opened(single(target)) as backend:
+        at = await resolve_step(backend, step)
+        return await plain_verify.verify_step(
+            backend, at, max_inflight_bytes=max_inflight_bytes, progress=progress
+        )
 
 
 verify_sync = blocking(verify)
@@ -382,7 +384,9 @@ async def delete_step(target: AnyTarget, step: int) -> Removal:
     tiers = as_tiered(target)
     if tiers is not None:
         return await tier_cleanup.delete_step(tiers, step)
-    return await cleanup.delete_step(single(target), step)
+    step = layout.check_step(step)
+    async with opened(single(target)) as backend:
+        return await cleanup.remove_step(backend, step)
 
 
 delete_step_sync = blocking(delete_step)
@@ -402,7 +406,9 @@ async def gc(
     tiers = as_tiered(target)
     if tiers is not None:
         return await tier_cleanup.gc(tiers, older_than=older_than, dry_run=dry_run)
-    return await cleanup.gc(single(target), older_than=older_than, dry_run=dry_run)
+    cleanup.check_grace(older_than)
+    async with opened(single(target)) as backend:
+        return await cleanup.collect(backend, older_than, dry_run)
 
 
 gc_sync = blocking(gc)

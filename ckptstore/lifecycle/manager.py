@@ -30,10 +30,9 @@ from typing import Any, TypeVar
 
 import jax
 
-from ckptstore.api import restore_with, save_items
+from ckptstore.api import gc, restore_with, save_items
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import env_profile, load_profile, target_profile
-from ckptstore.checkpoint.cleanup import gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.restore import RestoreOptions

@@ -159,7 +159,7 @@ async def verify(
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     progress: plain_verify.ProgressFn | None = None,
 ) -> VerifyReport:
-    """Check committed ``step`` end to end (`ckptstore.checkpoint.verify.verify`): the copy
+    """Check committed ``step`` end to end (`ckptstore.checkpoint.verify.verify_step`): the copy
     a restore would read. A damaged fast copy is reported in ``skipped`` (and logged) and
     the durable copy is checked instead, if it has the step.
     """
