@@ -17,10 +17,11 @@ from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import save as plain_save
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
-from ckptstore.checkpoint.commit import committed_steps
+from ckptstore.checkpoint.commit import committed_steps, latest_manifest, resolve_step
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.parts import Part
+from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.checkpoint.target import Target, opened
@@ -273,7 +274,8 @@ async def read_manifest(target: AnyTarget, step: int | None = None) -> Manifest:
     tiers = as_tiered(target)
     if tiers is not None:
         return await tier_read.read_manifest(tiers, step)
-    return await plain.read_manifest(single(target), step)
+    async with opened(single(target)) as backend:
+        return await latest_manifest(backend, step)
 
 
 read_manifest_sync = blocking(read_manifest)
@@ -304,28 +306,28 @@ async def restore(
     `StandardCheckpointer` directory, or a `CheckpointManager` root with a finalized
     ``step``), that is read instead, with the same semantics.
     """
-    tiers = as_tiered(target)
-    if tiers is not None:
-        return await tier_read.restore(
-            tiers,
-            step,
-            like,
-            item=item,
-            partial=partial,
-            cast=cast,
-            max_inflight_bytes=max_inflight_bytes,
-        )
-    async with opened(single(target)) as backend:
-        return await plain.restore_from(
-            lambda: _stored_or_orbax(backend, step, item),
-            like,
-            partial=partial,
-            cast=cast,
-            max_inflight_bytes=max_inflight_bytes,
-        )
+    options = RestoreOptions(
+        item=item, partial=partial, cast=cast, max_inflight_bytes=max_inflight_bytes
+    )
+    return await restore_with(target, step, like, options)
 
 
 restore_sync = blocking(restore)
+
+
+async def restore_with(
+    target: AnyTarget, step: int | None, like: Any, options: RestoreOptions
+) -> Any:
+    """`restore` with its keywords gathered in ``options`` (`CheckpointManager.restore`
+    builds them once too): the one place a restore tells tiers from one backend, and opens
+    the backend."""
+    tiers = as_tiered(target)
+    if tiers is not None:
+        return await tier_read.restore(tiers, step, like, options)
+    async with opened(single(target)) as backend:
+        return await plain.restore_from(
+            lambda item: _stored_or_orbax(backend, step, item), like, options
+        )
 
 
 async def _stored_or_orbax(backend: Backend, step: int | None, item: str) -> StoredItem | JsonItem:
@@ -358,9 +360,11 @@ async def verify(
         return await tier_read.verify(
             tiers, step, max_inflight_bytes=max_inflight_bytes, progress=progress
         )
-    return await plain_verify.verify(
-        single(target), step, max_inflight_bytes=max_inflight_bytes, progress=progress
-    )
+    async with opened(single(target)) as backend:
+        at = await resolve_step(backend, step)
+        return await plain_verify.verify_step(
+            backend, at, max_inflight_bytes=max_inflight_bytes, progress=progress
+        )
 
 
 verify_sync = blocking(verify)
@@ -380,7 +384,9 @@ async def delete_step(target: AnyTarget, step: int) -> Removal:
     tiers = as_tiered(target)
     if tiers is not None:
         return await tier_cleanup.delete_step(tiers, step)
-    return await cleanup.delete_step(single(target), step)
+    step = layout.check_step(step)
+    async with opened(single(target)) as backend:
+        return await cleanup.remove_step(backend, step)
 
 
 delete_step_sync = blocking(delete_step)
@@ -400,7 +406,9 @@ async def gc(
     tiers = as_tiered(target)
     if tiers is not None:
         return await tier_cleanup.gc(tiers, older_than=older_than, dry_run=dry_run)
-    return await cleanup.gc(single(target), older_than=older_than, dry_run=dry_run)
+    cleanup.check_grace(older_than)
+    async with opened(single(target)) as backend:
+        return await cleanup.collect(backend, older_than, dry_run)
 
 
 gc_sync = blocking(gc)

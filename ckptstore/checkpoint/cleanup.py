@@ -1,15 +1,15 @@
 """Deleting steps and collecting garbage, without ever touching what a reader relies on.
 
-- `delete_step` revokes the commit it read first (the step vanishes atomically from
-  every listing; `commit.revoke`: a stale deletion never reaches a newer commit of the
-  step), then removes the attempt it named. Killed in between, it leaves an
-  uncommitted attempt, which `gc` removes later.
-- `gc` removes what no commit marker names: uncommitted attempts, leftovers of
-  format-version-1 saves that never committed, part directories a committed
-  attempt does not use, and the temporary files of writes killed midway (local
-  disk: `Backend.remove_temporaries`). Only what nobody has written to for
-  ``older_than`` seconds goes, and never anything a committed attempt's manifest
-  lists under ``references``.
+- `remove_step` (``ckptstore.delete_step`` on one backend) revokes the commit it read
+  first (the step vanishes atomically from every listing; `commit.revoke`: a stale
+  deletion never reaches a newer commit of the step), then removes the attempt it
+  named. Killed in between, it leaves an uncommitted attempt, which `gc` removes later.
+- `collect` (``ckptstore.gc`` on one backend) removes what no commit marker names:
+  uncommitted attempts, leftovers of format-version-1 saves that never committed, part
+  directories a committed attempt does not use, and the temporary files of writes
+  killed midway (local disk: `Backend.remove_temporaries`). Only what nobody has
+  written to for ``older_than`` seconds goes, and never anything a committed attempt's
+  manifest lists under ``references``.
 
 Commit protocol v3: `gc` deletes an undecided attempt only after winning its fate
 (`commit.claim`, "collect"), so a writer that was merely slow (any grace, 0
@@ -45,7 +45,6 @@ from ckptstore.checkpoint.commit import (
     revoke,
 )
 from ckptstore.checkpoint.staged import STAGED, read_staged
-from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -290,18 +289,6 @@ async def referenced_elsewhere(
     return await _referenced(backend, scans, ignore=deleted)
 
 
-async def delete_step(target: Target, step: int) -> Removal:
-    """Delete committed ``step``: its marker first, then the attempt it named.
-
-    The attempt's data stays if another committed attempt references it. A step
-    whose marker is unreadable loses just the marker; `gc` removes the rest.
-    (``ckptstore.delete_step`` also takes `Tiered` targets: `ckptstore.tiers.cleanup`.)
-    """
-    step = layout.check_step(step)
-    async with opened(target) as backend:
-        return await remove_step(backend, step)
-
-
 async def remove_step(
     backend: Backend,
     step: int,
@@ -374,27 +361,19 @@ async def deleted_by_user(backend: Backend, where: layout.AttemptDir) -> bool:
     return not (isinstance(doc, dict) and doc.get("reason") == TRIM)
 
 
-async def gc(
-    target: Target, *, older_than: float = DEFAULT_GRACE, dry_run: bool = False
-) -> Removal:
-    """Remove uncommitted attempts and unused parts nobody wrote to for ``older_than`` s.
-
-    ``older_than=0`` collects regardless of age (only when no writer can be running).
-    Where a backend cannot tell when an object was written, it is never collected
-    unless ``older_than`` is 0. (``ckptstore.gc`` also takes `Tiered` targets, collecting
-    both tiers: `ckptstore.tiers.cleanup`.)
-    """
-    check_grace(older_than)
-    async with opened(target) as backend:
-        return await collect(backend, older_than, dry_run)
-
-
 def check_grace(older_than: float) -> None:
+    """Refuse a negative grace period before anything is scanned (``ckptstore.gc``)."""
     if older_than < 0:
         raise CkptStoreError(f"older_than must be >= 0 seconds, got {older_than}")
 
 
 async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal:
+    """Remove from ``backend`` uncommitted attempts and unused parts nobody wrote to for
+    ``older_than`` s (its caller has checked that with `check_grace`), and expired
+    records; only list them when ``dry_run``. ``older_than=0`` collects regardless of age
+    (only when no writer can be running); where a backend cannot tell when an object was
+    written, it is never collected unless ``older_than`` is 0. (``ckptstore.gc`` opens
+    the target, and collects both tiers of a `Tiered` one: `ckptstore.tiers.cleanup`.)"""
     scans = await scan(backend)
     keep = await _referenced(backend, scans) | await _staged(backend, scans)
     now = time.time()

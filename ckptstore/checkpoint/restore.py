@@ -1,9 +1,9 @@
 """Finding committed steps and restoring trees from them, onto any mesh.
 
 Restore is strict by default: every leaf the caller asks for must exist with
-the same shape and dtype, and (unless ``partial=True``) every stored leaf must
-be asked for. All disagreements are reported together in one
-`TreeMismatchError`. Casting to another dtype is opt-in (``cast=True``).
+the same shape and dtype, and (unless `RestoreOptions` says ``partial``) every stored
+leaf must be asked for. All disagreements are reported together in one
+`TreeMismatchError`. Casting to another dtype is opt-in (``cast``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from ckptstore.backends.tsdeadline import within
 from ckptstore.checkpoint.assemble import in_memory, restore_stored
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
-from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath import ocdbt_index
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.packs import read_packed, read_split
@@ -43,80 +42,61 @@ from ckptstore.runtime.gcpause import gc_paused
 shortrepr.install()
 
 
-async def read_manifest(target: Target, step: int | None = None) -> Manifest:
-    """The verified manifest of a committed step (the latest when ``step`` is None)."""
-    async with opened(target) as backend:
-        return await latest_manifest(backend, step)
+@dataclass(frozen=True)
+class RestoreOptions:
+    """How a restore reads and checks the item it builds: the keywords of the public
+    restores (`ckptstore.restore`, `CheckpointManager.restore`), gathered once there and
+    passed down whole, so no layer between declares them again.
+
+    ``item``: which item of the step. ``partial``: leaves stored but not in ``like`` are
+    allowed. ``cast``: leaves may be cast to ``like``'s dtypes. ``max_inflight_bytes``: read
+    data waiting for their devices at a time (one slice larger than that is read alone).
+    """
+
+    item: str = layout.DEFAULT_ITEM
+    partial: bool = False
+    cast: bool = False
+    max_inflight_bytes: int = MAX_INFLIGHT_BYTES
 
 
-async def restore(
-    target: Target,
-    step: int | None = None,
-    like: Any = None,
-    *,
-    item: str = layout.DEFAULT_ITEM,
-    partial: bool = False,
-    cast: bool = False,
-    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-) -> Any:
-    """Restore a committed step (the latest by default).
+async def restore(backend: Backend, step: int | None, like: Any, options: RestoreOptions) -> Any:
+    """Restore committed ``step`` (the latest when None) of ``backend``, as ``options`` say.
 
     ``like`` describes what to build: ``None`` gives the saved tree with numpy
     arrays; a tree of `jax.ShapeDtypeStruct` (or arrays) with shardings gives
     jax arrays laid out that way, each process reading only its slices. Typed PRNG
     keys come back as typed keys of their saved implementation either way.
-
-    At most ``max_inflight_bytes`` of read data wait for their devices at a time
-    (one slice larger than that is read alone).
     """
-    async with opened(target) as backend:
-        return await restore_from(
-            lambda: open_stored(backend, step, item),
-            like,
-            partial=partial,
-            cast=cast,
-            max_inflight_bytes=max_inflight_bytes,
-        )
+    return await restore_from(lambda item: open_stored(backend, step, item), like, options)
 
 
 async def restore_from(
-    open_item: Callable[[], Awaitable[StoredItem | JsonItem]],
+    open_item: Callable[[str], Awaitable[StoredItem | JsonItem]],
     like: Any,
-    *,
-    partial: bool,
-    cast: bool,
-    max_inflight_bytes: int,
+    options: RestoreOptions,
 ) -> Any:
-    """The tree ``like`` describes, from the item ``open_item()`` opens (a committed step's,
-    an Orbax checkpoint's: `ckptstore.api`); the parameters are `restore`'s."""
+    """The tree ``like`` describes, from the item ``open_item(options.item)`` opens (a
+    committed step's, an Orbax checkpoint's: `ckptstore.api`), checked and read as
+    ``options`` say."""
     # Thousands of long-lived objects for a tree of thousands of leaves, none of them
     # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
     with gc_paused():
-        stored = await open_item()
+        stored = await open_item(options.item)
         if isinstance(stored, JsonItem):  # configuration: JSON in the manifest
             return jsonitems.restore(stored, like)
-        budget = ByteBudget(max_inflight_bytes)
-        return await restore_stored(stored, like, partial=partial, cast=cast, budget=budget)
+        budget = ByteBudget(options.max_inflight_bytes)
+        return await restore_stored(
+            stored, like, partial=options.partial, cast=options.cast, budget=budget
+        )
 
 
 async def restore_manifest(
-    backend: Backend,
-    manifest: Manifest,
-    like: Any = None,
-    *,
-    item: str = layout.DEFAULT_ITEM,
-    partial: bool = False,
-    cast: bool = False,
-    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
+    backend: Backend, manifest: Manifest, like: Any, options: RestoreOptions
 ) -> Any:
     """`restore` of the attempt ``manifest`` describes (verified by the caller), from the
     stores on ``backend`` (a host-local fast tier's own copy: `hostlocal`)."""
     return await restore_from(
-        lambda: open_manifest_item(backend, manifest, item),
-        like,
-        partial=partial,
-        cast=cast,
-        max_inflight_bytes=max_inflight_bytes,
+        lambda item: open_manifest_item(backend, manifest, item), like, options
     )
 
 

@@ -25,10 +25,9 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
-from ckptstore.checkpoint.commit import load_committed, resolve_step
+from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import direct_chunks
-from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.packs import read_packed
 from ckptstore.datapath.rawleaf import RawLeaf
@@ -96,26 +95,6 @@ class VerifyReport:
 ProgressFn = Callable[[int, int], None]
 
 
-async def verify(
-    target: Target,
-    step: int | None = None,
-    *,
-    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-    progress: ProgressFn | None = None,
-) -> VerifyReport:
-    """Check committed ``step`` (the latest by default) end to end; never raises for damage.
-
-    At most ``max_inflight_bytes`` of data are read and held at a time (one slab larger
-    than that is read alone). ``progress(bytes_done, bytes_total)`` is called as slabs are
-    checked. Raises `CheckpointNotFoundError` only if there is no such committed step.
-    """
-    async with opened(target) as backend:
-        step = await resolve_step(backend, step)
-        return await verify_step(
-            backend, step, max_inflight_bytes=max_inflight_bytes, progress=progress
-        )
-
-
 async def verify_step(
     backend: Backend,
     step: int,
@@ -124,9 +103,15 @@ async def verify_step(
     progress: ProgressFn | None = None,
     held_by: Collection[str] | None = None,
 ) -> VerifyReport:
-    """`verify` on an opened backend. ``held_by`` (attempt roots, ``<step>/<attempt>``):
-    check only the leaves whose bytes those attempts hold (an incremental step's own
-    attempt, or one it references); None: every leaf."""
+    """Check committed ``step`` of ``backend`` end to end; never raises for damage
+    (``ckptstore.verify`` opens the target and picks the step).
+
+    At most ``max_inflight_bytes`` of data are read and held at a time (one slab larger
+    than that is read alone). ``progress(bytes_done, bytes_total)`` is called as slabs are
+    checked. Raises `CheckpointNotFoundError` only if ``step`` is not committed.
+    ``held_by`` (attempt roots, ``<step>/<attempt>``): check only the leaves whose bytes
+    those attempts hold (an incremental step's own attempt, or one it references); None:
+    every leaf."""
     report = VerifyReport(step=step)
     budget = ByteBudget(max_inflight_bytes)
     try:

@@ -30,12 +30,12 @@ from typing import Any, TypeVar
 
 import jax
 
-from ckptstore.api import restore, save_items
+from ckptstore.api import gc, restore_with, save_items
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import env_profile, load_profile, target_profile
-from ckptstore.checkpoint.cleanup import gc
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
+from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import (
@@ -439,12 +439,12 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
             steps |= set(await committed_steps(self.durable))
         return sorted(steps)
 
-    def _restore(self, step: int | None, like: Any, **kwargs: Any) -> Any:
+    def _restore(self, step: int | None, like: Any, options: RestoreOptions) -> Any:
         """From the target, or from the nearest tier with a good copy."""
         where = self.backend if self.durable is None else Tiered(self.backend, self.durable)
         if self.durable is not None and step is None and self._orbax_steps:
             step = self.latest_step()  # tiers name a step to read Orbax's
-        return self._call(restore(where, step, like, **kwargs))
+        return self._call(restore_with(where, step, like, options))
 
     def restore(
         self,
@@ -461,15 +461,15 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
         ``items`` maps item names to their ``like`` (None for the saved tree) and returns a
         dict of the restored items, all from the same step.
         """
+        options = RestoreOptions(item=item or self.options.item, partial=partial, cast=cast)
         if items is None:
-            name = item or self.options.item
-            return self._restore(step, like, item=name, partial=partial, cast=cast)
+            return self._restore(step, like, options)
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise CkptStoreError(f"no committed checkpoint in {self.backend.url}")
         return {
-            name: self._restore(step, item_like, item=name, partial=partial, cast=cast)
+            name: self._restore(step, item_like, dataclasses.replace(options, item=name))
             for name, item_like in items.items()
         }
 

@@ -6,7 +6,7 @@ marker back (`ckptstore.tiers.promote.promote_step`). The durable tier is looked
 then, so between the two one of them sees the other; killed in between, the durable copy
 is still listed, never a fast-only step a later promotion would bring back.
 
-`gc` collects each tier as `ckptstore.checkpoint.cleanup.gc` does: an interrupted
+`gc` collects each tier as `ckptstore.checkpoint.cleanup.collect` does: an interrupted
 promotion's objects are garbage of the durable tier until its marker lands, and the grace
 period keeps a running one's.
 """
@@ -49,7 +49,7 @@ async def delete_step(tiers: Tiered, step: int) -> Removal:
 
 
 async def gc(tiers: Tiered, *, older_than: float = DEFAULT_GRACE, dry_run: bool = False) -> Removal:
-    """`ckptstore.checkpoint.cleanup.gc` on each tier, the fast one first."""
+    """`ckptstore.checkpoint.cleanup.collect` on each tier, the fast one first."""
     check_grace(older_than)
     removal = Removal()
     async with tiers.opened() as (fast, durable):

@@ -27,6 +27,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.commit import committed_steps, is_committed, load_committed
+from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.staged import read_staged
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
@@ -138,30 +139,15 @@ async def read_manifest(tiers: Tiered, step: int | None = None) -> Manifest:
     return await nearest(tiers, step, load_committed)
 
 
-async def restore(
-    tiers: Tiered,
-    step: int | None = None,
-    like: Any = None,
-    *,
-    item: str = layout.DEFAULT_ITEM,
-    partial: bool = False,
-    cast: bool = False,
-    max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
-) -> Any:
-    """Restore a committed step (the latest by default) from the nearest tier with a good
-    copy; the parameters are `ckptstore.checkpoint.restore.restore`'s."""
-    kwargs: dict[str, Any] = {
-        "item": item,
-        "partial": partial,
-        "cast": cast,
-        "max_inflight_bytes": max_inflight_bytes,
-    }
+async def restore(tiers: Tiered, step: int | None, like: Any, options: RestoreOptions) -> Any:
+    """Restore a committed step (the latest when None) from the nearest tier with a good
+    copy, as `ckptstore.checkpoint.restore.restore` does on one backend."""
 
     async def read(backend: Backend, at: int) -> Any:
-        return await plain.restore(backend, at, like, **kwargs)
+        return await plain.restore(backend, at, like, options)
 
     async def read_host(fast: Backend, manifest: Manifest) -> Any:
-        return await plain.restore_manifest(fast, manifest, like, **kwargs)
+        return await plain.restore_manifest(fast, manifest, like, options)
 
     return await nearest(tiers, step, read, read_host)
 
@@ -173,7 +159,7 @@ async def verify(
     max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
     progress: plain_verify.ProgressFn | None = None,
 ) -> VerifyReport:
-    """Check committed ``step`` end to end (`ckptstore.checkpoint.verify.verify`): the copy
+    """Check committed ``step`` end to end (`ckptstore.checkpoint.verify.verify_step`): the copy
     a restore would read. A damaged fast copy is reported in ``skipped`` (and logged) and
     the durable copy is checked instead, if it has the step.
     """

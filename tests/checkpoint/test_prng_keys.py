@@ -199,13 +199,13 @@ async def test_a_stored_implementation_this_jax_lacks_is_refused_typed(tmp_path:
     with pytest.raises(ckptstore.CorruptCheckpointError):
         await ckptstore.restore(str(root))
     # ...and read by the restore layer itself (as a verified manifest), it is typed too.
-    from ckptstore.checkpoint.restore import restore_manifest
+    from ckptstore.checkpoint.restore import RestoreOptions, restore_manifest
     from ckptstore.format.manifest import Manifest
 
     forged = Manifest.from_bytes(json.dumps(doc).encode(), where="test")
     async with LocalBackend(root) as backend:
         with pytest.raises(ckptstore.CkptStoreError, match="'future_rng' is unknown"):
-            await restore_manifest(backend, forged)
+            await restore_manifest(backend, forged, None, RestoreOptions())
 
 
 # ---- a Flax NNX model: typed keys in nnx.Rngs and Dropout, an nnx.Optimizer ----

@@ -20,7 +20,6 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.cleanup import delete_step
 from ckptstore.checkpoint.commit import COLLECT, claim, load_committed
 from ckptstore.checkpoint.target import open_target
 from ckptstore.format import layout
@@ -314,14 +313,14 @@ class DeletesTheBase(FaultyBackend):
                 await self.done.wait()
             elif not self.started:
                 self.started = True
-                await delete_step(self.inner, 1)
+                await ckptstore.delete_step(self.inner, 1)
                 self.done.set()
             await super()._write(key, data)
             return
         await super()._write(key, data)
         if manifest and not self.done.is_set():
             self.done.set()
-            await delete_step(self.inner, 1)
+            await ckptstore.delete_step(self.inner, 1)
 
 
 async def test_a_base_deleted_on_the_durable_tier_mid_promotion_fences_it(
