@@ -225,14 +225,14 @@ class Goodput(SavePolicy):
     def _observe(self, ctx: SaveContext) -> None:
         """Fold the time since the previous step's call into the step time or the cost of
         the save running (a repeated call for one step, as `should_save` makes, adds nothing)."""
-        seen, self._seen = self._seen, (ctx.step, ctx.now, ctx.last_time, ctx.in_flight)
+        seen = self._seen
+        if seen is not None and ctx.step <= seen[0]:
+            return
+        self._seen = (ctx.step, ctx.now, ctx.last_time, ctx.in_flight)
         if seen is None:
             self._started = ctx.now
             return
         step, then, last, busy = seen
-        if ctx.step <= step:
-            self._seen = seen
-            return
         took = (ctx.now - then) / (ctx.step - step)  # seconds per step since the last call
         started = ctx.last_time is not None and ctx.last_time != last
         if started or self._extra is not None:
