@@ -17,9 +17,8 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend, fsync_dir
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import AlreadyExistsError
-from ckptstore.orbax.items import TREE_METADATA
+from ckptstore.orbax.items import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
 from ckptstore.orbax.metadata import DEFAULT_ITEM
-from ckptstore.orbax.steps import CHECKPOINT_METADATA, COMMIT_SUCCESS
 
 TMP_MARK = ".orbax-checkpoint-tmp-"
 

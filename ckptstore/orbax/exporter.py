@@ -61,7 +61,7 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.orbax.destination import Destination
 from ckptstore.orbax.inspect import read_all
-from ckptstore.orbax.items import JSON_FILE, TREE_METADATA
+from ckptstore.orbax.items import CHECKPOINT_METADATA, COMMIT_SUCCESS, JSON_FILE, TREE_METADATA
 from ckptstore.orbax.keys import ARRAY_METADATAS
 from ckptstore.orbax.metadata import (
     HANDLER,
@@ -72,7 +72,6 @@ from ckptstore.orbax.metadata import (
     entries,
     tree_metadata,
 )
-from ckptstore.orbax.steps import CHECKPOINT_METADATA, COMMIT_SUCCESS
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.progress import Progress
 

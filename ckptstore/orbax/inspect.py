@@ -88,8 +88,8 @@ async def find(backend: Backend, step: int | None = None) -> list[tuple[int | No
     when given). Empty when there is none."""
     if step is None and await backend.exists(TREE_METADATA):
         return [(None, "")]
-    dirs = await orbax_steps.finalized_dirs(backend)
-    return [(s, name) for s, name in dirs.items() if step is None or s == step]
+    dirs = await orbax_steps.finalized_dirs(backend, step)
+    return list(dirs.items())
 
 
 @dataclass

@@ -25,10 +25,11 @@ from ckptstore.format.jsonitems import JsonItem
 from ckptstore.orbax.keys import strict_json
 
 TREE_METADATA = "_METADATA"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+#: Orbax's finalization marker, of a step and of each of its items.
+COMMIT_SUCCESS = "commit_success.txt"
 #: The file an Orbax ``JsonCheckpointHandler`` writes its value to (its default name).
 JSON_FILE = "metadata"
-#: What Orbax writes in an item directory besides the item's own data.
-MARKERS = frozenset({"commit_success.txt"})
 TREE, JSON = "tree", "json"
 
 
@@ -68,7 +69,7 @@ async def json_file(backend: Backend, prefix: str) -> str | None:
     holds no JSON item (no file, or several)."""
     if await backend.exists(_join(prefix, JSON_FILE)):
         return JSON_FILE
-    names = [n for n in await backend.list_dir(prefix) if n not in MARKERS]
+    names = [n for n in await backend.list_dir(prefix) if n != COMMIT_SUCCESS]
     if len(names) == 1 and not names[0].startswith("_"):  # no _METADATA, no ocdbt store
         if await backend.exists(_join(prefix, names[0])):  # a file, not a directory
             return names[0]

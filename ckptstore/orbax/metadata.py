@@ -146,10 +146,10 @@ def checkpoint_metadata(*, handlers: dict[str, str] | None, manager: bool, start
     """``_CHECKPOINT_METADATA``: of a Composite step (``handlers``: each item's handler),
     else of a `CheckpointManager` step (one ``default`` item) or of a
     `StandardCheckpointer` directory."""
-    if handlers is None:
+    if handlers is None:  # one tree
         handlers = {DEFAULT_ITEM: HANDLER} if manager else None
     doc = {
-        "item_handlers": HANDLER if handlers is None else handlers,
+        "item_handlers": handlers or HANDLER,
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": int(started * 1e9),

@@ -15,10 +15,7 @@ import asyncio
 from ckptstore.backends.base import Backend
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
-from ckptstore.orbax.items import TREE_METADATA
-
-CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
-COMMIT_SUCCESS = "commit_success.txt"
+from ckptstore.orbax.items import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
 
 
 def orbax_step(name: str) -> int | None:
@@ -40,11 +37,16 @@ async def is_finalized(backend: Backend, step_dir: str) -> bool:
     return backend.capabilities.atomic_rename and CHECKPOINT_METADATA in names
 
 
-async def finalized_dirs(backend: Backend) -> dict[int, str]:
-    """The finalized steps of an Orbax `CheckpointManager` root, ascending, each with its
+async def finalized_dirs(backend: Backend, step: int | None = None) -> dict[int, str]:
+    """The finalized steps of an Orbax `CheckpointManager` root (only ``step`` where
+    given: the other steps' directories are not looked into), ascending, each with its
     directory's name. Two finalized directories for one step (``7`` and ``step_7``) are
     `CorruptCheckpointError`: which one Orbax would read depends on its options."""
-    named = sorted((s, n) for n in await backend.list_dir() if (s := orbax_step(n)) is not None)
+    named = sorted(
+        (s, n)
+        for n in await backend.list_dir()
+        if (s := orbax_step(n)) is not None and (step is None or s == step)
+    )
     flags = await asyncio.gather(*(is_finalized(backend, n) for _, n in named))
     out: dict[int, str] = {}
     for (step, name), ok in zip(named, flags, strict=True):
@@ -68,7 +70,8 @@ async def locate(backend: Backend, step: int | None) -> str | None:
     or None when the backend holds no such Orbax checkpoint."""
     if step is None and await backend.exists(TREE_METADATA):
         return ""
-    dirs = await finalized_dirs(backend)
     if step is None:
+        dirs = await finalized_dirs(backend)
         return dirs[max(dirs)] if dirs else None
-    return dirs.get(layout.check_step(step))
+    step = layout.check_step(step)
+    return (await finalized_dirs(backend, step)).get(step)

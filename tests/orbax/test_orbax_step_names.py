@@ -83,3 +83,17 @@ def test_one_step_under_two_names_is_refused_naming_both(tmp_path: Path) -> None
         manager.wait_until_finished()
     with pytest.raises(CorruptCheckpointError, match=r"step 10 twice.*'10'.*'ckpt_00000010'"):
         ckptstore.restore_sync(root, step=10)
+
+
+def test_a_named_step_is_found_without_looking_into_the_others(tmp_path: Path) -> None:
+    """Reading step 20 lists the root and looks into step 20's directory only (it looked
+    into every step's directory), so a step elsewhere under two names does not stand in
+    its way; without a step it does."""
+    root = tmp_path / "run"
+    prefixed_run(root, steps=(10, 20))
+    with ocp.CheckpointManager(root) as manager:  # step 10 again, without the prefix
+        manager.save(10, args=ocp.args.StandardSave(state(11)))
+        manager.wait_until_finished()
+    assert_bit_exact(ckptstore.restore_sync(root, step=20), saved_form(state(20)))
+    with pytest.raises(CorruptCheckpointError, match="step 10 twice"):
+        ckptstore.restore_sync(root)
