@@ -1,4 +1,4 @@
-"""OCDBT's data file size (`ckptstore.datapath.arrays.DATA_FILE_BYTES`) on local disk.
+"""OCDBT's data file size (`ckptstore.datapath.stores.DATA_FILE_BYTES`) on local disk.
 
 Each process's OCDBT store starts a new data file once the one being filled holds
 ``target_data_file_size`` bytes; smaller files are written (and fsync'd) earlier, beside
@@ -45,7 +45,7 @@ from benchmarks.common import MiB
 from benchmarks.save_restore import evict_tree, tree_bytes
 from benchmarks.training_loop import make_state
 from benchmarks.trees import TREES, abstract_of
-from ckptstore.datapath import arrays
+from ckptstore.datapath import stores
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data_files.json"
 
@@ -69,7 +69,7 @@ async def measure(tree: Any, sizes: list[int], reps: int, scratch: Path) -> dict
             path = scratch / f"save_{mib}"
             shutil.rmtree(path, ignore_errors=True)
             os.sync()  # earlier repetitions' writeback does not land in this one
-            arrays.DATA_FILE_BYTES = mib * MiB
+            stores.DATA_FILE_BYTES = mib * MiB
             with common.Timer() as t:
                 await ckptstore.save(str(path), tree, step=1)
             shutil.rmtree(path)
@@ -89,15 +89,15 @@ async def measure(tree: Any, sizes: list[int], reps: int, scratch: Path) -> dict
 
         return run
 
-    previous = arrays.DATA_FILE_BYTES
+    previous = stores.DATA_FILE_BYTES
     try:
         saves = await common.interleave(reps, [saver(m) for m in sizes])
         for mib in sizes:  # the checkpoints the restores read, one per size
-            arrays.DATA_FILE_BYTES = mib * MiB
+            stores.DATA_FILE_BYTES = mib * MiB
             await ckptstore.save(str(scratch / f"restore_{mib}"), tree, step=1)
         restores = await common.interleave(reps, [restorer(m) for m in sizes])
     finally:
-        arrays.DATA_FILE_BYTES = previous
+        stores.DATA_FILE_BYTES = previous
     files = {}
     for mib in sizes:  # count, then remove: the next tree saves its own
         path = scratch / f"restore_{mib}"

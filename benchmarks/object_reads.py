@@ -167,7 +167,7 @@ def make_tree(total: int) -> dict[str, np.ndarray]:
 
 async def bench_tensorstore(server: Server, tree_bytes: int, reps: int) -> list[dict[str, Any]]:
     import ckptstore
-    from ckptstore.datapath import arrays
+    from ckptstore.datapath import stores
 
     tree = make_tree(tree_bytes)
     nbytes = sum(a.nbytes for a in tree.values())
@@ -185,12 +185,12 @@ async def bench_tensorstore(server: Server, tree_bytes: int, reps: int) -> list[
             async def run() -> float:
                 backend, file_mib = backends[i], TS_SETTINGS[i][2]
                 steps[i] += 1
-                previous, arrays.DATA_FILE_BYTES = arrays.DATA_FILE_BYTES, file_mib * MiB
+                previous, stores.DATA_FILE_BYTES = stores.DATA_FILE_BYTES, file_mib * MiB
                 try:
                     with Timer() as t_save:
                         await ckptstore.save(backend, tree, step=steps[i])
                 finally:
-                    arrays.DATA_FILE_BYTES = previous
+                    stores.DATA_FILE_BYTES = previous
                 with Timer() as t_restore:
                     got = await ckptstore.restore(backend, steps[i])
                 if steps[i] == 1:

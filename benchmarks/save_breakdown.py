@@ -42,7 +42,7 @@ import ckptstore
 from benchmarks import common
 from benchmarks.common import MiB
 from benchmarks.trees import TREES
-from ckptstore.datapath.arrays import ocdbt_spec
+from ckptstore.datapath.stores import ocdbt_spec
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo, zarr_spec
 

@@ -75,7 +75,8 @@ from benchmarks.common import MiB, Timer
 from benchmarks.trees import TREES
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.merge import merge
-from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec, write_leaves
+from ckptstore.datapath.arrays import write_leaves
+from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.format.leaves import describe_leaf
 from ckptstore.runtime.hostpool import aligned_empty
 

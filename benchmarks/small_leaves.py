@@ -43,8 +43,9 @@ from benchmarks import common
 from benchmarks.common import MiB, Timer
 from benchmarks.trees import tree_c
 from ckptstore.backends.local import LocalBackend
-from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
+from ckptstore.datapath.arrays import write_leaves
 from ckptstore.datapath.packs import write_pack
+from ckptstore.datapath.stores import ocdbt_spec
 from ckptstore.format import chunks
 from ckptstore.format.leaves import describe_leaf
 

@@ -26,7 +26,7 @@ from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.stored import StoredItem
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.verify import VerifyReport
-from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
+from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem

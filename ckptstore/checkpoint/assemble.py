@@ -20,11 +20,11 @@ import numpy as np
 
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.datapath import placement
+from ckptstore.datapath.reads import read_slice
 
 # A restore reads at most this many bytes ahead of handing them to the devices (or the
 # caller): it needs about this plus its largest shard over the restored state.
-from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
-from ckptstore.datapath.reads import read_slice
+from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES
 from ckptstore.errors import CorruptCheckpointError, TreeMismatchError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import (

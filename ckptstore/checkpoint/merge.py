@@ -23,7 +23,7 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import write_error
-from ckptstore.datapath.arrays import ocdbt_spec
+from ckptstore.datapath.stores import ocdbt_spec
 from ckptstore.errors import CkptStoreError, IncompleteCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.leaves import Index, LeafInfo

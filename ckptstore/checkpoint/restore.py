@@ -21,10 +21,10 @@ from ckptstore.checkpoint.assemble import in_memory, restore_stored
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.datapath import ocdbt_index
-from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.packs import read_packed, read_split
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_small_leaves
+from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import jsonitems, layout
 from ckptstore.format.jsonitems import JsonItem

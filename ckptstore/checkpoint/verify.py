@@ -28,10 +28,10 @@ from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import direct_chunks
-from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.datapath.packs import read_packed
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_slice
+from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,

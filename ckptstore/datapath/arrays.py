@@ -26,6 +26,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import policy_of, within
 from ckptstore.backends.tserrors import write_error
 from ckptstore.datapath.packs import PackTarget, write_pack
+from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import chunks
 from ckptstore.format.digests import PieceTable, digest, digest_off_loop, piece_key
@@ -39,16 +40,6 @@ from ckptstore.runtime.futures import (
     on_thread,
     wait_here,
 )
-
-#: Bytes of host copies of shard data a process hands to TensorStore at once; bounds a
-#: save's memory. Shards already in host memory (CPU devices) are passed without a copy.
-MAX_INFLIGHT_BYTES = 256 << 20
-#: OCDBT starts writing a data file once it holds this many bytes, so a save's data files
-#: are written (and fsync'd) in parallel while later chunks are still being encoded,
-#: instead of one big file per commit (TensorStore's default target is 2 GiB). 16 MiB
-#: was chosen against larger targets with `benchmarks/data_files.py` (local disk) and
-#: `benchmarks/object_reads.py` (S3 and GCS emulators); docs/benchmarks.md has the figures.
-DATA_FILE_BYTES = 16 << 20
 
 
 @dataclass
@@ -69,11 +60,6 @@ class WriteStats:
             "bytes": self.bytes,
             "seconds": round(self.seconds, 6),
         }
-
-
-def ocdbt_spec(base: dict[str, Any]) -> dict[str, Any]:
-    """An OCDBT store on top of a backend's kvstore spec."""
-    return {"driver": "ocdbt", "base": base, "target_data_file_size": DATA_FILE_BYTES}
 
 
 def owned_slices(value: Any, process: int) -> list[tuple[Index, Any, bool]]:

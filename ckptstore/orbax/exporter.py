@@ -47,8 +47,8 @@ from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import Target
-from ckptstore.datapath.arrays import ocdbt_spec
 from ckptstore.datapath.packs import read_packed
+from ckptstore.datapath.stores import ocdbt_spec
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

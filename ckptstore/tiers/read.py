@@ -30,7 +30,7 @@ from ckptstore.checkpoint.commit import committed_steps, is_committed, load_comm
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.staged import read_staged
 from ckptstore.checkpoint.verify import VerifyReport
-from ckptstore.datapath.arrays import MAX_INFLIGHT_BYTES
+from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,

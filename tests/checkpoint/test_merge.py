@@ -10,7 +10,8 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.merge import merge
-from ckptstore.datapath.arrays import ocdbt_spec, write_leaves
+from ckptstore.datapath.arrays import write_leaves
+from ckptstore.datapath.stores import ocdbt_spec
 from ckptstore.errors import IncompleteCheckpointError
 from ckptstore.format.leaves import LeafInfo, describe_leaf
 

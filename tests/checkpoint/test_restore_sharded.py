@@ -267,9 +267,9 @@ async def test_the_zarr_json_of_leaves_read_alone_is_fetched_in_one_batch(
 
     import tensorstore as ts
 
-    from ckptstore.datapath.arrays import ocdbt_spec
     from ckptstore.datapath.ocdbt_index import DirectChunks
     from ckptstore.datapath.reads import KvChunks
+    from ckptstore.datapath.stores import ocdbt_spec
 
     tree = sharded_tree()
     await ckptstore.save(any_backend, tree, step=1)

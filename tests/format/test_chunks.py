@@ -127,7 +127,7 @@ async def test_saved_small_leaves_read_back_through_tensorstore(tmp_path: Any) -
     written = await save_as_raw_keys(str(tmp_path), tree)
     manifest = await ckptstore.read_manifest(str(tmp_path), 1)
     from ckptstore.backends.registry import open_backend
-    from ckptstore.datapath.arrays import ocdbt_spec
+    from ckptstore.datapath.stores import ocdbt_spec
 
     backend = open_backend(str(tmp_path))
     try:
@@ -249,7 +249,7 @@ async def test_an_unusual_small_leaf_is_read_by_tensorstore_and_damage_is_named(
     import json
 
     from ckptstore.backends.registry import open_backend
-    from ckptstore.datapath.arrays import ocdbt_spec
+    from ckptstore.datapath.stores import ocdbt_spec
 
     tree = _mixed_tree()
     await save_as_raw_keys(str(tmp_path), tree)
