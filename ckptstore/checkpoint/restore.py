@@ -8,7 +8,7 @@ leaf must be asked for. All disagreements are reported together in one
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,21 +67,17 @@ async def restore(backend: Backend, step: int | None, like: Any, options: Restor
     jax arrays laid out that way, each process reading only its slices. Typed PRNG
     keys come back as typed keys of their saved implementation either way.
     """
-    return await restore_from(lambda item: open_stored(backend, step, item), like, options)
-
-
-async def restore_from(
-    open_item: Callable[[str], Awaitable[StoredItem | JsonItem]],
-    like: Any,
-    options: RestoreOptions,
-) -> Any:
-    """The tree ``like`` describes, from the item ``open_item(options.item)`` opens (a
-    committed step's, an Orbax checkpoint's: `ckptstore.api`), checked and read as
-    ``options`` say."""
     # Thousands of long-lived objects for a tree of thousands of leaves, none of them
     # garbage: the cyclic collector waits (`ckptstore.runtime.gcpause`).
     with gc_paused():
-        stored = await open_item(options.item)
+        return await restore_item(await open_stored(backend, step, options.item), like, options)
+
+
+async def restore_item(stored: StoredItem | JsonItem, like: Any, options: RestoreOptions) -> Any:
+    """The tree ``like`` describes, from ``stored`` (an item the caller opened: of a
+    committed step, or of an Orbax checkpoint, `ckptstore.api`), checked and read as
+    ``options`` say."""
+    with gc_paused():
         if isinstance(stored, JsonItem):  # configuration: JSON in the manifest
             return jsonitems.restore(stored, like)
         budget = ByteBudget(options.max_inflight_bytes)
@@ -95,9 +91,9 @@ async def restore_manifest(
 ) -> Any:
     """`restore` of the attempt ``manifest`` describes (verified by the caller), from the
     stores on ``backend`` (a host-local fast tier's own copy: `hostlocal`)."""
-    return await restore_from(
-        lambda item: open_manifest_item(backend, manifest, item), like, options
-    )
+    with gc_paused():
+        stored = await open_manifest_item(backend, manifest, options.item)
+        return await restore_item(stored, like, options)
 
 
 async def open_stored(backend: Backend, step: int | None, item: str) -> StoredItem | JsonItem:
