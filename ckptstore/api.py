@@ -7,7 +7,7 @@ where no ckptstore step is) and hands it to the folder that owns it: `ckptstore.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -155,16 +155,35 @@ async def partial_save(
     A multi-process session on host-local fast tiers is refused with
     `UnsupportedOperationError`."""
     tiers = as_tiered(target)
-    return await PartialSave.open(
-        single(target) if tiers is None else tiers.fast,
+    backend, release = await _open_until_released(single(target) if tiers is None else tiers.fast)
+    try:
+        if tiers is not None:
+            await tier_save.refuse_host_local(backend, layout.check_step(step), timeout)
+    except BaseException:
+        await release()
+        raise
+    return await PartialSave.open(  # closing the session (or failing to open it) releases
+        backend,
         step,
         item=item,
         timeout=timeout,
         resume=resume,
         attempt=attempt,
-        check=None if tiers is None else tier_save.refuse_host_local,
         base=base,
+        release=release,
     )
+
+
+async def _open_until_released(target: Target) -> tuple[Backend, Callable[[], Awaitable[None]]]:
+    """``target``'s backend, open until the returned function is called (a session that
+    outlives this call owns it)."""
+    owner = opened(target)
+    backend = await owner.__aenter__()
+
+    async def release() -> None:
+        await owner.__aexit__(None, None, None)
+
+    return backend, release
 
 
 class PartialSaveSync:

@@ -74,7 +74,6 @@ from ckptstore.checkpoint.parts import (
     session_base,
 )
 from ckptstore.checkpoint.save import PreparedItem, SaveResult
-from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.arrays import write_store
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -102,7 +101,12 @@ class PartialSave:
     """A partial-save session for one step; open it with `PartialSave.open`."""
 
     def __init__(
-        self, backend: Backend, step: int, item: str, timeout: float, owned: Any = None
+        self,
+        backend: Backend,
+        step: int,
+        item: str,
+        timeout: float,
+        release: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.backend = backend
         self.step = step
@@ -110,7 +114,7 @@ class PartialSave:
         self.timeout = timeout
         self.where = AttemptDir(step, None)  # set by `open`
         self.parts: list[Part] = []
-        self._owned = owned  # the context manager that opened the backend, if we did
+        self._release = release  # what `close` calls: the opener's release of the backend
         self._done = ""  # "finalized" or "abandoned" once the session is over
         self._owner = new_owner()  # this session object's name in the attempt's fate record
         self._ending = ""  # "finalize" or "abandon" while one runs: the other is refused
@@ -127,40 +131,36 @@ class PartialSave:
     @classmethod
     async def open(
         cls,
-        target: Target,
+        backend: Backend,
         step: int,
         *,
         item: str = layout.DEFAULT_ITEM,
         timeout: float = distributed.DEFAULT_TIMEOUT,
         resume: bool = True,
         attempt: str | None = None,
-        check: Callable[[Backend, int, float], Awaitable[None]] | None = None,
         base: int | None = None,
+        release: Callable[[], Awaitable[None]] | None = None,
     ) -> PartialSave:
-        """Open the partial save of ``step``.
+        """Open the partial save of ``step`` on ``backend``.
 
         By default the newest uncommitted session of this step and item is resumed,
         or a new one started; ``resume=False`` always starts a new one, and
         ``attempt`` resumes exactly that session (`CheckpointNotFoundError` if absent).
-        ``check(backend, step, timeout)``, if given, runs first (tiers: `refuse_host_local`).
 
         ``base`` (a committed step): parts reference the leaves unchanged since it rather
         than write them (the module docstring). A new session reads it at once
         (`BaseStepGoneError` if it is not committed) and records it; a resumed session
         must have been opened with the same base (`ConfigError` otherwise).
+
+        ``release``: called once by `close` (and here, if opening fails), so the opener of
+        ``backend`` (`ckptstore.partial_save`) hands its closing to the session.
         """
-        step = layout.check_step(step)
-        if base is not None:
-            base = layout.check_step(base)
-        layout.check_item(item)
-        if isinstance(target, Backend):
-            session = cls(target, step, item, timeout)
-        else:
-            owned = opened(target)
-            session = cls(await owned.__aenter__(), step, item, timeout, owned)
+        session = cls(backend, step, item, timeout, release)  # `close` releases the backend
         try:
-            if check is not None:
-                await check(session.backend, step, timeout)
+            session.step = layout.check_step(step)
+            if base is not None:
+                base = layout.check_step(base)
+            layout.check_item(item)
             await session._start(resume, attempt, base)
         except BaseException:
             await session.close()
@@ -168,10 +168,11 @@ class PartialSave:
         return session
 
     async def close(self) -> None:
-        """Release the backend if the session opened it. Parts stay for a later resume."""
-        if self._owned is not None:
-            owned, self._owned = self._owned, None
-            await owned.__aexit__(None, None, None)
+        """Release the backend if the session was handed its release. Parts stay for a
+        later resume."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            await release()
 
     async def __aenter__(self) -> PartialSave:
         return self

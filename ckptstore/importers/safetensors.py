@@ -30,7 +30,7 @@ import numpy as np
 
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
-from ckptstore.checkpoint.target import Target
+from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import SafetensorsError
 from ckptstore.format.tree import segment
 from ckptstore.runtime.membudget import check_fits
@@ -348,7 +348,7 @@ async def import_safetensors(
     plan = [(ref, t) for ref in refs if (t := mapping.apply(ref.name)) is not None]
     nest([(t.path, None) for _, t in plan])  # reject clashing paths before writing anything
     skipped = len(refs) - len(plan)
-    async with await PartialSave.open(target, step) as session:
+    async with opened(target) as backend, await PartialSave.open(backend, step) as session:
         done = set(session.leaves)
         todo = [(ref, t) for ref, t in plan if leaf_name(t.path) not in done]
         skipped += len(plan) - len(todo)
