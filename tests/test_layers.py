@@ -5,7 +5,14 @@ count too."""
 from __future__ import annotations
 
 import ast
+import asyncio
+import sys
+import threading
 from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
 
 import ckptstore
 
@@ -64,3 +71,55 @@ def test_layers_import_downward_only() -> None:
                 if target[1] != parts[0] and rank[target[1]] <= rank[parts[0]]:
                     upward.append(f"{'/'.join(parts)} imports {name}")
     assert not upward, sorted(set(upward))
+
+
+def _layer_of(code: object) -> str | None:
+    """The layer a function's code belongs to (None: outside the package, or its
+    ``__init__``)."""
+    path = Path(getattr(code, "co_filename", ""))
+    if PACKAGE not in path.parents:
+        return None
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0] if parts[0] in LAYERS else None
+
+
+def _calls_between_layers(work: Any) -> set[tuple[str, str, str, str]]:
+    """Every distinct (caller layer, callee layer, caller, callee) call ``work()`` makes
+    from one layer's function into another's, on any thread it starts."""
+    edges: set[tuple[str, str, str, str]] = set()
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event != "call" or (callee := _layer_of(frame.f_code)) is None:
+            return
+        back = frame.f_back
+        while back is not None and _layer_of(back.f_code) is None:
+            back = back.f_back
+        caller = None if back is None else _layer_of(back.f_code)
+        if caller is not None and caller != callee:
+            assert back is not None
+            edges.add((caller, callee, back.f_code.co_qualname, frame.f_code.co_qualname))
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return edges
+
+
+def test_a_save_and_a_restore_call_up_a_layer_only_through_runtime(tmp_path: Path) -> None:
+    """The walk of docs/architecture.md ("One save, one restore, through the folders")
+    goes down the layers: a function calls one of a layer above it only where `runtime`
+    runs what it was handed (a thread, a hand-off round, a gather). A restore once called
+    back up into a closure of `api`, and a pack write from `format/` into `backends/`."""
+    state = {"w": np.arange(1 << 16, dtype=np.float32), "b": {"x": np.ones(10)}}
+    asyncio.run(ckptstore.save(str(tmp_path), state, step=0))  # imports, pools, caches
+    rank = {name: i for i, row in enumerate(ROWS) for name in row}
+    edges = _calls_between_layers(
+        lambda: asyncio.run(ckptstore.save(str(tmp_path), state, step=1))
+    ) | _calls_between_layers(lambda: asyncio.run(ckptstore.restore(str(tmp_path), 1)))
+    upward = sorted(e for e in edges if rank[e[1]] < rank[e[0]] and e[0] != "runtime")
+    assert not upward, upward
+    assert any(e[0] == "api" for e in edges) and any(e[1] == "datapath" for e in edges)
