@@ -60,10 +60,6 @@ log = logging.getLogger("ckptstore")
 
 DEFAULT_GRACE = 6 * 3600.0  # seconds
 DELETE, TRIM = "delete", "trim"  # why an attempt's DELETED record was written
-#: Files Orbax writes at the top of a step directory or of an item in it
-#: (``_CHECKPOINT_METADATA``, ``commit_success.txt``; ``<item>/_METADATA``). A step directory
-#: without a commit marker that holds one belongs to Orbax: gc leaves all but our attempts.
-ORBAX_FILES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA"})
 
 
 @dataclass
@@ -106,12 +102,12 @@ class StepScan:
 
     @property
     def orbax(self) -> bool:
-        """An uncommitted step directory holding Orbax's files (see `ORBAX_FILES`): an
+        """An uncommitted step directory holding Orbax's files (`layout.ORBAX_FILES`): an
         Orbax `CheckpointManager` step, finalized or being written, never ckptstore garbage."""
         if self.committed:
             return False
         for entry in self.entries:
-            if entry.name in ORBAX_FILES:
+            if entry.name in layout.ORBAX_FILES:
                 return True
             if any(_orbax_item_file(entry, o.key) for o in entry.objects):
                 return True
@@ -535,7 +531,7 @@ async def _staged(backend: Backend, scans: Sequence[StepScan]) -> set[tuple[int,
 def _orbax_item_file(entry: Entry, key: str) -> bool:
     """Whether ``key`` is an Orbax file directly inside item directory ``entry``."""
     parts = key.split("/")
-    return len(parts) == 3 and parts[2] in ORBAX_FILES and not layout.is_attempt(entry.name)
+    return len(parts) == 3 and parts[2] in layout.ORBAX_FILES and not layout.is_attempt(entry.name)
 
 
 def _idle(objects: list[ObjectInfo], now: float) -> float | None:

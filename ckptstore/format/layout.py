@@ -62,6 +62,18 @@ FORMAT = "ckptstore"
 FORMAT_VERSION = 4
 PLAIN_VERSION = 3
 
+# ---- Orbax's names, which gc must recognise beside ckptstore's (`ckptstore.orbax` reads and
+# writes them) ----
+
+#: An Orbax tree item's metadata file (``<item>/_METADATA``).
+ORBAX_TREE_METADATA = "_METADATA"
+#: An Orbax step's metadata file.
+ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+#: Orbax's finalization marker, of a step and of each of its items.
+ORBAX_COMMIT_SUCCESS = "commit_success.txt"
+#: Files Orbax writes at the top of a step directory or of an item in it.
+ORBAX_FILES = frozenset({ORBAX_TREE_METADATA, ORBAX_CHECKPOINT_METADATA, ORBAX_COMMIT_SUCCESS})
+
 _ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 
 

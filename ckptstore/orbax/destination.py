@@ -17,7 +17,11 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend, fsync_dir
 from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import AlreadyExistsError
-from ckptstore.orbax.items import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.format.layout import (
+    ORBAX_CHECKPOINT_METADATA,
+    ORBAX_COMMIT_SUCCESS,
+    ORBAX_TREE_METADATA,
+)
 from ckptstore.orbax.metadata import DEFAULT_ITEM
 
 TMP_MARK = ".orbax-checkpoint-tmp-"
@@ -70,9 +74,9 @@ class Destination:
             )
         step_dir = str(step) if manager else ""
         if (
-            (await backend.exists(_join(step_dir, COMMIT_SUCCESS)))
-            or (not manager and await backend.exists(TREE_METADATA))
-            or (not manager and await backend.exists(CHECKPOINT_METADATA))
+            (await backend.exists(_join(step_dir, ORBAX_COMMIT_SUCCESS)))
+            or (not manager and await backend.exists(ORBAX_TREE_METADATA))
+            or (not manager and await backend.exists(ORBAX_CHECKPOINT_METADATA))
             or (manager and await backend.list_dir(step_dir))
         ):
             if owned:

@@ -57,11 +57,16 @@ from ckptstore.errors import (
     OrbaxExportError,
 )
 from ckptstore.format import chunks, layout
+from ckptstore.format.layout import (
+    ORBAX_CHECKPOINT_METADATA,
+    ORBAX_COMMIT_SUCCESS,
+    ORBAX_TREE_METADATA,
+)
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.orbax.destination import Destination
 from ckptstore.orbax.inspect import read_all
-from ckptstore.orbax.items import CHECKPOINT_METADATA, COMMIT_SUCCESS, JSON_FILE, TREE_METADATA
+from ckptstore.orbax.items import JSON_FILE
 from ckptstore.orbax.keys import ARRAY_METADATAS
 from ckptstore.orbax.metadata import (
     HANDLER,
@@ -130,22 +135,22 @@ async def export(
             done = await _write_item(src, planned, out.backend, item_dir, link, verify, bar)
             counts = [a + b for a, b in zip(counts, done, strict=True)]
             if manager or composite:
-                await out.backend.write(_join(item_dir, COMMIT_SUCCESS), out.success())
+                await out.backend.write(_join(item_dir, ORBAX_COMMIT_SUCCESS), out.success())
             handlers[planned.name] = HANDLER
         bar.close()
         for name in jsons:
             item_dir = out.item_dir(name)
             value = manifest.json_items[name].value
             await out.backend.write(_join(item_dir, JSON_FILE), json.dumps(value).encode())
-            await out.backend.write(_join(item_dir, COMMIT_SUCCESS), out.success())
+            await out.backend.write(_join(item_dir, ORBAX_COMMIT_SUCCESS), out.success())
             handlers[name] = JSON_HANDLER
         doc = checkpoint_metadata(
             handlers=dict(sorted(handlers.items())) if composite else None,
             manager=manager,
             started=started,
         )
-        await out.backend.write(_join(out.step_dir, CHECKPOINT_METADATA), doc)
-        await out.backend.write(_join(out.step_dir, COMMIT_SUCCESS), out.success())  # last
+        await out.backend.write(_join(out.step_dir, ORBAX_CHECKPOINT_METADATA), doc)
+        await out.backend.write(_join(out.step_dir, ORBAX_COMMIT_SUCCESS), out.success())  # last
     except BaseException:
         await out.discard()
         raise
@@ -198,7 +203,7 @@ async def _write_item(
     keys = array_metadatas(found, saved.leaves)
     if keys is not None:  # typed PRNG keys: their implementation, as Orbax records it
         await dst.write(_join(item_dir, ARRAY_METADATAS, "process_0"), keys)
-    await dst.write(_join(item_dir, TREE_METADATA), tree_metadata(found))
+    await dst.write(_join(item_dir, ORBAX_TREE_METADATA), tree_metadata(found))
     return counts[0], counts[1], counts[2]
 
 

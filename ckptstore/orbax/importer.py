@@ -36,10 +36,11 @@ from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem
+from ckptstore.format.layout import ORBAX_TREE_METADATA
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
 from ckptstore.orbax import steps as orbax_steps
-from ckptstore.orbax.items import TREE, TREE_METADATA, item_kinds
+from ckptstore.orbax.items import TREE, item_kinds
 from ckptstore.runtime.progress import Progress
 
 DEFAULT_BATCH_BYTES = 256 << 20
@@ -74,7 +75,7 @@ async def open_orbax(
         raise CheckpointNotFoundError(
             f"{backend.url} holds no {what.format(step=step)}", backend=backend.url
         )
-    if await backend.exists(f"{where}/{TREE_METADATA}" if where else TREE_METADATA):
+    if await backend.exists(f"{where}/{ORBAX_TREE_METADATA}" if where else ORBAX_TREE_METADATA):
         chosen = item if item is not None else layout.DEFAULT_ITEM  # one tree, no names
         tree = await orbax.open_item(backend, where, chosen, default_item=layout.DEFAULT_ITEM)
         return where, {as_item: ("", tree)}

@@ -21,10 +21,11 @@ from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem
+from ckptstore.format.layout import ORBAX_TREE_METADATA
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
 from ckptstore.orbax import steps as orbax_steps
-from ckptstore.orbax.items import TREE_METADATA, item_kinds
+from ckptstore.orbax.items import item_kinds
 from ckptstore.runtime.membudget import check_fits
 
 #: How the one tree of a StandardCheckpointer directory is shown (Orbax names it not).
@@ -60,7 +61,7 @@ class OrbaxStep:
 
 
 async def _items(backend: Backend, where: str) -> list[str]:
-    if await backend.exists(f"{where}/{TREE_METADATA}" if where else TREE_METADATA):
+    if await backend.exists(f"{where}/{ORBAX_TREE_METADATA}" if where else ORBAX_TREE_METADATA):
         return [""]
     return list(await item_kinds(backend, where))
 
@@ -86,7 +87,7 @@ async def find(backend: Backend, step: int | None = None) -> list[tuple[int | No
     """The Orbax checkpoints at ``backend``: [(None, "")] for a StandardCheckpointer
     directory, else the finalized steps of a `CheckpointManager` root (only ``step``
     when given). Empty when there is none."""
-    if step is None and await backend.exists(TREE_METADATA):
+    if step is None and await backend.exists(ORBAX_TREE_METADATA):
         return [(None, "")]
     dirs = await orbax_steps.finalized_dirs(backend, step)
     return list(dirs.items())

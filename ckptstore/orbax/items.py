@@ -24,10 +24,6 @@ from ckptstore.format import jsonitems, layout
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.orbax.keys import strict_json
 
-TREE_METADATA = "_METADATA"
-CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
-#: Orbax's finalization marker, of a step and of each of its items.
-COMMIT_SUCCESS = "commit_success.txt"
 #: The file an Orbax ``JsonCheckpointHandler`` writes its value to (its default name).
 JSON_FILE = "metadata"
 TREE, JSON = "tree", "json"
@@ -40,7 +36,9 @@ def _join(*parts: str) -> str:
 async def item_kinds(backend: Backend, where: str) -> dict[str, str]:
     """The items of the Orbax step directory ``where``: name -> `TREE` or `JSON`, sorted."""
     names = [n for n in await backend.list_dir(where) if layout.is_item(n)]
-    trees = await asyncio.gather(*(backend.exists(_join(where, n, TREE_METADATA)) for n in names))
+    trees = await asyncio.gather(
+        *(backend.exists(_join(where, n, layout.ORBAX_TREE_METADATA)) for n in names)
+    )
     jsons = await asyncio.gather(
         *(
             json_file(backend, _join(where, n))
@@ -69,7 +67,7 @@ async def json_file(backend: Backend, prefix: str) -> str | None:
     holds no JSON item (no file, or several)."""
     if await backend.exists(_join(prefix, JSON_FILE)):
         return JSON_FILE
-    names = [n for n in await backend.list_dir(prefix) if n != COMMIT_SUCCESS]
+    names = [n for n in await backend.list_dir(prefix) if n != layout.ORBAX_COMMIT_SUCCESS]
     if len(names) == 1 and not names[0].startswith("_"):  # no _METADATA, no ocdbt store
         if await backend.exists(_join(prefix, names[0])):  # a file, not a directory
             return names[0]

@@ -33,9 +33,10 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem
+from ckptstore.format.layout import ORBAX_TREE_METADATA
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.tree import MAX_DEPTH, check_structure, path_name
-from ckptstore.orbax.items import JSON, TREE, TREE_METADATA, item_kinds, read_json_item
+from ckptstore.orbax.items import JSON, TREE, item_kinds, read_json_item
 from ckptstore.orbax.keys import key_impls, strict_json, typed_key
 
 SEQUENCE, DICT = 1, 2  # Orbax's KeyType values
@@ -233,7 +234,7 @@ async def open_item(
     a step with a single tree item (``default``) is read under the default name too.
     """
     place = f"{backend.url}/{where}" if where else backend.url
-    if await backend.exists(_join(where, TREE_METADATA)):  # the directory is the item
+    if await backend.exists(_join(where, ORBAX_TREE_METADATA)):  # the directory is the item
         if item != default_item:
             raise CheckpointNotFoundError(
                 f"{place} is one Orbax checkpoint without items; restore it without item=",
@@ -260,7 +261,7 @@ async def open_item(
 
 async def _open_tree(backend: Backend, place: str, prefix: str) -> StoredItem:
     """The tree item whose directory is ``prefix`` (``place``: the checkpoint, for messages)."""
-    meta_key = _join(prefix, TREE_METADATA)
+    meta_key = _join(prefix, ORBAX_TREE_METADATA)
     meta_at = f"{backend.url}/{meta_key}"
     meta = parse_tree_metadata(await backend.read(meta_key), meta_at)
     unsupported = sorted(

@@ -15,7 +15,11 @@ import asyncio
 from ckptstore.backends.base import Backend
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
-from ckptstore.orbax.items import CHECKPOINT_METADATA, COMMIT_SUCCESS, TREE_METADATA
+from ckptstore.format.layout import (
+    ORBAX_CHECKPOINT_METADATA,
+    ORBAX_COMMIT_SUCCESS,
+    ORBAX_TREE_METADATA,
+)
 
 
 def orbax_step(name: str) -> int | None:
@@ -32,9 +36,9 @@ def orbax_step(name: str) -> int | None:
 async def is_finalized(backend: Backend, step_dir: str) -> bool:
     """Whether ``step_dir`` is a finalized Orbax step (see the module docstring)."""
     names = set(await backend.list_dir(step_dir))
-    if COMMIT_SUCCESS in names:
+    if ORBAX_COMMIT_SUCCESS in names:
         return True
-    return backend.capabilities.atomic_rename and CHECKPOINT_METADATA in names
+    return backend.capabilities.atomic_rename and ORBAX_CHECKPOINT_METADATA in names
 
 
 async def finalized_dirs(backend: Backend, step: int | None = None) -> dict[int, str]:
@@ -68,7 +72,7 @@ async def finalized_steps(backend: Backend) -> list[int]:
 async def locate(backend: Backend, step: int | None) -> str | None:
     """The Orbax directory to read ("" for a `StandardCheckpointer` root, else the step's),
     or None when the backend holds no such Orbax checkpoint."""
-    if step is None and await backend.exists(TREE_METADATA):
+    if step is None and await backend.exists(ORBAX_TREE_METADATA):
         return ""
     if step is None:
         dirs = await finalized_dirs(backend)
