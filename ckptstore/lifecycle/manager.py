@@ -38,11 +38,7 @@ from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, open_target
-from ckptstore.errors import (
-    BaseStepGoneError,
-    CkptStoreError,
-    ConfigError,
-)
+from ckptstore.errors import BaseStepGoneError, CkptStoreError, ConfigError, CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.tree import flatten
@@ -62,6 +58,8 @@ from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")
+#: The key of a step's metadata that keeps the save policy's record (`SavePolicy.record`).
+POLICY_RECORD = "save_policy"
 
 
 class CheckpointManager(OrbaxCompat, Retention, Preemption):
@@ -143,6 +141,8 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
             self._objects: dict[tuple[str, str], weakref.ref[Any]] = {}
             if options.incremental and self.tiered is not None and self._count > 1:
                 self._call(self._refuse_host_local(options.timeout))
+            if self.save_policy.remembers:  # a restarted job's policy carries on
+                self.save_policy.resume(self._policy_record(committed))
             if options.gc_on_start and self._me == 0:
                 removed = self._call(gc(self.backend, older_than=options.gc_grace))
                 if removed.entries:
@@ -244,7 +244,7 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
                 staged,
                 configs,
                 dict(metrics or {}),
-                dict(metadata or {}),
+                self._with_policy_record(dict(metadata or {})),
                 start,
                 waited,
                 base,
@@ -255,6 +255,21 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
         )
         self._inflight = SaveHandle(step, future)
         return self._inflight
+
+    def _policy_record(self, committed: list[int]) -> Any:
+        """The save policy's record kept with the latest committed step (None: none, or
+        that step cannot be read: the policy starts afresh, and restore will say why)."""
+        try:
+            return self._metadata(committed[-1]).get(POLICY_RECORD) if committed else None
+        except CorruptCheckpointError as exc:
+            log.warning("ckptstore: the save policy starts afresh: %s", exc)
+            return None
+
+    def _with_policy_record(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        """``metadata`` and the save policy's record, which a restarted job resumes from."""
+        if self.save_policy.remembers:
+            metadata[POLICY_RECORD] = self.save_policy.record()
+        return metadata
 
     def _same_objects(
         self, arrays: Mapping[str, Any]
@@ -475,11 +490,14 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics saved with ``step``."""
+        metrics = self._metadata(step).get("metrics", {})
+        return dict(metrics) if isinstance(metrics, dict) else {}
+
+    def _metadata(self, step: int) -> dict[str, Any]:
+        """The metadata committed ``step`` was saved with (on tiers: from its nearest copy)."""
         on_fast = step in self._call(committed_steps(self.backend))
         backend = self.backend if on_fast or self.durable is None else self.durable
-        manifest = self._call(load_committed(backend, step))
-        metrics = manifest.metadata.get("metrics", {})
-        return dict(metrics) if isinstance(metrics, dict) else {}
+        return self._call(load_committed(backend, step)).metadata
 
     # ---- life cycle ----
 

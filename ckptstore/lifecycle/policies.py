@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,8 +43,22 @@ class SavePolicy(ABC):
     #: otherwise process 0 decides for everyone in a multi-process job.
     deterministic: bool = True
 
+    #: Whether the policy keeps a record with each save (`record`) and resumes from it
+    #: after a restart (`resume`): the manager reads the latest step's record only then.
+    remembers: bool = False
+
     @abstractmethod
     def should_save(self, ctx: SaveContext) -> bool: ...
+
+    def record(self) -> dict[str, Any] | None:
+        """JSON the manager keeps with the step being saved (in its metadata), so that a
+        restarted job's policy resumes from it."""
+        return None
+
+    def resume(self, record: Mapping[str, Any] | None) -> None:
+        """Called once by a manager as it starts, with what `record` gave for the latest
+        committed step (None: no step, or one saved without a record)."""
+        del record  # a policy that keeps no record has nothing to resume
 
 
 @dataclass(frozen=True)
@@ -136,18 +150,31 @@ class AnyOf(SavePolicy):
         # Every policy is asked (no short cut): one that measures the loop sees every step.
         return any([p.should_save(ctx) for p in self.policies])
 
+    @property
+    def remembers(self) -> bool:  # type: ignore[override]
+        return any(p.remembers for p in self.policies)
+
+    def record(self) -> dict[str, Any] | None:
+        return {"any_of": [p.record() for p in self.policies]}
+
+    def resume(self, record: Mapping[str, Any] | None) -> None:
+        kept = record.get("any_of") if isinstance(record, Mapping) else None
+        ok = isinstance(kept, list) and len(kept) == len(self.policies)
+        for i, p in enumerate(self.policies):
+            p.resume(kept[i] if ok and isinstance(kept[i], Mapping) else None)  # type: ignore[index]
+
 
 class Goodput(SavePolicy):
     """Saves at the interval that loses the least work to saving and to failures.
 
     A save costs the loop its pause plus the slowdown of the steps that run while it is
-    written; a failure loses the work done since the last durable save. With ``mtbf``
-    seconds between failures (declared) and a save cost of ``c`` seconds (measured here),
-    the interval between save starts that loses the least is about ``sqrt(2 c mtbf)``
-    (Young, 1974), refined by Daly (2006) to
-    ``sqrt(2 c mtbf) (1 + sqrt(c / (2 mtbf)) / 3 + c / (18 mtbf))`` for ``c < 2 mtbf``
-    (``mtbf`` itself beyond). Never shorter than ``min_interval`` seconds (nor longer than
-    ``max_interval``), and the first save waits ``min_interval`` after the first step.
+    written; a failure loses the work done since the last durable save. With a mean time
+    between failures ``M`` and a save cost of ``c`` seconds (measured here), the interval
+    between save starts that loses the least is about ``sqrt(2 c M)`` (Young, 1974),
+    refined by Daly (2006) to ``sqrt(2 c M) (1 + sqrt(c / (2 M)) / 3 + c / (18 M))`` for
+    ``c < 2 M`` (``M`` itself beyond). Never shorter than ``min_interval`` seconds (nor
+    longer than ``max_interval``), and the first save waits ``min_interval`` after the
+    first step.
 
     The cost is measured from the loop itself, once per step (the manager asks the policy
     at every ``save`` call): a step's time is the time between two calls; steps with no
@@ -157,19 +184,37 @@ class Goodput(SavePolicy):
     ``1 - decay`` for the newest, so the interval follows a change in the cost (say
     incremental saves after full ones) within a few saves. `metrics` says what it chose
     and why. One instance per manager: it keeps what it measured.
+
+    Args:
+        mtbf: seconds between failures, declared. None (the default): observed from the
+            job's own restarts. Each save keeps a record (`record`) of how long the job
+            has run and how often it restarted; a manager starting on a root with
+            committed steps resumes from the latest step's record, and counts that start
+            as one more failure. The job ran past its last save for half an interval on
+            average before it failed: that is added. The estimate is the run time per
+            failure, and ``prior_mtbf`` (or the run time, if longer) while no restart has
+            been seen. Every restart counts, a planned one too: declare ``mtbf`` where
+            restarts are planned. The measured save cost resumes from the record too.
+        prior_mtbf: the observed estimate before the first restart.
+        min_interval, max_interval: bounds on the interval, seconds.
+        decay: the weight of the previous average when a new save cost is measured.
     """
 
     deterministic = False  # clocks: process 0 decides for everyone
+    remembers = True
 
     def __init__(
         self,
-        mtbf: float,
+        mtbf: float | None = None,
         *,
+        prior_mtbf: float = 86_400.0,
         min_interval: float = 60.0,
         max_interval: float | None = None,
         decay: float = 0.5,
     ) -> None:
-        _positive("Goodput.mtbf", mtbf)
+        if mtbf is not None:
+            _positive("Goodput.mtbf", mtbf)
+        _positive("Goodput.prior_mtbf", prior_mtbf)
         _positive("Goodput.min_interval", min_interval)
         if max_interval is not None:
             _positive("Goodput.max_interval", max_interval)
@@ -177,11 +222,15 @@ class Goodput(SavePolicy):
                 raise ConfigError("Goodput.max_interval must be at least min_interval")
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
             raise ConfigError(f"Goodput.decay must be in [0, 1), got {decay!r}")
-        self.mtbf, self.min_interval, self.max_interval = float(mtbf), min_interval, max_interval
+        self.declared_mtbf = None if mtbf is None else float(mtbf)
+        self.prior_mtbf = float(prior_mtbf)
+        self.min_interval, self.max_interval = min_interval, max_interval
         self.decay = decay
         self.step_time: float | None = None  # seconds per step without a save running
         self.save_cost: float | None = None  # seconds a save costs the loop
         self.saves_measured = 0
+        self.restarts = 0  # failures seen (restarts of the job), from the record resumed
+        self._ran_before = 0.0  # seconds the job ran before this manager started
         self._started: float | None = None  # the first call's time
         self._seen: tuple[int, float, float | None, bool] | None = None  # step, now, last, busy
         self._extra: float | None = None  # a save being measured: its cost so far
@@ -192,6 +241,19 @@ class Goodput(SavePolicy):
             assert self._started is not None
             return ctx.now - self._started >= self.min_interval
         return ctx.now - ctx.last_time >= self.interval()
+
+    @property
+    def mtbf(self) -> float:
+        """Seconds between failures: declared, or observed (the class docstring)."""
+        if self.declared_mtbf is not None:
+            return self.declared_mtbf
+        ran = self.run_seconds()
+        return ran / self.restarts if self.restarts else max(self.prior_mtbf, ran)
+
+    def run_seconds(self) -> float:
+        """Seconds the job has run: before this manager (from the record) and in it."""
+        here = 0.0 if self._seen is None or self._started is None else self._seen[1] - self._started
+        return self._ran_before + here
 
     def interval(self) -> float:
         """Seconds between save starts: Daly's optimum for the measured cost, within the
@@ -204,11 +266,39 @@ class Goodput(SavePolicy):
         best = max(best, self.min_interval)
         return best if self.max_interval is None else min(best, self.max_interval)
 
-    def metrics(self) -> dict[str, float | int | None]:
+    def record(self) -> dict[str, Any]:
+        """What a restarted job's policy resumes from: run time, restarts, the interval,
+        and the measured costs."""
+        return {
+            "run_s": self.run_seconds(),
+            "restarts": self.restarts,
+            "interval_s": self.interval(),
+            "save_cost_s": self.save_cost,
+            "step_s": self.step_time,
+        }
+
+    def resume(self, record: Mapping[str, Any] | None) -> None:
+        """Carry on from the latest step's `record`: one more restart, the run time before
+        it (plus half the interval: the job ran past that save before it failed), and the
+        costs measured then. Values of the wrong type (another version's record) are
+        ignored."""
+        if not isinstance(record, Mapping):
+            return
+        ran, restarts = _seconds(record.get("run_s")), record.get("restarts")
+        if ran is None or not isinstance(restarts, int) or isinstance(restarts, bool):
+            return
+        self.restarts = max(restarts, 0) + 1
+        self._ran_before = ran + (_seconds(record.get("interval_s")) or 0.0) / 2
+        cost, step = _seconds(record.get("save_cost_s")), _seconds(record.get("step_s"))
+        self.save_cost = self.save_cost if cost is None else cost
+        self.step_time = self.step_time if step is None else step
+
+    def metrics(self) -> dict[str, float | int | str | None]:
         """What the policy measured and chose: the interval, the save cost and step time
-        it was chosen from, and the expected fraction of time lost to saving plus the
-        recomputation after failures, ``c / interval + interval / (2 mtbf)`` (None until
-        a save's cost is known)."""
+        it was chosen from, the MTBF (and whether it was declared or observed, over how
+        long a run and how many restarts), and the expected fraction of time lost to
+        saving plus the recomputation after failures, ``c / interval + interval / (2 M)``
+        (None until a save's cost is known)."""
         interval = self.interval()
         lost = None
         if self.save_cost is not None:
@@ -218,6 +308,9 @@ class Goodput(SavePolicy):
             "save_cost_s": self.save_cost,
             "step_s": self.step_time,
             "mtbf_s": self.mtbf,
+            "mtbf_from": "declared" if self.declared_mtbf is not None else "observed",
+            "run_s": self.run_seconds(),
+            "restarts": self.restarts,
             "saves_measured": self.saves_measured,
             "expected_lost_fraction": lost,
         }
@@ -359,3 +452,10 @@ def _number(record: StepRecord, metric: str) -> bool:
 def _positive(what: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"{what} must be a positive number, got {value!r}")
+
+
+def _seconds(value: Any) -> float | None:
+    """``value`` as a finite, non-negative number of seconds; None otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None

@@ -1,5 +1,5 @@
 """`policies.Goodput`: the save interval that loses the least work, from the save cost it
-measures in the loop and a declared MTBF. A simulated loop (a known step time, a save's
+measures in the loop and a declared or observed MTBF. A simulated loop (a known step time, a save's
 pause and the slower steps while it is written) against the optimum a sweep of fixed
 intervals finds, with simulated failures; and a real manager feeding it."""
 
@@ -31,10 +31,11 @@ def simulate(
     """Run ``steps`` steps of a loop that asks ``policy`` at every step, as the manager
     does; a save pauses the loop ``pause`` seconds, then is written for ``write`` seconds,
     during which each step takes ``1 + slow`` times as long. Returns the save start times.
-    ``clock`` ([now, last save start, write end]) carries the loop on from an earlier call."""
-    now, last, write_end = clock if clock else [0.0, -1.0, -1.0]
+    ``clock`` ([now, last save start, write end], and the next step's number if given)
+    carries the loop on from an earlier call."""
+    now, last, write_end = clock[:3] if clock else [0.0, -1.0, -1.0]
     starts = []
-    first = int(now / step) if clock else 0
+    first = (int(clock[3]) if len(clock) > 3 else int(now / step)) if clock else 0
     for k in range(first, first + steps):
         busy = now < write_end
         ctx = P.SaveContext(k, now, None, None if last < 0 else last, busy, False)
@@ -45,7 +46,7 @@ def simulate(
             write_end = now + write
         now += step * (1 + slow) if now < write_end else step
     if clock is not None:
-        clock[:] = [now, last, write_end]
+        clock[:] = [now, last, write_end, first + steps]
     return starts
 
 
@@ -142,6 +143,108 @@ def test_a_manager_feeds_it_at_every_save_call(tmp_path: Path) -> None:
         assert metrics["step_s"] is not None and metrics["step_s"] >= 0.005
         assert metrics["save_cost_s"] is not None and metrics["save_cost_s"] >= 0
         assert len(mgr.all_steps()) >= 1
+
+
+class Remembered(P.SavePolicy):
+    """``inner``, with each record a save would keep and when that save becomes durable
+    (the manager keeps the record in the step it saves)."""
+
+    deterministic = False
+
+    def __init__(self, inner: P.Goodput, pause: float, write: float) -> None:
+        self.inner, self.lag = inner, pause + write
+        self.kept: list[tuple[float, dict[str, object]]] = []  # (durable at, record)
+
+    def should_save(self, ctx: P.SaveContext) -> bool:
+        yes = self.inner.should_save(ctx)
+        if yes and not ctx.in_flight:
+            self.kept.append((ctx.now + self.lag, self.inner.record()))
+        return yes
+
+
+def test_an_observed_failure_rate_gives_the_interval_a_declared_one_would() -> None:
+    """No MTBF declared: a job that fails after Exp(MTBF) seconds of each run restarts
+    its policy from the record of its last durable save; after the restarts the policy
+    counted, its MTBF estimate and its interval are the sweep's optimum within 10%."""
+    rng = np.random.default_rng(3)
+    record: dict[str, object] | None = None
+    ran = failures = 0.0
+    for _ in range(150):
+        policy = P.Goodput(min_interval=30)
+        policy.resume(record)
+        loop = Remembered(policy, pause=2.0, write=30.0)
+        clock, fails_at = [0.0, -1.0, -1.0, 0], rng.exponential(MTBF)
+        while clock[0] < fails_at:
+            simulate(loop, 1, pause=2.0, write=30.0, slow=0.5, clock=clock)
+        ran, failures = ran + clock[0], failures + 1
+        durable = [kept for at, kept in loop.kept if at <= clock[0]]
+        record = durable[-1] if durable else record
+    policy = P.Goodput(min_interval=30)
+    policy.resume(record)
+    metrics = policy.metrics()
+    assert metrics["mtbf_from"] == "observed" and 140 <= policy.restarts <= 150, metrics
+    assert policy.mtbf == pytest.approx(ran / failures, rel=0.05), metrics  # what happened
+    best = best_interval(pause=2.0, write=30.0, slow=0.5)
+    assert policy.interval() == pytest.approx(best, rel=0.1), (metrics, best)
+
+
+def test_before_any_restart_the_prior_stands_and_a_declared_mtbf_is_kept() -> None:
+    fresh = P.Goodput(prior_mtbf=7200, min_interval=1)
+    simulate(fresh, 100, pause=1.0, write=5.0, slow=0.0)
+    assert fresh.mtbf == 7200 and fresh.restarts == 0
+    assert fresh.metrics()["mtbf_from"] == "observed"
+    long_run = P.Goodput(prior_mtbf=10, min_interval=1)
+    simulate(long_run, 100, pause=1.0, write=5.0, slow=0.0)
+    assert long_run.mtbf == pytest.approx(long_run.run_seconds()) and long_run.mtbf > 99
+    declared = P.Goodput(mtbf=MTBF, min_interval=1)
+    declared.resume({"run_s": 50.0, "restarts": 9, "interval_s": 10.0, "save_cost_s": 3.0})
+    assert declared.mtbf == MTBF and declared.restarts == 10 and declared.save_cost == 3.0
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        "a string",
+        {"restarts": 2},
+        {"run_s": -1.0, "restarts": 2},
+        {"run_s": float("nan"), "restarts": 2},
+        {"run_s": 10.0, "restarts": True},
+        {"run_s": 10.0, "restarts": "2"},
+    ],
+)
+def test_a_record_of_another_shape_is_ignored(record: object) -> None:
+    policy = P.Goodput(prior_mtbf=500, min_interval=1)
+    policy.resume(record)  # type: ignore[arg-type]
+    assert policy.restarts == 0 and policy.mtbf == 500 and policy.save_cost is None
+
+
+def test_a_restarted_manager_resumes_the_policy_from_the_latest_step(tmp_path: Path) -> None:
+    """A real manager keeps the policy's record with every save; the next manager on the
+    root (the job restarted) resumes from the latest step's: one restart, the run time
+    before it, and the save cost measured then. A policy inside AnyOf too."""
+    state = {"w": np.arange(1 << 12, dtype=np.float32)}
+    options = ckptstore.ManagerOptions(handle_sigterm=False)
+    first = P.Goodput(prior_mtbf=600, min_interval=0.02, max_interval=0.05)
+    policy = P.AnyOf(P.OnPreemption(), first)
+    with ckptstore.CheckpointManager(tmp_path, save_policy=policy, options=options) as mgr:
+        step = 0
+        while first.saves_measured < 2 and step < 5_000:  # bounded: never a hang
+            mgr.save(step, state)
+            time.sleep(0.005)
+            step += 1
+        mgr.wait_until_finished()
+        (_, kept) = ckptstore.read_manifest_sync(tmp_path).metadata["save_policy"]["any_of"]
+    assert kept["restarts"] == 0 and kept["run_s"] > 0, kept
+    second = P.Goodput(prior_mtbf=600, min_interval=0.02)
+    with ckptstore.CheckpointManager(
+        tmp_path, save_policy=P.AnyOf(P.OnPreemption(), second), options=options
+    ):
+        pass
+    assert second.restarts == 1
+    assert second.run_seconds() == pytest.approx(kept["run_s"] + kept["interval_s"] / 2)
+    assert second.save_cost == kept["save_cost_s"] is not None
+    assert second.mtbf == pytest.approx(second.run_seconds())  # one failure in that run
 
 
 def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
