@@ -26,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import UnsupportedLeafError
+from ckptstore.format.codecs import Codec, stored_codec
 
 #: Chunks are split until they are at most this big, so resharded reads stay cheap.
 TARGET_CHUNK_BYTES = 64 << 20
@@ -67,6 +68,8 @@ class LeafInfo:
     #: A typed PRNG key leaf: its implementation's name (``"threefry2x32"``, ``"rbg"``...).
     #: Shape, dtype and chunks are then those of the key data (`jax.random.key_data`).
     prng_impl: str | None = None
+    #: How its chunks are compressed (`ckptstore.format.codecs`); None: raw.
+    codec: Codec = None
 
     @_computed_once
     def nbytes(self) -> int:
@@ -84,7 +87,13 @@ class LeafInfo:
         }
         if self.prng_impl is not None:  # only on key leaves: other records stay as they were
             out["prng_impl"] = self.prng_impl
+        if self.codec is not None:  # raw leaves' records stay as they were
+            out["codec"] = str(self.codec)
         return out
+
+    def with_codec(self, codec: Codec) -> LeafInfo:
+        """This leaf stored with ``codec``."""
+        return dataclasses.replace(self, codec=codec)
 
     @classmethod
     def from_json(cls, name: str, data: dict[str, Any]) -> LeafInfo:
@@ -97,6 +106,7 @@ class LeafInfo:
             python_type=data.get("python_type"),
             sharding=data.get("sharding"),
             prng_impl=data.get("prng_impl"),
+            codec=stored_codec(data.get("codec"), name),
         )
 
 
@@ -112,8 +122,11 @@ def zarr_spec(kvstore: dict[str, Any], info: LeafInfo) -> dict[str, Any]:
                 "name": "regular",
                 "configuration": {"chunk_shape": list(info.chunk_shape)},
             },
+            # The array->bytes codec, then the bytes->bytes ones (zarr3's order): the
+            # checksum covers the stored (compressed) bytes.
             "codecs": [
                 {"name": "bytes", "configuration": {"endian": "little"}},
+                *([info.codec.zarr_codec()] if info.codec is not None else []),
                 {"name": "crc32c"},
             ],
         },

@@ -280,6 +280,7 @@ def _parse_item(name: str, item: Any, references: int = 0) -> ItemManifest:
         if not chunks.small(info):
             shape = list(info.shape)
             raise ValueError(f"leaf {leaf!r} cannot be packed (shape {shape}, {info.nbytes} bytes)")
+        packed[leaf].check(info)  # a compressed entry's size, and only there
     digests_doc = item.get("digests", {})
     _expect(isinstance(digests_doc, dict), f"item {name!r}: digests is not an object")
     digests = {n: check_table(n, t) for n, t in digests_doc.items()}
