@@ -59,8 +59,14 @@ async def save(
     metadata: dict[str, Any] | None = None,
     timeout: float = distributed.DEFAULT_TIMEOUT,
     base: int | None = None,
+    codecs: Any = None,
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
+
+    ``codecs``: which leaves are compressed (docs/codecs.md): None (the default: none),
+    one codec for every leaf (``ckptstore.Zstd(3)``, ``"zstd:3"``), ``{pattern: codec}``
+    (glob patterns on leaf names, first match wins) or a callable ``(name, info) ->
+    codec``; a bad one is `ConfigError` before anything is written.
 
     ``base`` (a committed step): an incremental save. Each leaf whose content equals what
     ``base`` stored (same shape, dtype, chunking, pieces and 128-bit digests) is
@@ -77,7 +83,13 @@ async def save(
     `AlreadyExistsError` if ``step`` is already committed (on the fast tier, for tiers).
     """
     return await save_items(
-        target, {item: tree}, step=step, metadata=metadata, timeout=timeout, base=base
+        target,
+        {item: tree},
+        step=step,
+        metadata=metadata,
+        timeout=timeout,
+        base=base,
+        codecs=codecs,
     )
 
 
@@ -95,6 +107,7 @@ async def save_items(
     base: int | None = None,
     same_objects: SameObjects | None = None,
     digests: bool = True,
+    codecs: Any = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
@@ -104,8 +117,9 @@ async def save_items(
     `jax.Array` objects the caller saved as ``base``'s attempt, so not digested again (a
     ``base`` committed since as another attempt is `BaseStepGoneError`). ``digests`` false
     (a manager that does not save incrementally): no piece digests are recorded, so an
-    incremental save on this step later writes every leaf; with ``base`` they always are."""
-    step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
+    incremental save on this step later writes every leaf; with ``base`` they always are.
+    ``codecs``: as `save`'s, for every item."""
+    step, prepared, configs = plain_save.prepare(step, items, codecs)  # bad trees fail first
     if base is not None:
         base = layout.check_step(base)
 

@@ -55,6 +55,7 @@ from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.packs import PackTarget, check_packs, read_index, write_index
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format import layout
+from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
@@ -94,25 +95,31 @@ class PreparedItem:
     structure: dict[str, Any]
 
     @classmethod
-    def of(cls, tree: Any) -> PreparedItem:
+    def of(cls, tree: Any, codecs: CodecPolicy | None = None) -> PreparedItem:
+        """``tree`` flattened and described, each leaf with the codec ``codecs`` picks
+        (None: every leaf raw)."""
         # The collector paused for this short, synchronous step only (see `gcpause`): a
         # full collection here was half of a many-leaf save's time (docs/benchmarks.md).
         with gc_paused():
             named = flatten(tree)
             infos = [describe_leaf(n, v) for n, v in named]
+            if codecs is not None:
+                infos = codecs.apply(infos)
             if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
                 named = [(n, storable(v)) for n, v in named]
             return cls(named, infos, describe(tree))
 
 
 def prepare(
-    step: int, items: Mapping[str, Any]
+    step: int, items: Mapping[str, Any], codecs: Any = None
 ) -> tuple[int, dict[str, PreparedItem], dict[str, JsonItem]]:
     """Check ``step`` and the item names, and flatten and describe every tree, before
     anything is opened or written. An item that is not arrays and numbers but JSON (a
     dataclass config, a dict with strings) is kept as JSON in the manifest
-    (`ckptstore.format.jsonitems`): the third dict."""
+    (`ckptstore.format.jsonitems`): the third dict. ``codecs``: which leaves are
+    compressed, any form `CodecPolicy.of` takes (a bad one fails here too)."""
     step = layout.check_step(step)
+    policy = CodecPolicy.of(codecs)
     if not items:
         raise CkptStoreError("nothing to save: no items")
     prepared: dict[str, PreparedItem] = {}
@@ -120,7 +127,7 @@ def prepare(
     for name, tree in items.items():
         layout.check_item(name)
         if is_array_tree(tree):
-            prepared[name] = PreparedItem.of(tree)
+            prepared[name] = PreparedItem.of(tree, policy)
         else:
             configs[name] = as_json_item(name, tree)
     return step, prepared, configs
