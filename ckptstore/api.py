@@ -210,9 +210,11 @@ class PartialSaveSync:
         """See `PartialSave.leaves_of`."""
         return self.session.leaves_of(item)
 
-    def add(self, subtree: Any, *, replace: bool = False, item: str | None = None) -> Part:
+    def add(
+        self, subtree: Any, *, replace: bool = False, item: str | None = None, codecs: Any = None
+    ) -> Part:
         """`PartialSave.add`, blocking."""
-        return run(self.session.add(subtree, replace=replace, item=item))
+        return run(self.session.add(subtree, replace=replace, item=item, codecs=codecs))
 
     def drop(self, index: int) -> None:
         """`PartialSave.drop`, blocking."""
