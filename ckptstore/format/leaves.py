@@ -70,6 +70,9 @@ class LeafInfo:
     prng_impl: str | None = None
     #: How its chunks are compressed (`ckptstore.format.codecs`); None: raw.
     codec: Codec = None
+    #: The dtype the leaf had before a save stored it as ``dtype`` (a lossy cast asked for:
+    #: `ckptstore.format.casts`); a restore gives it back in this dtype. None: not cast.
+    cast_from: str | None = None
 
     @_computed_once
     def nbytes(self) -> int:
@@ -89,6 +92,8 @@ class LeafInfo:
             out["prng_impl"] = self.prng_impl
         if self.codec is not None:  # raw leaves' records stay as they were
             out["codec"] = str(self.codec)
+        if self.cast_from is not None:
+            out["cast_from"] = self.cast_from
         return out
 
     def with_codec(self, codec: Codec) -> LeafInfo:
@@ -107,6 +112,7 @@ class LeafInfo:
             sharding=data.get("sharding"),
             prng_impl=data.get("prng_impl"),
             codec=stored_codec(data.get("codec"), name),
+            cast_from=data.get("cast_from"),
         )
 
 
@@ -314,3 +320,23 @@ def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES)
 def host_array(value: Any) -> np.ndarray[Any, Any]:
     """A numpy array for a host leaf; Python ints are stored as int64 on every platform."""
     return np.asarray(value, dtype=np.int64 if type(value) is int else None)
+
+
+def cast_value(value: Any, dtype: str) -> Any:
+    """``value`` (a jax array, a staged `HostShards`, a numpy array) converted to ``dtype``
+    for a lossy cast (`ckptstore.format.casts`): a new array of the narrower dtype (a jax
+    array's on its devices, with its sharding; a staged array's pieces on the host)."""
+    target = dtype_of(dtype)
+    if isinstance(value, jax.Array):
+        return value.astype(target)
+    if isinstance(value, HostShards):
+        extra = value.extra
+        return dataclasses.replace(
+            value,
+            dtype=target,
+            pieces=tuple((i, np.asarray(d).astype(target)) for i, d in value.pieces),
+            extra=None
+            if extra is None
+            else tuple((i, np.asarray(d).astype(target)) for i, d in extra),
+        )
+    return np.asarray(value).astype(target)
