@@ -60,13 +60,17 @@ async def save(
     timeout: float = distributed.DEFAULT_TIMEOUT,
     base: int | None = None,
     codecs: Any = None,
+    casts: Any = None,
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
 
     ``codecs``: which leaves are compressed (docs/codecs.md): None (the default: none),
     one codec for every leaf (``ckptstore.Zstd(3)``, ``"zstd:3"``), ``{pattern: codec}``
     (glob patterns on leaf names, first match wins) or a callable ``(name, info) ->
-    codec``; a bad one is `ConfigError` before anything is written.
+    codec``; a bad one is `ConfigError` before anything is written. ``casts``: lossy,
+    only where asked: ``{pattern: dtype}`` (or a callable) stores matching floating-point
+    leaves in a narrower dtype (``"bfloat16"``...), restored into the dtype they had
+    (docs/codecs.md, "Lossy casts").
 
     ``base`` (a committed step): an incremental save. Each leaf whose content equals what
     ``base`` stored (same shape, dtype, chunking, pieces and 128-bit digests) is
@@ -90,6 +94,7 @@ async def save(
         timeout=timeout,
         base=base,
         codecs=codecs,
+        casts=casts,
     )
 
 
@@ -108,6 +113,7 @@ async def save_items(
     same_objects: SameObjects | None = None,
     digests: bool = True,
     codecs: Any = None,
+    casts: Any = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
@@ -118,8 +124,8 @@ async def save_items(
     ``base`` committed since as another attempt is `BaseStepGoneError`). ``digests`` false
     (a manager that does not save incrementally): no piece digests are recorded, so an
     incremental save on this step later writes every leaf; with ``base`` they always are.
-    ``codecs``: as `save`'s, for every item."""
-    step, prepared, configs = plain_save.prepare(step, items, codecs)  # bad trees fail first
+    ``codecs``, ``casts``: as `save`'s, for every item."""
+    step, prepared, configs = plain_save.prepare(step, items, codecs, casts)  # bad: fail first
     if base is not None:
         base = layout.check_step(base)
 
