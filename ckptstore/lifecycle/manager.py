@@ -347,6 +347,7 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
                 # where no save of this manager will compare them.
                 digests=self.options.incremental,
                 codecs=self.options.codecs,
+                casts=self.options.casts,
             )
 
         try:

@@ -24,6 +24,8 @@ codecs = "zstd:3"                # every leaf compressed; or a table, first matc
 # [manager.codecs]
 # "params/*" = "zstd:3"
 # "*" = "none"
+# [manager.casts]                # lossy, never a default: these leaves stored narrower
+# "opt/*" = "bfloat16"
 ```
 """
 
@@ -34,6 +36,7 @@ from typing import Any, Literal
 
 from ckptstore.errors import ConfigError
 from ckptstore.format import layout
+from ckptstore.format.casts import CastPolicy
 from ckptstore.format.codecs import CodecPolicy
 from ckptstore.lifecycle import policies as P
 
@@ -82,9 +85,13 @@ class ManagerOptions:
     #: ``ckptstore.Zstd(3)`` or ``"zstd:3"``, ``{glob pattern: codec}``, a callable);
     #: kept as the `CodecPolicy` it describes. None: nothing compressed (docs/codecs.md).
     codecs: Any = None
+    #: Leaves each save stores in a narrower dtype, restored into the dtype they had
+    #: (lossy: ``{glob pattern: dtype}`` or a callable, `CastPolicy.of`). None: none.
+    casts: Any = None
 
     def __post_init__(self) -> None:
         self.codecs = CodecPolicy.of(self.codecs, what="codecs")
+        self.casts = CastPolicy.of(self.casts, what="casts")
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.staging not in ("auto", "device", "host", "view"):
@@ -154,6 +161,10 @@ class ManagerOptions:
                     f"pattern = codec, got {v!r}"
                 )
             out["codecs"] = CodecPolicy.of(v, what=f"{source}.codecs")
+        if (v := take("casts")) is not None:  # a {pattern: dtype} table
+            if not isinstance(v, dict):
+                raise ConfigError(f"{source}.casts must be a table of pattern = dtype, got {v!r}")
+            out["casts"] = CastPolicy.of(v, what=f"{source}.casts")
         if (v := take("max_staging_bytes")) is not None:
             out["max_staging_bytes"] = _int(v, f"{source}.max_staging_bytes")
         if table:
