@@ -210,3 +210,65 @@ def test_without_codecs_a_save_writes_what_it_always_did(tmp_path: Path) -> None
         for w in ("a", "b")
     ]
     assert sizes[0] == sizes[1] > tree["w"].nbytes
+
+
+# ---- lossy casts, only where asked ----
+
+
+async def test_cast_leaves_are_stored_narrower_and_restored_in_their_dtype(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    mu = compressible((512, 1024))
+    tree = {
+        "opt": {"mu": sharded(mu, P("x", "y")), "count": np.arange(4)},
+        "f64": np.linspace(0, 1, 1000),
+        "keep": np.full(10, 1 / 3, np.float32),
+        "half": np.ones(4, np.float16),
+    }
+    casts = {"opt/*": "bfloat16", "f64": np.float32, "half": "float32"}
+    await ckptstore.save(root, tree, step=1, casts=casts, codecs={"opt/*": "zstd:1"})
+    leaves = (await ckptstore.read_manifest(root, 1)).items["state"].leaves
+    stored = {n: (i.dtype, i.cast_from) for n, i in leaves.items()}
+    assert stored == {
+        "opt/mu": ("bfloat16", "float32"),
+        "opt/count": ("int64", None),  # not floating point: as it is
+        "f64": ("float32", "float64"),
+        "keep": ("float32", None),  # no pattern
+        "half": ("float16", None),  # a widening is no cast
+    }
+    assert leaves["opt/mu"].codec == Zstd(1)
+    want_mu = mu.astype(ml_dtypes.bfloat16).astype(np.float32)  # rounded once, to nearest even
+    got = await ckptstore.restore(root, 1)
+    assert got["opt"]["mu"].dtype == np.float32 and got["opt"]["mu"].tobytes() == want_mu.tobytes()
+    assert got["f64"].dtype == np.float64
+    assert got["f64"].tobytes() == tree["f64"].astype(np.float32).astype(np.float64).tobytes()
+    assert got["keep"].tobytes() == tree["keep"].tobytes()
+    like = {
+        "opt": {
+            "mu": jax.ShapeDtypeStruct(mu.shape, np.float32, sharding=tree["opt"]["mu"].sharding),
+            "count": np.zeros(4, np.int64),
+        },
+        "f64": np.zeros(1000),
+        "keep": np.zeros(10, np.float32),
+        "half": np.zeros(4, np.float16),
+    }
+    placed = await ckptstore.restore(root, 1, like=like)
+    assert placed["opt"]["mu"].sharding == tree["opt"]["mu"].sharding
+    assert np.asarray(placed["opt"]["mu"]).tobytes() == want_mu.tobytes()
+    like["opt"]["mu"] = jax.ShapeDtypeStruct(mu.shape, ml_dtypes.bfloat16)  # as stored
+    as_stored = await ckptstore.restore(root, 1, like=like)
+    assert as_stored["opt"]["mu"].dtype == ml_dtypes.bfloat16
+    assert (await ckptstore.verify(root, 1)).ok
+
+
+async def test_casts_are_never_a_default_and_bad_ones_are_typed(tmp_path: Path) -> None:
+    tree = {"w": np.full(8, 1 / 3, np.float32)}
+    await ckptstore.save(str(tmp_path), tree, step=1)
+    assert (await ckptstore.restore(str(tmp_path), 1))["w"].tobytes() == tree["w"].tobytes()
+    for bad, said in [
+        ({"w": "int8"}, "cannot store leaves as 'int8'"),
+        ({"w": "float128"}, "cannot store leaves as"),
+        ("bfloat16", "expected {pattern: dtype}"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            await ckptstore.save(str(tmp_path), tree, step=2, casts=bad)
+    assert await ckptstore.list_steps(str(tmp_path)) == [1]

@@ -230,3 +230,18 @@ def test_packed_sizes_must_fit_the_leafs_codec(codec: str | None, packed: dict, 
     ok = {"key": "p", "offset": 0, **({"size": 12} if codec else {})}
     parsed = Manifest.from_bytes(_manifest(doc, ok), where="m")
     assert parsed.items["state"].packed["w"] == PackRef("p", 0, 12 if codec else None)
+
+
+@pytest.mark.parametrize(
+    ("doc", "said"),
+    [
+        ({"cast_from": "int8"}, "bad cast_from 'int8'"),
+        ({"cast_from": "float32"}, "bad cast_from"),  # the stored dtype itself: no cast
+        ({"cast_from": ["float64"]}, "bad cast_from"),
+    ],
+)
+def test_a_manifest_with_a_bad_cast_is_corrupt(doc: dict, said: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match=said):
+        Manifest.from_bytes(_manifest(doc), where="m")
+    good = Manifest.from_bytes(_manifest({"cast_from": "float64"}), where="m")
+    assert good.items["state"].leaves["w"].cast_from == "float64"

@@ -78,3 +78,25 @@ def test_bad_codecs_in_a_profile_are_config_errors(tmp_path: Path, table: str, s
         ckptstore.CheckpointManager(str(profile))
     with pytest.raises(ckptstore.ConfigError, match="unknown codec"):
         ckptstore.ManagerOptions(codecs="gzip")
+
+
+def test_casts_from_a_profile_reach_the_managers_saves(tmp_path: Path) -> None:
+    profile = tmp_path / "run.toml"
+    profile.write_text(
+        f'url = "{tmp_path / "run"}"\n[manager]\nhandle_sigterm = false\n'
+        '[manager.casts]\n"opt/*" = "bfloat16"\n'
+    )
+    with ckptstore.CheckpointManager(str(profile)) as mgr:
+        assert mgr.options.casts == ckptstore.CastPolicy(rules=(("opt/*", "bfloat16"),))
+        handle = mgr.save(1, tree(1))
+        assert handle is not None
+        handle.wait()
+    leaves = ckptstore.read_manifest_sync(str(tmp_path / "run"), 1).items["state"].leaves
+    assert (leaves["opt/mu"].dtype, leaves["opt/mu"].cast_from) == ("bfloat16", "float32")
+    assert leaves["params/w"].cast_from is None
+    got = ckptstore.restore_sync(str(tmp_path / "run"), 1)
+    assert got["opt"]["mu"].dtype == np.float32  # 1.0 is exact in bfloat16
+    assert got["opt"]["mu"].tobytes() == tree(1)["opt"]["mu"].tobytes()
+    profile.write_text(f'url = "{tmp_path / "run"}"\n[manager]\ncasts = "bfloat16"\n')
+    with pytest.raises(ckptstore.ConfigError, match="table of pattern = dtype"):
+        ckptstore.CheckpointManager(str(profile))
