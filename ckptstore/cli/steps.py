@@ -232,6 +232,8 @@ def _print_info(
             shape = "x".join(map(str, leaf.shape)) or "scalar"
             k = item.refs.get(leaf.name)
             held = "" if k is None else f"  (in step {manifest.references[k].step})"
+            if leaf.cast_from is not None:  # stored narrower, restored as cast_from
+                held += f"  (cast from {leaf.cast_from})"
             size = sizes.get(name, {}).get(leaf.name)
             kept = "?" if size is None else human(size)
             print(

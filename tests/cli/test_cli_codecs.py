@@ -33,3 +33,17 @@ def test_info_shows_codecs_and_stored_bytes(
     assert re.search(rf"^  big +float32 +1024x2048 +8\.0 MiB +zstd:3 +{big} B +-$", text, re.M)
     assert re.search(rf"^  small +float32 +1000 +3\.9 KiB +zstd:1 +{small} B +-$", text, re.M)
     assert re.search(r"^  raw +int32 +4 +16 B +none +20 B +-$", text, re.M), text
+
+
+def test_info_says_which_leaves_were_cast(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree = {"mu": np.ones(100, np.float32), "w": np.ones(100, np.float32)}
+    ckptstore.save_sync(str(tmp_path), tree, step=1, casts={"mu": "bfloat16"})
+    capsys.readouterr()
+    assert main(["info", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(
+        r"^  mu +bfloat16 +100 +200 B +none +204 B +-  \(cast from float32\)$", text, re.M
+    )
+    assert re.search(r"^  w +float32 +100 +400 B +none +404 B +-$", text, re.M), text
