@@ -245,3 +245,19 @@ def test_a_manifest_with_a_bad_cast_is_corrupt(doc: dict, said: str) -> None:
         Manifest.from_bytes(_manifest(doc), where="m")
     good = Manifest.from_bytes(_manifest({"cast_from": "float64"}), where="m")
     assert good.items["state"].leaves["w"].cast_from == "float64"
+
+
+def test_incompressible_chunks_fit_the_bound_readers_allocate() -> None:
+    """Random bytes grow a little under zstd: what TensorStore and ckptstore write for them
+    still fits `chunks.stored_size` and decodes."""
+    leaf = LeafInfo("r", (1 << 17,), "uint8", (1 << 17,), "numpy", codec=Zstd(22))
+    data = np.random.default_rng(5).integers(0, 256, leaf.shape, dtype=np.uint8)
+    ours = chunks.encode_chunk(leaf, data)
+    ctx = ts.Context()
+    arr = ts.open(zarr_spec({"driver": "memory"}, leaf), create=True, context=ctx).result()
+    arr.write(data).result()
+    kv = ts.KvStore.open({"driver": "memory"}, context=ctx).result()
+    theirs = kv.read(chunks.chunk_key(leaf)).result().value
+    for stored in (ours, theirs):
+        assert data.nbytes < len(stored) <= chunks.stored_size(leaf)
+        assert chunks.decode_chunk(leaf, stored).tobytes() == data.tobytes()
