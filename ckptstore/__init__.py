@@ -15,6 +15,8 @@ The public API on one screen:
   `promote(tiered)` copies committed steps from the fast tier to the durable one.
 - `export_orbax(src, dst)` and `import_orbax(src, dst)`: a committed step as an Orbax
   0.12 checkpoint (by reference where possible), and an Orbax checkpoint as a step.
+- `Zstd(level)`, `CodecPolicy`: leaves compressed per name (``save(..., codecs=...)``);
+  `CastPolicy`: leaves stored in a narrower dtype, only where asked (``casts=...``).
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
 - `Backend`, `ObjectInfo`, `Capabilities`, `RetryPolicy`: the storage protocol.
 - The error hierarchy under `CkptStoreError`.
@@ -77,6 +79,8 @@ _PUBLIC = {
     "ckptstore.checkpoint.parts": ("Part",),
     "ckptstore.checkpoint.save": ("SaveResult",),
     "ckptstore.checkpoint.verify": ("VerifyReport",),
+    "ckptstore.format.casts": ("CastPolicy",),
+    "ckptstore.format.codecs": ("CodecPolicy", "Zstd"),
     "ckptstore.lifecycle.handles": ("SaveHandle", "SaveStats"),
     "ckptstore.lifecycle.manager": ("CheckpointManager",),
     "ckptstore.lifecycle.options": ("ManagerOptions",),
@@ -120,6 +124,8 @@ if TYPE_CHECKING:
     from ckptstore.checkpoint.parts import Part
     from ckptstore.checkpoint.save import SaveResult
     from ckptstore.checkpoint.verify import VerifyReport
+    from ckptstore.format.casts import CastPolicy
+    from ckptstore.format.codecs import CodecPolicy, Zstd
     from ckptstore.lifecycle import policies
     from ckptstore.lifecycle.handles import SaveHandle, SaveStats
     from ckptstore.lifecycle.manager import CheckpointManager

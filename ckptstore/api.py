@@ -60,8 +60,18 @@ async def save(
     metadata: dict[str, Any] | None = None,
     timeout: float = distributed.DEFAULT_TIMEOUT,
     base: int | None = None,
+    codecs: Any = None,
+    casts: Any = None,
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
+
+    ``codecs``: which leaves are compressed (docs/codecs.md): None (the default: none),
+    one codec for every leaf (``ckptstore.Zstd(3)``, ``"zstd:3"``), ``{pattern: codec}``
+    (glob patterns on leaf names, first match wins) or a callable ``(name, info) ->
+    codec``; a bad one is `ConfigError` before anything is written. ``casts``: lossy,
+    only where asked: ``{pattern: dtype}`` (or a callable) stores matching floating-point
+    leaves in a narrower dtype (``"bfloat16"``...), restored into the dtype they had
+    (docs/codecs.md, "Lossy casts").
 
     ``base`` (a committed step): an incremental save. Each leaf whose content equals what
     ``base`` stored (same shape, dtype, chunking, pieces and 128-bit digests) is
@@ -78,7 +88,14 @@ async def save(
     `AlreadyExistsError` if ``step`` is already committed (on the fast tier, for tiers).
     """
     return await save_items(
-        target, {item: tree}, step=step, metadata=metadata, timeout=timeout, base=base
+        target,
+        {item: tree},
+        step=step,
+        metadata=metadata,
+        timeout=timeout,
+        base=base,
+        codecs=codecs,
+        casts=casts,
     )
 
 
@@ -96,6 +113,8 @@ async def save_items(
     base: int | None = None,
     same_objects: SameObjects | None = None,
     digests: bool = True,
+    codecs: Any = None,
+    casts: Any = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
@@ -105,8 +124,9 @@ async def save_items(
     `jax.Array` objects the caller saved as ``base``'s attempt, so not digested again (a
     ``base`` committed since as another attempt is `BaseStepGoneError`). ``digests`` false
     (a manager that does not save incrementally): no piece digests are recorded, so an
-    incremental save on this step later writes every leaf; with ``base`` they always are."""
-    step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
+    incremental save on this step later writes every leaf; with ``base`` they always are.
+    ``codecs``, ``casts``: as `save`'s, for every item."""
+    step, prepared, configs = plain_save.prepare(step, items, codecs, casts)  # bad: fail first
     if base is not None:
         base = layout.check_step(base)
 
@@ -216,9 +236,11 @@ class PartialSaveSync:
         """See `PartialSave.leaves_of`."""
         return self.session.leaves_of(item)
 
-    def add(self, subtree: Any, *, replace: bool = False, item: str | None = None) -> Part:
+    def add(
+        self, subtree: Any, *, replace: bool = False, item: str | None = None, codecs: Any = None
+    ) -> Part:
         """`PartialSave.add`, blocking."""
-        return run(self.session.add(subtree, replace=replace, item=item))
+        return run(self.session.add(subtree, replace=replace, item=item, codecs=codecs))
 
     def drop(self, index: int) -> None:
         """`PartialSave.drop`, blocking."""

@@ -283,3 +283,16 @@ def test_layers_name_every_module() -> None:
             assert modules - names <= {"__init__.py", "__main__.py"}, (folder, modules - names)
         mine = {m for m in modules if m != "__init__.py"}
         assert counted.get(folder, len(mine)) == len(mine), (folder, counted[folder], mine)
+
+
+def test_codecs_example_runs_and_its_profile_is_valid(tmp_path: Path) -> None:
+    (example,) = blocks("codecs.md", "python")
+    got, said = run_block(example, tmp_path)
+    assert got == said
+    (profile,) = blocks("codecs.md", "toml")
+    file = tmp_path / "run.toml"
+    file.write_text(profile)
+    options = ckptstore.ManagerOptions.from_table(ckptstore.load_profile(file)["manager"])
+    kernel = ckptstore.Zstd(3)
+    rules = options.codecs.rules
+    assert rules == (("params/*", kernel), ("opt/*", ckptstore.Zstd(1)), ("*", None))

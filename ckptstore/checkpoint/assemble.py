@@ -195,8 +195,8 @@ async def _load(
                 sharding = getattr(want, "sharding", None)
                 # Not across processes: jax.device_put would compare the value between them.
                 if isinstance(sharding, jax.sharding.Sharding) and sharding.is_fully_addressable:
-                    dtype = _dtype_of(want)
-                    onto.append((k, whole.astype(dtype) if cast and dtype else whole, sharding))
+                    dtype, cast_it = _target(want, info, cast)
+                    onto.append((k, whole.astype(dtype) if cast_it and dtype else whole, sharding))
                 else:
                     out[k] = await _materialize(in_memory(whole), info, want, cast, None)
             if onto:  # one transfer for the whole batch: most of the cost is per call
@@ -244,7 +244,7 @@ def _check(
         if shape is not None and tuple(shape) != info.shape:
             problems.append(f"{name}: shape {list(shape)} requested, {list(info.shape)} stored")
         dtype = _dtype_of(want)
-        if dtype is not None and not cast and _name(dtype) != info.dtype:
+        if dtype is not None and not cast and _name(dtype) not in (info.dtype, info.cast_from):
             problems.append(
                 f"{name}: dtype {dtype.name} requested, {info.dtype} stored (pass cast=True)"
             )
@@ -272,6 +272,18 @@ def _name(dtype: np.dtype[Any]) -> str:
     return dtype.name  # numpy builds it anew on every access (~2 us; thousands of leaves)
 
 
+def _target(want: Any, info: LeafInfo, cast: bool) -> tuple[np.dtype[Any] | None, bool]:
+    """The dtype to give a leaf in and whether to convert to it: ``want``'s (converted
+    only with ``cast``), except that a leaf a save stored narrower (`LeafInfo.cast_from`)
+    comes back in the dtype it had, unless its stored dtype is asked for."""
+    dtype = _dtype_of(want)
+    if info.cast_from is None:
+        return dtype, cast
+    if dtype is None:
+        return dtype_of(info.cast_from), True
+    return dtype, cast or _name(dtype) == info.cast_from
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (bool, int, float, complex))
 
@@ -283,7 +295,7 @@ async def _materialize(
 
     ``budget`` (None: the data is already in memory) bounds what is read ahead.
     """
-    dtype = _dtype_of(want)
+    dtype, cast = _target(want, info, cast)
     sharding = getattr(want, "sharding", None)
     if isinstance(sharding, jax.sharding.Sharding):
         return await _read_sharded(read, info, sharding, dtype if cast else None, budget)

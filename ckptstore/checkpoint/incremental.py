@@ -1,7 +1,7 @@
 """Incremental saves: which leaves a save need not write because its base step holds them.
 
 ``save(target, tree, step=, base=B)``: a leaf whose stored form (shape, dtype, chunk
-shape) and piece digests (`ckptstore.format.digests`) equal what committed step ``B``
+shape, codec) and piece digests (`ckptstore.format.digests`) equal what committed step ``B``
 recorded is not written; the new manifest records it as held by the attempt that holds
 its bytes (B's own, or the one B itself referenced for it: always the original holder,
 never a chain). Reads go there (`ckptstore.checkpoint.restore`, `verify`); `delete_step`
@@ -60,10 +60,11 @@ class Base:
         if saved is None or self.manifest.attempt is None or saved.digest_algorithm != ALGORITHM:
             return None
         old = saved.leaves.get(info.name)
-        if old is None or (old.shape, old.dtype, old.chunk_shape) != (
+        if old is None or (old.shape, old.dtype, old.chunk_shape, old.codec) != (
             info.shape,
             info.dtype,
             info.chunk_shape,
+            info.codec,  # another codec: other bytes, written again
         ):
             return None
         return saved.digests.get(info.name)

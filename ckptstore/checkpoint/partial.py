@@ -84,6 +84,7 @@ from ckptstore.errors import (
     TreeError,
 )
 from ckptstore.format import layout
+from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.jsonitems import JsonItem, as_json_item
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo
@@ -278,9 +279,12 @@ class PartialSave:
                 out.update(part.leaves)
         return out
 
-    async def add(self, subtree: Any, *, replace: bool = False, item: str | None = None) -> Part:
+    async def add(
+        self, subtree: Any, *, replace: bool = False, item: str | None = None, codecs: Any = None
+    ) -> Part:
         """Write ``subtree`` as a new part of ``item`` (default: the session's item);
-        returns once the part is durable and recorded.
+        returns once the part is durable and recorded. ``codecs``: which of its leaves are
+        compressed, as `ckptstore.save` takes it.
 
         Refused before anything is written: a leaf an earlier part of the item holds
         (unless ``replace``), and a leaf that lies under, or above, a leaf of an earlier
@@ -290,7 +294,7 @@ class PartialSave:
         """
         self._check_open()
         item = layout.check_item(item if item is not None else self.item)
-        prepared = PreparedItem.of(subtree)  # as a save prepares an item
+        prepared = PreparedItem.of(subtree, CodecPolicy.of(codecs))  # as a save prepares one
         infos = prepared.leaves
         saved = self.leaves_of(item)
         nested = nesting_conflicts(set(saved), [info.name for info in infos])

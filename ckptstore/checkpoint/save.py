@@ -55,9 +55,11 @@ from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.packs import PackTarget, check_packs, read_index, write_index
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
 from ckptstore.format import layout
+from ckptstore.format.casts import CastPolicy
+from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
-from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.leaves import LeafInfo, cast_value, describe_leaf, storable
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import describe, flatten
@@ -94,25 +96,53 @@ class PreparedItem:
     structure: dict[str, Any]
 
     @classmethod
-    def of(cls, tree: Any) -> PreparedItem:
+    def of(
+        cls, tree: Any, codecs: CodecPolicy | None = None, casts: CastPolicy | None = None
+    ) -> PreparedItem:
+        """``tree`` flattened and described, the leaves ``casts`` picks converted to a
+        narrower dtype (None: none), each leaf with the codec ``codecs`` picks (None: every
+        leaf raw)."""
         # The collector paused for this short, synchronous step only (see `gcpause`): a
         # full collection here was half of a many-leaf save's time (docs/benchmarks.md).
         with gc_paused():
             named = flatten(tree)
             infos = [describe_leaf(n, v) for n, v in named]
+            if casts is not None and not casts.empty:
+                named, infos = _cast(named, infos, casts)
+            if codecs is not None:
+                infos = codecs.apply(infos)
             if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
                 named = [(n, storable(v)) for n, v in named]
             return cls(named, infos, describe(tree))
 
 
+def _cast(
+    named: list[tuple[str, Any]], infos: list[LeafInfo], casts: CastPolicy
+) -> tuple[list[tuple[str, Any]], list[LeafInfo]]:
+    """The leaves ``casts`` picks, converted and described in their stored dtype, each
+    recording the dtype it had (`LeafInfo.cast_from`); the others as they are."""
+    out_named, out_infos = [], []
+    for (name, value), info in zip(named, infos, strict=True):
+        target = casts.target_for(info)
+        if target is not None:
+            value = cast_value(value, target)
+            info = dataclasses.replace(describe_leaf(name, value), cast_from=info.dtype)
+        out_named.append((name, value))
+        out_infos.append(info)
+    return out_named, out_infos
+
+
 def prepare(
-    step: int, items: Mapping[str, Any]
+    step: int, items: Mapping[str, Any], codecs: Any = None, casts: Any = None
 ) -> tuple[int, dict[str, PreparedItem], dict[str, JsonItem]]:
     """Check ``step`` and the item names, and flatten and describe every tree, before
     anything is opened or written. An item that is not arrays and numbers but JSON (a
     dataclass config, a dict with strings) is kept as JSON in the manifest
-    (`ckptstore.format.jsonitems`): the third dict."""
+    (`ckptstore.format.jsonitems`): the third dict. ``codecs``: which leaves are
+    compressed, any form `CodecPolicy.of` takes (a bad one fails here too); ``casts``:
+    which are stored in a narrower dtype (`CastPolicy.of`: never unless asked)."""
     step = layout.check_step(step)
+    policy, narrower = CodecPolicy.of(codecs), CastPolicy.of(casts)
     if not items:
         raise CkptStoreError("nothing to save: no items")
     prepared: dict[str, PreparedItem] = {}
@@ -120,7 +150,7 @@ def prepare(
     for name, tree in items.items():
         layout.check_item(name)
         if is_array_tree(tree):
-            prepared[name] = PreparedItem.of(tree)
+            prepared[name] = PreparedItem.of(tree, policy, narrower)
         else:
             configs[name] = as_json_item(name, tree)
     return step, prepared, configs

@@ -13,6 +13,7 @@ from ckptstore.api import read_manifest, verify
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.cleanup import scan
 from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
+from ckptstore.checkpoint.sizes import stored_sizes
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.cli import orbax as cli_orbax
 from ckptstore.cli.output import (
@@ -24,6 +25,8 @@ from ckptstore.cli.output import (
 )
 from ckptstore.cli.text import count, duration_text, human, when
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptCheckpointError
+from ckptstore.format import layout
+from ckptstore.format.codecs import codec_name
 from ckptstore.format.manifest import Manifest
 from ckptstore.tiers.read import tier_steps
 from ckptstore.tiers.target import Tiered
@@ -197,7 +200,9 @@ def _per_process(manifest: Manifest) -> list[str]:
     ]
 
 
-def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
+def _print_info(
+    manifest: Manifest, after: dict[str, float], sizes: dict[str, dict[str, int | None]]
+) -> None:
     print(f"step {manifest.step}, created {when(manifest.created)}, {human(manifest.nbytes)}")
     if manifest.attempt:
         print(f"  attempt {manifest.attempt}")
@@ -219,14 +224,22 @@ def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
         print(f"item {name!r}: {leaves}, {human(item.nbytes)}")
         width = max((len(n) for n in item.leaves), default=0)
         width = max(width, len("LEAF"))
-        print(f"  {'LEAF':{width}}  {'DTYPE':>12}  {'SHAPE':>18}  {'BYTES':>10}  SHARDING")
+        print(
+            f"  {'LEAF':{width}}  {'DTYPE':>12}  {'SHAPE':>18}  {'BYTES':>10}  "
+            f"{'CODEC':>7}  {'STORED':>10}  SHARDING"
+        )
         for leaf in sorted(item.leaves.values(), key=lambda i: i.name):
             shape = "x".join(map(str, leaf.shape)) or "scalar"
             k = item.refs.get(leaf.name)
             held = "" if k is None else f"  (in step {manifest.references[k].step})"
+            if leaf.cast_from is not None:  # stored narrower, restored as cast_from
+                held += f"  (cast from {leaf.cast_from})"
+            size = sizes.get(name, {}).get(leaf.name)
+            kept = "?" if size is None else human(size)
             print(
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
-                f"{human(leaf.nbytes):>10}  {_sharding_text(leaf.sharding)}{held}"
+                f"{human(leaf.nbytes):>10}  {codec_name(leaf.codec):>7}  {kept:>10}  "
+                f"{_sharding_text(leaf.sharding)}{held}"
             )
     for name, json_item in sorted(manifest.json_items.items()):
         kind = f" ({json_item.type})" if json_item.type else ""
@@ -249,12 +262,43 @@ async def cmd_info(target: Backend | Tiered, step: int | None, as_json: bool) ->
             if (orbax := await cli_orbax.info(target, step, as_json)) is not None:
                 return orbax
         raise
+    sizes = await _leaf_sizes(target, manifest)
     if as_json:  # the manifest, and what its attempt holds vs reads from others
         doc = {**json.loads(manifest.to_bytes()), **stored_bytes(manifest)}
+        doc["stored"] = {  # per item and leaf: its codec, its chunks' bytes as stored
+            item: {
+                leaf: {"codec": codec_name(info.codec), "stored_bytes": sizes[item][leaf]}
+                for leaf, info in manifest.items[item].leaves.items()
+            }
+            for item in manifest.items
+        }
         print(json.dumps(doc, separators=(",", ":")))
     else:
-        _print_info(manifest, await _after_manifest(target, manifest))
+        _print_info(manifest, await _after_manifest(target, manifest), sizes)
     return EXIT_OK
+
+
+async def _leaf_sizes(
+    target: Backend | Tiered, manifest: Manifest
+) -> dict[str, dict[str, int | None]]:
+    """Each leaf's stored bytes, measured (`ckptstore.checkpoint.sizes`): on tiers, on the
+    fast tier if it holds the step's attempt, else on the durable one. Where they cannot
+    be measured (a store this version's index reader does not understand, a tier gone),
+    None: `info` shows the manifest all the same."""
+    unknown: dict[str, dict[str, int | None]] = {
+        item: dict.fromkeys(entry.leaves) for item, entry in manifest.items.items()
+    }
+    try:
+        if isinstance(target, Backend):
+            return await stored_sizes(target, manifest)
+        async with target.opened() as (fast, durable):
+            where = layout.AttemptDir(manifest.step, manifest.attempt).manifest
+            for backend in (fast, durable):
+                if await backend.exists(where):
+                    return await stored_sizes(backend, manifest)
+    except CkptStoreError:
+        pass
+    return unknown
 
 
 async def _after_manifest(target: Backend | Tiered, manifest: Manifest) -> dict[str, float]:

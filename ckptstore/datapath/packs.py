@@ -22,7 +22,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.format.packs import INDEX, PackRef, entry_size, pack_parts
+from ckptstore.format.packs import INDEX, PackRef, chunk_size, entry_size, pack_parts, pack_refs
 from ckptstore.runtime.futures import gather_first_error, on_thread
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.hostpool import aligned_empty
@@ -82,7 +82,7 @@ async def write_pack(
     async with encoding or contextlib.nullcontext():
         parts, offsets = await on_thread(None, lambda: pack_parts(leaves))
     await backend.write_gather(_join(prefix, key), parts)
-    return [PackRef(key, offset) for offset in offsets]
+    return pack_refs(key, leaves, parts, offsets)
 
 
 async def check_packs(
@@ -101,7 +101,7 @@ async def check_packs(
     sizes = dict(zip(keys, await gather_first_error(map(size, keys)), strict=True))
     problems = {}
     for info, ref in leaves:
-        have, need = sizes[ref.key], ref.offset + entry_size(info)
+        have, need = sizes[ref.key], ref.offset + entry_size(info, ref)
         if have is None:
             problems[info.name] = f"its pack {ref.key} is missing"
         elif have < need:
@@ -122,7 +122,7 @@ async def read_packed(
     metas = [chunks.encode_metadata(info) for info, _ in leaves]  # what each entry starts with
     read = _RunReader(backend, prefix, leaves, metas, out)
     pairs = zip(metas, leaves, strict=True)
-    sizes = [len(meta) + chunks.stored_size(info) for meta, (info, _) in pairs]
+    sizes = [len(meta) + chunk_size(info, ref) for meta, (info, ref) in pairs]
     await gather_first_error(read.run(indices) for indices in _runs(leaves, sizes))
     assert all(arr is not None for arr in out)
     return out  # type: ignore[return-value]
@@ -145,7 +145,7 @@ class _RunReader:
         leaves, metas = self.leaves, self.metas
         first = leaves[indices[0]][1]
         stored = [bytearray(len(metas[i])) for i in indices]
-        bufs = [aligned_empty((chunks.stored_size(leaves[i][0]),), _BYTE) for i in indices]
+        bufs = [aligned_empty((chunk_size(*leaves[i]),), _BYTE) for i in indices]
         views = [
             v for meta, buf in zip(stored, bufs, strict=True) for v in (memoryview(meta), buf.data)
         ]

@@ -1,7 +1,8 @@
 """ckptstore's zarr3 chunks, encoded and decoded in Python: the raw-key path.
 
 Every leaf is a zarr3 array whose chunks are the ``bytes`` codec's little-endian
-C-order bytes followed by the ``crc32c`` codec's checksum. TensorStore reads and
+C-order bytes (compressed by the leaf's codec, if it has one: `ckptstore.format.codecs`)
+followed by the ``crc32c`` codec's checksum of the stored bytes. TensorStore reads and
 writes them, but at a cost that dominates two workloads, so ckptstore handles the
 keys itself there:
 
@@ -33,6 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import CorruptCheckpointError
+from ckptstore.format.codecs import Codec, compress, decompress
 from ckptstore.format.leaves import LeafInfo, dtype_of, zarr_spec
 from ckptstore.runtime.hostpool import aligned_empty
 
@@ -50,7 +52,7 @@ def small(info: LeafInfo) -> bool:
 
 def known(info: LeafInfo) -> bool:
     """Whether this module knows the ``zarr.json`` TensorStore writes for ``info``'s dtype."""
-    return _template(info.dtype) is not None
+    return _template(info.dtype, info.codec) is not None
 
 
 def groups(
@@ -86,7 +88,7 @@ def as_written(info: LeafInfo, meta: bytes | bytearray | np.ndarray[Any, Any]) -
     return known(info) and bytes(meta) == encode_metadata(info)
 
 
-_TEMPLATES: dict[str, str | None] = {}
+_TEMPLATES: dict[tuple[str, Codec], str | None] = {}
 _SHAPE, _CHUNKS = '"shape":[1]', '"chunk_shape":[1]'
 
 
@@ -97,7 +99,7 @@ def encode_metadata(info: LeafInfo) -> bytes:
     once per process) for a shape of ``[1]``; leaves differ only in their shape and
     chunk shape, which are put in its place.
     """
-    template = _template(info.dtype)
+    template = _template(info.dtype, info.codec)
     assert template is not None, "encode_metadata of a dtype this module does not know"
     shape = "[" + ",".join(map(str, info.shape)) + "]"
     chunks = "[" + ",".join(map(str, info.chunk_shape)) + "]"
@@ -105,16 +107,18 @@ def encode_metadata(info: LeafInfo) -> bytes:
     return text.replace(_CHUNKS, '"chunk_shape":' + chunks, 1).encode()
 
 
-def _template(dtype: str) -> str | None:
-    """TensorStore's ``zarr.json`` for ``dtype`` and shape ``[1]``; None if it is not the
-    document this module knows how to adapt (then such leaves take TensorStore's path)."""
-    if dtype not in _TEMPLATES:
-        _TEMPLATES[dtype] = _probe(dtype)
-    return _TEMPLATES[dtype]
+def _template(dtype: str, codec: Codec = None) -> str | None:
+    """TensorStore's ``zarr.json`` for ``dtype``, ``codec`` and shape ``[1]``; None if it is
+    not the document this module knows how to adapt (then such leaves take TensorStore's
+    path)."""
+    key = (dtype, codec)
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = _probe(dtype, codec)
+    return _TEMPLATES[key]
 
 
-def _probe(dtype: str) -> str | None:
-    probe = LeafInfo("t", (1,), dtype, (1,), "numpy")
+def _probe(dtype: str, codec: Codec) -> str | None:
+    probe = LeafInfo("t", (1,), dtype, (1,), "numpy", codec=codec)
     ctx = ts.Context()
     ts.open(zarr_spec({"driver": "memory"}, probe), create=True, context=ctx).result()
     kv = ts.KvStore.open({"driver": "memory"}, context=ctx).result()
@@ -123,22 +127,36 @@ def _probe(dtype: str) -> str | None:
 
 
 def encode_chunk(info: LeafInfo, data: np.ndarray[Any, Any]) -> bytes:
-    """The stored chunk: the array's little-endian C-order bytes, then their crc32c."""
+    """The stored chunk: the array's little-endian C-order bytes (compressed by
+    ``info.codec``), then their crc32c."""
     raw, crc = chunk_parts(info, data)
     return b"".join((raw, crc))  # one copy
 
 
 def chunk_parts(info: LeafInfo, data: np.ndarray[Any, Any]) -> tuple[memoryview, bytes]:
     """The stored chunk as its two parts, without copying ``data`` where it already is
-    little-endian and C-contiguous: its bytes, and their crc32c."""
+    little-endian and C-contiguous and ``info`` has no codec: its (compressed) bytes, and
+    their crc32c. Its length is ``len(first) + 4``, `stored_size` for a raw leaf."""
     arr = np.ascontiguousarray(data, dtype=_little(dtype_of(info.dtype)))
     raw = arr.reshape(-1).view(np.uint8)
+    if info.codec is not None:
+        packed = np.frombuffer(compress(info.codec, raw.data), np.uint8)
+        return packed.data, checksum(packed)
     return raw.data, checksum(raw)
 
 
 def stored_size(info: LeafInfo) -> int:
-    """Bytes of a stored chunk of ``info`` (its data and checksum)."""
-    return math.prod(info.chunk_shape) * dtype_of(info.dtype).itemsize + _CRC_BYTES
+    """Bytes of a stored chunk of a raw ``info`` (its data and checksum); of a compressed
+    one, the most a chunk may hold (what a reader may allocate for one)."""
+    size = math.prod(info.chunk_shape) * dtype_of(info.dtype).itemsize
+    if info.codec is not None:  # zstd's bound on a frame of ``size`` bytes, generously
+        size += (size >> 7) + 1024
+    return size + _CRC_BYTES
+
+
+def raw_size(info: LeafInfo) -> int:
+    """Bytes of one chunk of ``info``'s data, uncompressed."""
+    return math.prod(info.chunk_shape) * dtype_of(info.dtype).itemsize
 
 
 def decode_chunk(
@@ -148,8 +166,10 @@ def decode_chunk(
     checksum is corruption. ``copy=False`` returns a view of ``stored`` (read-only for
     bytes; for an aligned writable buffer, one devices can adopt as it is)."""
     dtype = dtype_of(info.dtype)
-    size = stored_size(info) - _CRC_BYTES
     whole = np.frombuffer(stored, np.uint8)
+    if info.codec is not None:
+        return _decode_compressed(info, whole)
+    size = raw_size(info)
     if whole.size != size + _CRC_BYTES:
         raise CorruptCheckpointError(
             f"chunk holds {whole.size} bytes, {size + _CRC_BYTES} expected", leaf=info.name
@@ -162,6 +182,24 @@ def decode_chunk(
         return arr.astype(dtype, copy=False)
     out = aligned_empty(info.chunk_shape, dtype)
     np.copyto(out, arr)
+    return out
+
+
+def _decode_compressed(info: LeafInfo, whole: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """`decode_chunk` of a compressed chunk: checksum of the stored bytes, then the frame
+    decompressed into an aligned buffer of its own."""
+    if not _CRC_BYTES < whole.size <= stored_size(info):
+        raise CorruptCheckpointError(
+            f"compressed chunk holds {whole.size} bytes, at most {stored_size(info)} expected",
+            leaf=info.name,
+        )
+    packed = whole[: whole.size - _CRC_BYTES]
+    if checksum(packed) != whole[packed.size :].tobytes():
+        raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", leaf=info.name)
+    raw = decompress(packed.data, raw_size(info), info.name)
+    dtype = dtype_of(info.dtype)
+    out = aligned_empty(info.chunk_shape, dtype)
+    np.copyto(out, np.frombuffer(raw, _little(dtype)).reshape(info.chunk_shape))
     return out
 
 

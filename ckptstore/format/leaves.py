@@ -26,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import UnsupportedLeafError
+from ckptstore.format.codecs import Codec, stored_codec
 
 #: Chunks are split until they are at most this big, so resharded reads stay cheap.
 TARGET_CHUNK_BYTES = 64 << 20
@@ -67,6 +68,11 @@ class LeafInfo:
     #: A typed PRNG key leaf: its implementation's name (``"threefry2x32"``, ``"rbg"``...).
     #: Shape, dtype and chunks are then those of the key data (`jax.random.key_data`).
     prng_impl: str | None = None
+    #: How its chunks are compressed (`ckptstore.format.codecs`); None: raw.
+    codec: Codec = None
+    #: The dtype the leaf had before a save stored it as ``dtype`` (a lossy cast asked for:
+    #: `ckptstore.format.casts`); a restore gives it back in this dtype. None: not cast.
+    cast_from: str | None = None
 
     @_computed_once
     def nbytes(self) -> int:
@@ -84,7 +90,15 @@ class LeafInfo:
         }
         if self.prng_impl is not None:  # only on key leaves: other records stay as they were
             out["prng_impl"] = self.prng_impl
+        if self.codec is not None:  # raw leaves' records stay as they were
+            out["codec"] = str(self.codec)
+        if self.cast_from is not None:
+            out["cast_from"] = self.cast_from
         return out
+
+    def with_codec(self, codec: Codec) -> LeafInfo:
+        """This leaf stored with ``codec``."""
+        return dataclasses.replace(self, codec=codec)
 
     @classmethod
     def from_json(cls, name: str, data: dict[str, Any]) -> LeafInfo:
@@ -97,6 +111,8 @@ class LeafInfo:
             python_type=data.get("python_type"),
             sharding=data.get("sharding"),
             prng_impl=data.get("prng_impl"),
+            codec=stored_codec(data.get("codec"), name),
+            cast_from=data.get("cast_from"),
         )
 
 
@@ -112,8 +128,11 @@ def zarr_spec(kvstore: dict[str, Any], info: LeafInfo) -> dict[str, Any]:
                 "name": "regular",
                 "configuration": {"chunk_shape": list(info.chunk_shape)},
             },
+            # The array->bytes codec, then the bytes->bytes ones (zarr3's order): the
+            # checksum covers the stored (compressed) bytes.
             "codecs": [
                 {"name": "bytes", "configuration": {"endian": "little"}},
+                *([info.codec.zarr_codec()] if info.codec is not None else []),
                 {"name": "crc32c"},
             ],
         },
@@ -301,3 +320,23 @@ def describe_leaf(name: str, value: Any, target_chunk: int = TARGET_CHUNK_BYTES)
 def host_array(value: Any) -> np.ndarray[Any, Any]:
     """A numpy array for a host leaf; Python ints are stored as int64 on every platform."""
     return np.asarray(value, dtype=np.int64 if type(value) is int else None)
+
+
+def cast_value(value: Any, dtype: str) -> Any:
+    """``value`` (a jax array, a staged `HostShards`, a numpy array) converted to ``dtype``
+    for a lossy cast (`ckptstore.format.casts`): a new array of the narrower dtype (a jax
+    array's on its devices, with its sharding; a staged array's pieces on the host)."""
+    target = dtype_of(dtype)
+    if isinstance(value, jax.Array):
+        return value.astype(target)
+    if isinstance(value, HostShards):
+        extra = value.extra
+        return dataclasses.replace(
+            value,
+            dtype=target,
+            pieces=tuple((i, np.asarray(d).astype(target)) for i, d in value.pieces),
+            extra=None
+            if extra is None
+            else tuple((i, np.asarray(d).astype(target)) for i, d in extra),
+        )
+    return np.asarray(value).astype(target)

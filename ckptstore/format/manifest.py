@@ -18,6 +18,7 @@ from typing import Any
 from ckptstore.backends.keys import validate_key
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks, layout
+from ckptstore.format.casts import SOURCES as CAST_SOURCES
 from ckptstore.format.digests import ALGORITHM, LEGACY, PieceTable, check_table
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo, dtype_of
@@ -280,6 +281,7 @@ def _parse_item(name: str, item: Any, references: int = 0) -> ItemManifest:
         if not chunks.small(info):
             shape = list(info.shape)
             raise ValueError(f"leaf {leaf!r} cannot be packed (shape {shape}, {info.nbytes} bytes)")
+        packed[leaf].check(info)  # a compressed entry's size, and only there
     digests_doc = item.get("digests", {})
     _expect(isinstance(digests_doc, dict), f"item {name!r}: digests is not an object")
     digests = {n: check_table(n, t) for n, t in digests_doc.items()}
@@ -342,6 +344,11 @@ def parse_leaf(name: str, d: Any) -> LeafInfo:
         raise ValueError(f"leaf {name!r}: bad PRNG implementation {str(prng_impl)[:40]!r}")
     if prng_impl is not None and (d["kind"] != "jax" or shape == []):
         raise ValueError(f"leaf {name!r}: PRNG key data must be a jax array of rank 1 or more")
+    cast_from = d.get("cast_from")  # absent unless a lossy cast was asked for
+    if cast_from is not None and not (
+        cast_from in CAST_SOURCES and d["kind"] in ("jax", "numpy") and cast_from != d["dtype"]
+    ):
+        raise ValueError(f"leaf {name!r}: bad cast_from {str(cast_from)[:40]!r}")
     info = LeafInfo.from_json(name, d)
     if info.nbytes >= 2**63:
         raise ValueError(f"leaf {name!r}: impossibly large")

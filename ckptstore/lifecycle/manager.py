@@ -361,6 +361,8 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
                 # Digests serve incremental saves only: a hash of every byte, skipped
                 # where no save of this manager will compare them.
                 digests=self.options.incremental,
+                codecs=self.options.codecs,
+                casts=self.options.casts,
             )
 
         try:

@@ -20,6 +20,12 @@ timeout = "10m"                  # cross-process waits
 gc_on_start = true
 gc_grace = "10m"
 incremental = false              # true: each save references what the last step holds
+codecs = "zstd:3"                # every leaf compressed; or a table, first match wins:
+# [manager.codecs]
+# "params/*" = "zstd:3"
+# "*" = "none"
+# [manager.casts]                # lossy, never a default: these leaves stored narrower
+# "opt/*" = "bfloat16"
 ```
 """
 
@@ -30,6 +36,8 @@ from typing import Any, Literal
 
 from ckptstore.errors import ConfigError
 from ckptstore.format import layout
+from ckptstore.format.casts import CastPolicy
+from ckptstore.format.codecs import CodecPolicy
 from ckptstore.lifecycle import policies as P
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -73,8 +81,17 @@ class ManagerOptions:
     #: committed, or the latest committed when it started): leaves unchanged since then
     #: are referenced, not written (docs/incremental.md). One backend only, for now.
     incremental: bool = False
+    #: Which leaves each save compresses: any form `CodecPolicy.of` takes (a codec such as
+    #: ``ckptstore.Zstd(3)`` or ``"zstd:3"``, ``{glob pattern: codec}``, a callable);
+    #: kept as the `CodecPolicy` it describes. None: nothing compressed (docs/codecs.md).
+    codecs: Any = None
+    #: Leaves each save stores in a narrower dtype, restored into the dtype they had
+    #: (lossy: ``{glob pattern: dtype}`` or a callable, `CastPolicy.of`). None: none.
+    casts: Any = None
 
     def __post_init__(self) -> None:
+        self.codecs = CodecPolicy.of(self.codecs, what="codecs")
+        self.casts = CastPolicy.of(self.casts, what="casts")
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if self.staging not in ("auto", "device", "host", "view"):
@@ -137,6 +154,17 @@ class ManagerOptions:
         for key in ("gc_on_start", "handle_sigterm", "incremental"):
             if (v := take(key)) is not None:
                 out[key] = _bool(v, f"{source}.{key}")
+        if (v := take("codecs")) is not None:  # a string or a {pattern: codec} table
+            if not isinstance(v, (str, dict)):
+                raise ConfigError(
+                    f"{source}.codecs must be a codec such as 'zstd:3' or a table of "
+                    f"pattern = codec, got {v!r}"
+                )
+            out["codecs"] = CodecPolicy.of(v, what=f"{source}.codecs")
+        if (v := take("casts")) is not None:  # a {pattern: dtype} table
+            if not isinstance(v, dict):
+                raise ConfigError(f"{source}.casts must be a table of pattern = dtype, got {v!r}")
+            out["casts"] = CastPolicy.of(v, what=f"{source}.casts")
         if (v := take("max_staging_bytes")) is not None:
             out["max_staging_bytes"] = _int(v, f"{source}.max_staging_bytes")
         if table:
