@@ -88,7 +88,7 @@ from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.jsonitems import JsonItem, as_json_item
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.format.manifest import Manifest, Reference
+from ckptstore.format.manifest import Manifest, Reference, needed_version
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import check_structure
 from ckptstore.runtime import distributed
@@ -519,7 +519,7 @@ class PartialSave:
             references=references.holders,
             # The commit re-checks the base before its marker (`commit.check_base`).
             base=self.base if references.holders else None,
-            format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
+            format_version=needed_version(items, bool(references.holders)),
             json_items=configs,
         )
         await commit(self.backend, manifest, fate)

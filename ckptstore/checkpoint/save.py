@@ -60,7 +60,7 @@ from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.leaves import LeafInfo, cast_value, describe_leaf, storable
-from ckptstore.format.manifest import ItemManifest, Manifest
+from ckptstore.format.manifest import ItemManifest, Manifest, needed_version
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import describe, flatten
 from ckptstore.runtime.gcpause import gc_paused
@@ -450,7 +450,7 @@ async def _manifest(
         json_items=request.configs or {},
         references=references.holders,
         base=based.ref if based is not None and references.holders else None,
-        format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
+        format_version=needed_version(manifest_items, bool(references.holders)),
         timings={
             **request.timings,
             "write": max(report.seconds for report in reports),

@@ -57,9 +57,12 @@ DEFAULT_ITEM = "state"
 FORMAT = "ckptstore"
 #: The newest format read and written. 3: an item's small leaves may be packed
 #: (`ckptstore.format.packs`); 4: an item's leaves may be held by another attempt
-#: (incremental saves, docs/incremental.md). A step without such references is written as
-#: `PLAIN_VERSION`, so that readers of version 3 still read it.
-FORMAT_VERSION = 4
+#: (incremental saves, docs/incremental.md); 5: a leaf may be compressed or cast
+#: (`ckptstore.format.codecs`, `ckptstore.format.casts`). A step is written as the oldest
+#: version that describes it (`ckptstore.format.manifest.needed_version`), so that older
+#: readers read every step they can and refuse, naming the version, the others.
+FORMAT_VERSION = 5
+REFERENCES_VERSION = 4
 PLAIN_VERSION = 3
 
 # ---- Orbax's names, which gc must recognise beside ckptstore's (`ckptstore.orbax` reads and

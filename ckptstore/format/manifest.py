@@ -12,6 +12,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,8 +107,7 @@ class Manifest:
     base: Reference | None = None
     #: Seconds per phase of the save ("staging", "write", "merge"), for `ckptstore info`.
     timings: dict[str, float] = field(default_factory=dict)
-    #: Manifests without references are written as version 3, which older readers read;
-    #: one with references is version 4 (`layout.FORMAT_VERSION`), which they refuse.
+    #: The oldest format version that describes this manifest (`needed_version`).
     format_version: int = layout.PLAIN_VERSION
     #: Items that are configuration, not arrays (`ckptstore.format.jsonitems`): their
     #: JSON is kept here, under the marker's digest. Readers before them ignore this field.
@@ -381,3 +381,13 @@ def _chunks_ok(chunks: list[Any], shape: list[int]) -> bool:
 def _expect(ok: bool, why: str) -> None:
     if not ok:
         raise ValueError(why)
+
+
+def needed_version(items: Mapping[str, ItemManifest], referenced: bool) -> int:
+    """The oldest format version that describes ``items`` (``referenced``: some leaf is
+    held by another attempt): a reader of an older version refuses it, naming the version,
+    rather than read compressed bytes as raw ones."""
+    leaves = (info for item in items.values() for info in item.leaves.values())
+    if any(info.codec is not None or info.cast_from is not None for info in leaves):
+        return layout.FORMAT_VERSION
+    return layout.REFERENCES_VERSION if referenced else layout.PLAIN_VERSION

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.sizes import stored_sizes
-from ckptstore.errors import ConfigError
-from ckptstore.format import chunks
+from ckptstore.errors import ConfigError, CorruptCheckpointError
+from ckptstore.format import chunks, layout
 from ckptstore.format.codecs import Zstd
 from tests.conftest import make_backend
 from tests.paths import committed_root
@@ -210,6 +210,27 @@ def test_without_codecs_a_save_writes_what_it_always_did(tmp_path: Path) -> None
         for w in ("a", "b")
     ]
     assert sizes[0] == sizes[1] > tree["w"].nbytes
+
+
+def test_a_compressed_step_is_version_5_and_a_reader_of_4_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a compressed (or cast) leaf says format version 5, so a reader of an
+    older version refuses it by its version instead of reading
+    compressed chunks as raw ones; a step without one stays version 3."""
+    tree = {"w": compressible((256, 256)), "b": np.arange(4.0)}
+    ckptstore.save_sync(tmp_path / "plain", tree, step=1)
+    ckptstore.save_sync(tmp_path / "zstd", tree, step=1, codecs={"w": "zstd:1"})
+    ckptstore.save_sync(tmp_path / "cast", tree, step=1, casts={"w": "bfloat16"})
+    versions = {
+        w: ckptstore.read_manifest_sync(tmp_path / w, 1).format_version
+        for w in ("plain", "zstd", "cast")
+    }
+    assert versions == {"plain": 3, "zstd": 5, "cast": 5}
+    monkeypatch.setattr(layout, "FORMAT_VERSION", 4)  # a reader of version 4
+    with pytest.raises(CorruptCheckpointError, match="format version 5 is newer"):
+        ckptstore.restore_sync(tmp_path / "zstd", 1)
+    assert_bit_exact(ckptstore.restore_sync(tmp_path / "plain", 1), tree)
 
 
 # ---- lossy casts, only where asked ----
