@@ -59,6 +59,7 @@ async def save(
     metadata: dict[str, Any] | None = None,
     timeout: float = distributed.DEFAULT_TIMEOUT,
     base: int | None = None,
+    chunk_bytes: int | None = None,
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
 
@@ -69,7 +70,12 @@ async def save(
     `CheckpointNotFoundError`) if ``base`` is not committed (on tiers: on the fast tier),
     before anything is written, or no longer committed when the save would commit (then
     nothing is committed). Host-local fast tiers of a multi-host job refuse it
-    (`UnsupportedOperationError`).
+    (`UnsupportedOperationError`). A leaf of several chunks that changed in some of them
+    is written in part: only its changed chunks (docs/incremental.md, "Chunk references").
+
+    ``chunk_bytes``: the largest chunk of a big leaf (default 64 MiB; chunks divide each
+    shard). Smaller chunks let incremental saves of sparsely updated leaves (embedding
+    tables) write less; a base is used chunk by chunk only with the same chunk shape.
 
     On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
     committed on the fast tier, after checking it has room; promotion to the durable tier
@@ -77,7 +83,13 @@ async def save(
     `AlreadyExistsError` if ``step`` is already committed (on the fast tier, for tiers).
     """
     return await save_items(
-        target, {item: tree}, step=step, metadata=metadata, timeout=timeout, base=base
+        target,
+        {item: tree},
+        step=step,
+        metadata=metadata,
+        timeout=timeout,
+        base=base,
+        chunk_bytes=chunk_bytes,
     )
 
 
@@ -95,6 +107,7 @@ async def save_items(
     base: int | None = None,
     same_objects: SameObjects | None = None,
     digests: bool = True,
+    chunk_bytes: int | None = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
@@ -105,7 +118,7 @@ async def save_items(
     ``base`` committed since as another attempt is `BaseStepGoneError`). ``digests`` false
     (a manager that does not save incrementally): no piece digests are recorded, so an
     incremental save on this step later writes every leaf; with ``base`` they always are."""
-    step, prepared, configs = plain_save.prepare(step, items)  # bad trees fail first
+    step, prepared, configs = plain_save.prepare(step, items, chunk_bytes)  # bad trees first
     if base is not None:
         base = layout.check_step(base)
 

@@ -11,22 +11,33 @@ model and its safety argument: docs/incremental.md.
 
 Every process digests its own pieces of each candidate leaf; a leaf is referenced only if
 every process found all its pieces unchanged (one round through the coordination
-service), since a leaf is either written whole or referenced whole.
+service), since a leaf is either written whole or referenced whole. Of a leaf that
+changed, each process leaves out the chunks it owns that are unchanged, where the base
+recorded chunk digests (`ckptstore.checkpoint.chunklevel`): a decision of its own.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.chunklevel import plan_chunks
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.datapath.arrays import owned_slices
+from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
-from ckptstore.format.digests import ALGORITHM, PieceTable, check_table, matches, piece_table
+from ckptstore.format.digests import (
+    ALGORITHM,
+    ChunkTable,
+    PieceTable,
+    check_table,
+    matches,
+    piece_table,
+)
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import PackRef
@@ -126,6 +137,9 @@ class Unchanged:
     leaves: dict[str, set[str]]
     digested: dict[str, dict[str, PieceTable]]
     base: Base | None = None
+    #: Per item, this process's chunk-level plan: the chunks of changed leaves it leaves
+    #: out (the base's holders have them), and the chunk digests it made of its pieces.
+    chunks: dict[str, ChunkPlan] = field(default_factory=dict)
 
 
 async def unchanged(
@@ -149,6 +163,7 @@ async def unchanged(
     the base must then still be that attempt. ``attempt``: the base must still be that
     attempt (`open_base`)."""
     digested: dict[str, dict[str, PieceTable]] = {}
+    plans = {name: ChunkPlan({}, {}) for name in items}
     opened: list[Base] = []
     vouched = same_objects.leaves if same_objects is not None else {}
     if same_objects is not None:
@@ -171,17 +186,27 @@ async def unchanged(
                     continue
                 pieces = owned_slices(value, handoff.me)
                 itemsize = dtype_of(info.dtype).itemsize
-                table = await piece_table(pieces, info.shape, itemsize)
+                chunk_table: ChunkTable = {}
+                table = await piece_table(
+                    pieces, info.shape, info.chunk_shape, itemsize, chunk_table
+                )
                 if table:  # none where this process owns no piece (a replica elsewhere)
                     tables[info.name] = table
                 if matches(table, recorded):
                     same.setdefault(name, []).append(k)
-        return {"same": same}
+                plan_chunks(plans[name], base, name, info, chunk_table)
+        return {"same": same, "base": base.manifest.attempt}
 
     await handoff.everyone(mine)
 
     async def decide() -> str:
         reports = await handoff.reports()
+        read = {report.get("base") for report in reports}
+        if len(read) > 1:  # chunk holders come from the base each process read: one base
+            raise BaseStepGoneError(
+                f"base step {step} was committed again while the processes read it "
+                f"(attempts {sorted(map(str, read))}); nothing was written"
+            )
         agreed: dict[str, list[int]] = {}
         for name in items:
             found = [set(report["same"].get(name, [])) for report in reports]
@@ -193,7 +218,9 @@ async def unchanged(
     for name, same in leaves.items():  # their digests are the base's: not kept twice
         for leaf in same:
             digested.get(name, {}).pop(leaf, None)
-    return Unchanged(leaves, digested, opened[0])
+            plans[name].digests.pop(leaf, None)
+            plans[name].held.pop(leaf, None)
+    return Unchanged(leaves, digested, opened[0], plans)
 
 
 @dataclass

@@ -514,7 +514,7 @@ class PartialSave:
             references=references.holders,
             # The commit re-checks the base before its marker (`commit.check_base`).
             base=self.base if references.holders else None,
-            format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
+            format_version=layout.LEAF_REFS_VERSION if references.holders else layout.PLAIN_VERSION,
             json_items=configs,
         )
         await commit(self.backend, manifest, fate)

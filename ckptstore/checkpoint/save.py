@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.chunklevel import held_bytes, item_chunks, read_records, write_records
 from ckptstore.checkpoint.commit import (
     ABANDON,
     COMMIT,
@@ -52,12 +53,13 @@ from ckptstore.checkpoint.incremental import (
 )
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import write_store
+from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.datapath.packs import PackTarget, check_packs, read_index, write_index
-from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
+from ckptstore.errors import CkptStoreError, ConfigError, FencedError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
-from ckptstore.format.leaves import LeafInfo, describe_leaf, storable
+from ckptstore.format.leaves import TARGET_CHUNK_BYTES, LeafInfo, describe_leaf, storable
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import describe, flatten
@@ -94,25 +96,33 @@ class PreparedItem:
     structure: dict[str, Any]
 
     @classmethod
-    def of(cls, tree: Any) -> PreparedItem:
+    def of(cls, tree: Any, chunk_bytes: int = TARGET_CHUNK_BYTES) -> PreparedItem:
+        """``tree`` described, its big leaves split into chunks of at most ``chunk_bytes``
+        (where a shard divides: `choose_chunks`)."""
         # The collector paused for this short, synchronous step only (see `gcpause`): a
         # full collection here was half of a many-leaf save's time (docs/benchmarks.md).
         with gc_paused():
             named = flatten(tree)
-            infos = [describe_leaf(n, v) for n, v in named]
+            infos = [describe_leaf(n, v, chunk_bytes) for n, v in named]
             if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
                 named = [(n, storable(v)) for n, v in named]
             return cls(named, infos, describe(tree))
 
 
 def prepare(
-    step: int, items: Mapping[str, Any]
+    step: int, items: Mapping[str, Any], chunk_bytes: int | None = None
 ) -> tuple[int, dict[str, PreparedItem], dict[str, JsonItem]]:
     """Check ``step`` and the item names, and flatten and describe every tree, before
     anything is opened or written. An item that is not arrays and numbers but JSON (a
     dataclass config, a dict with strings) is kept as JSON in the manifest
-    (`ckptstore.format.jsonitems`): the third dict."""
+    (`ckptstore.format.jsonitems`): the third dict. ``chunk_bytes``: the largest chunk of
+    a big leaf (default `TARGET_CHUNK_BYTES`); smaller chunks let an incremental save
+    write less of a leaf that changed in a few places (docs/incremental.md)."""
     step = layout.check_step(step)
+    if chunk_bytes is None:
+        chunk_bytes = TARGET_CHUNK_BYTES
+    elif not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
+        raise ConfigError(f"chunk_bytes must be a positive int, not {chunk_bytes!r}")
     if not items:
         raise CkptStoreError("nothing to save: no items")
     prepared: dict[str, PreparedItem] = {}
@@ -120,7 +130,7 @@ def prepare(
     for name, tree in items.items():
         layout.check_item(name)
         if is_array_tree(tree):
-            prepared[name] = PreparedItem.of(tree)
+            prepared[name] = PreparedItem.of(tree, chunk_bytes)
         else:
             configs[name] = as_json_item(name, tree)
     return step, prepared, configs
@@ -225,6 +235,9 @@ class ProcessReport:
     seconds: float = 0.0
     packed: dict[str, int] = field(default_factory=dict)  # per item, leaves it packed
     digested: dict[str, int] = field(default_factory=dict)  # per item, leaves it digested
+    chunked: dict[str, int] = field(default_factory=dict)  # per item, leaves with chunk records
+    #: Payload bytes of the chunks it left out because the base's holders have them.
+    held_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -308,7 +321,8 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         seconds=time.perf_counter() - start,
         merge_seconds=phases.get("merge", 0.0),
         timings={"write": written - start, **phases},
-        bytes_referenced=sum(
+        bytes_referenced=mine.held_bytes
+        + sum(
             info.nbytes
             for name, item in items.items()
             for info in item.leaves
@@ -339,6 +353,8 @@ async def _write_mine(
         packs = PackTarget(backend, where.item(name), _last(store)) if request.hooks.packs else None
         skip = same.leaves.get(name, set())
         tables = dict(same.digested.get(name, {})) if record_digests else None
+        plan = same.chunks.get(name) or ChunkPlan()
+        chunk_plan = ChunkPlan(plan.held, dict(plan.digests) if record_digests else {})
         stats = await write_store(
             backend,
             store,
@@ -351,6 +367,7 @@ async def _write_mine(
             write_metadata=me == 0,
             packs=packs,
             digests=tables,
+            chunk_plan=chunk_plan,
         )
         if stats.packed:
             await write_index(backend, store, stats.packed)
@@ -364,6 +381,11 @@ async def _write_mine(
                 **total.digested,
                 name: 0 if tables is None else await write_digests(backend, store, tables),
             },
+            chunked={
+                **total.chunked,
+                name: await write_records(backend, store, chunk_plan.digests, chunk_plan.held),
+            },
+            held_bytes=total.held_bytes + held_bytes(item.leaves, chunk_plan.held),
         )
     return total
 
@@ -380,14 +402,20 @@ async def _manifest(
     backend, based = request.backend, same.base
     manifest_items = {}
     references = References([])
+    any_chunk_refs = False
     for name, item in request.items.items():
         stores = [where.process_store(name, i) for i in range(len(reports))]
         packed = await _packed(backend, where, name, item.leaves, reports)
         infos = {info.name: info for info in item.leaves}
         held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
+        chunked = await read_records(
+            backend, [s for s, r in zip(stores, reports, strict=True) if r.chunked.get(name)]
+        )
+        # Leaves held in part: the chunks the base's holders have are not in this attempt.
+        in_part = item_chunks(based, name, item.leaves, chunked, held, references)
         if request.hooks.merge:
             unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
-            await merge(backend, where.item(name), stores, unpacked)
+            await merge(backend, where.item(name), stores, unpacked, regions=in_part.regions)
             await check_packs(
                 backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
             )
@@ -410,7 +438,10 @@ async def _manifest(
             packed={info.name: packed[info.name] for info in item.leaves if info.name in packed},
             digests={info.name: digests[info.name] for info in item.leaves if info.name in digests},
             refs=refs,
+            chunk_digests=in_part.digests,
+            chunk_refs=in_part.refs,
         )
+        any_chunk_refs = any_chunk_refs or bool(in_part.refs)
     return Manifest(
         step=request.step,
         attempt=where.attempt,
@@ -420,7 +451,11 @@ async def _manifest(
         json_items=request.configs or {},
         references=references.holders,
         base=based.ref if based is not None and references.holders else None,
-        format_version=layout.FORMAT_VERSION if references.holders else layout.PLAIN_VERSION,
+        format_version=layout.FORMAT_VERSION
+        if any_chunk_refs
+        else layout.LEAF_REFS_VERSION
+        if references.holders
+        else layout.PLAIN_VERSION,
         timings={
             **request.timings,
             "write": max(report.seconds for report in reports),

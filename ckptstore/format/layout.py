@@ -57,9 +57,12 @@ DEFAULT_ITEM = "state"
 FORMAT = "ckptstore"
 #: The newest format read and written. 3: an item's small leaves may be packed
 #: (`ckptstore.format.packs`); 4: an item's leaves may be held by another attempt
-#: (incremental saves, docs/incremental.md). A step without such references is written as
-#: `PLAIN_VERSION`, so that readers of version 3 still read it.
-FORMAT_VERSION = 4
+#: (incremental saves, docs/incremental.md); 5: some chunks of a leaf may be held by another
+#: attempt (chunk references). A step without references is written as `PLAIN_VERSION`,
+#: one with leaf references only as `LEAF_REFS_VERSION`, so that older readers read what
+#: they can and refuse, by version, what they would misread.
+FORMAT_VERSION = 5
+LEAF_REFS_VERSION = 4
 PLAIN_VERSION = 3
 
 _ATTEMPT = re.compile(r"attempt-[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")

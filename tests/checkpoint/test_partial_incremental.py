@@ -68,7 +68,7 @@ async def test_a_session_on_a_base_writes_only_what_changed(backend: Backend) ->
     step1 = await load_committed(backend, 1)
     manifest = await load_committed(backend, 2)
     item = manifest.items["state"]
-    assert manifest.format_version == layout.FORMAT_VERSION
+    assert manifest.format_version == layout.LEAF_REFS_VERSION
     assert manifest.references == [Reference(1, step1.attempt)] and manifest.base
     assert set(item.refs) == {"base/w", "base/norm"}
     assert item.packed["base/norm"] == step1.items["state"].packed["base/norm"]  # its pack

@@ -53,7 +53,7 @@ def incremental() -> Manifest:
         items={"state": ItemManifest(structure, leaves, refs={"w": 1, "v": 0})},
         references=[Reference(2, A2), Reference(1, A1)],
         base=Reference(2, A2),
-        format_version=layout.FORMAT_VERSION,
+        format_version=layout.LEAF_REFS_VERSION,
     )
 
 
