@@ -43,13 +43,14 @@ from ckptstore.format import layout
 from ckptstore.format.digests import (
     ALGORITHM,
     PieceTable,
-    digest_off_loop,
     parse_piece_key,
+    piece_digests,
     piece_size,
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.runtime.bytebudget import ByteBudget
+from ckptstore.runtime.futures import off_loop
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
 READ_BYTES = 64 << 20
@@ -317,7 +318,12 @@ async def _check_digests(
             raise CorruptCheckpointError(f"leaf {info.name!r}: digest of bad bounds {key!r}")
         nbytes = itemsize * piece_size(index, info.shape)
         async with budget.hold(nbytes):
-            got = await digest_off_loop(await read(index), nbytes)
+            data = await read(index)
+
+            def run(data: Any = data, index: Index = index) -> tuple[str, dict[int, str]]:
+                return piece_digests(data, index, info.shape, info.chunk_shape)
+
+            got, _ = await off_loop(run, nbytes)
         if got != want:
             raise CorruptCheckpointError(
                 f"leaf {info.name!r}: the bytes it references (piece {key or 'all'}) are not "
