@@ -154,11 +154,16 @@ def item_chunks(
         n = chunk_count(info.shape, info.chunk_shape)
         if n <= 1:
             continue
-        if info.name in whole:
+        if info.name in whole:  # unchanged: the base's record, holders and all
             assert base is not None
             text = base.manifest.items[item].chunk_digests.get(info.name)
             if text is not None:
                 out.digests[info.name] = text
+            if info.name in base.in_part(item):  # every chunk held, as the base's were
+                every = {
+                    k: references.index(chunk_holder(base, item, info.name, k)) for k in range(n)
+                }
+                out.refs[info.name] = ChunkRefs.of(every)
             continue
         text = encode_digests(records.digests.get(info.name, {}), n)
         if text is not None:

@@ -89,6 +89,10 @@ class Base:
         """Where in its holder's item the leaf is packed, if it is."""
         return self.manifest.items[item].packed.get(leaf)
 
+    def in_part(self, item: str) -> Collection[str]:
+        """The leaves of ``item`` the base holds in part (`ItemManifest.chunk_refs`)."""
+        return self.manifest.items[item].chunk_refs.keys()
+
     def digests(self, item: str, leaf: str) -> PieceTable:
         """The piece digests the base recorded for ``leaf`` (a referenced leaf's own)."""
         return dict(self.manifest.items[item].digests[leaf])
@@ -149,6 +153,7 @@ async def unchanged(
     handoff: Handoff,
     same_objects: SameObjects | None = None,
     attempt: str | None = None,
+    whole_only: bool = False,
 ) -> Unchanged:
     """Every process: read base ``step``, digest its pieces of each leaf the base stored
     in the same form, compare with the base's digests, and agree with the others on the
@@ -161,7 +166,8 @@ async def unchanged(
     ``same_objects``: leaves the caller vouches are the very objects the base attempt
     was saved from (a `jax.Array` never changes): compared by form, not digested again;
     the base must then still be that attempt. ``attempt``: the base must still be that
-    attempt (`open_base`)."""
+    attempt (`open_base`). ``whole_only`` (a partial save's part, which references leaves
+    whole): a leaf the base holds in part (chunk references) is never unchanged."""
     digested: dict[str, dict[str, PieceTable]] = {}
     plans = {name: ChunkPlan({}, {}) for name in items}
     opened: list[Base] = []
@@ -179,7 +185,7 @@ async def unchanged(
             tables = digested.setdefault(name, {})
             for k, (info, value) in enumerate(zip(infos, values, strict=True)):
                 recorded = base.table(name, info)
-                if recorded is None:
+                if recorded is None or (whole_only and info.name in base.in_part(name)):
                     continue
                 if info.name in vouched.get(name, ()):
                     same.setdefault(name, []).append(k)

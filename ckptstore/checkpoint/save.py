@@ -424,7 +424,7 @@ async def _manifest(
         readable = reports if request.hooks.merge else reports[:1]
         digests = await _digests(backend, where, name, readable)
         refs: dict[str, int] = {}
-        for leaf in sorted(held):
+        for leaf in sorted(held - in_part.refs.keys()):  # held in part by the base: chunks
             assert based is not None
             refs[leaf] = references.index(based.holder(name, leaf))
             digests[leaf] = based.digests(name, leaf)

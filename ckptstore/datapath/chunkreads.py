@@ -11,6 +11,7 @@ A chunk its holder lacks is missing (`CorruptCheckpointError`), never a fill val
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -33,9 +34,14 @@ class RoutedChunks:
         self.grid = chunk_grid(info.shape, info.chunk_shape)
 
     def source_of(self, key: str) -> Chunks:
-        """The store holding ``key`` (a chunk key of the leaf, or its ``zarr.json``)."""
+        """The store holding ``key`` (a chunk key of the leaf, or its ``zarr.json``: the
+        step's own, or where the step holds no chunk of the leaf, the holder of chunk 0,
+        which wrote the same document)."""
         if not key.startswith(self.prefix):
-            return self.own
+            if self.refs.count < math.prod(self.grid):
+                return self.own
+            first = self.refs.holder(0)
+            return self.own if first is None else self.holders[first]
         coord = tuple(int(x) for x in key[len(self.prefix) :].split("/"))
         k = self.refs.holder(int(np.ravel_multi_index(coord, self.grid)))
         return self.own if k is None else self.holders[k]

@@ -234,3 +234,36 @@ async def test_promotion_copies_chunk_holders_and_export_refuses_typed(
     assert (await ckptstore.verify(durable, 2)).ok
     with pytest.raises(UnsupportedOperationError):
         await ckptstore.export_orbax(local, str(tmp_path / "orbax"), step=2)
+
+
+async def test_a_leaf_its_base_held_in_part_and_now_unchanged_is_held_chunk_by_chunk(
+    local: Backend,
+) -> None:
+    """Unchanged since a base that held it in part, the leaf is not written at all (its
+    zarr.json neither): every chunk names its original writer, and it restores after both
+    earlier steps are deleted and gc runs. A partial save on that base (parts reference
+    leaves whole) writes it whole."""
+    v2 = changed(table(), 3)
+    await save(local, table(), 1)
+    await save(local, v2, 2, base=1)
+    third = await save(local, v2, 3, base=2)
+    assert third.bytes_written == 32  # the bias alone
+    manifest = await load_committed(local, 3)
+    refs = manifest.items["state"].chunk_refs["emb"]
+    held = {manifest.references[k].step: ranges for k, ranges in refs.held.items()}
+    assert held == {2: ((0, 2),), 1: ((2, 64),)} and refs.count == 64
+    assert "emb" not in manifest.items["state"].refs
+    assert_same((await ckptstore.restore(local, 3))["emb"], v2)
+    assert (await ckptstore.verify(local, 3)).ok
+
+    session = await ckptstore.partial_save(local, step=4, base=2)
+    part = await session.add({"emb": v2})
+    assert not part.refs  # written whole: a part cannot reference chunks
+    await session.finalize()
+    assert_same((await ckptstore.restore(local, 4))["emb"], v2)
+
+    for step in (1, 2):
+        await ckptstore.delete_step(local, step)
+    await ckptstore.gc(local, older_than=0)
+    assert_same((await ckptstore.restore(local, 3))["emb"], v2)
+    assert (await ckptstore.verify(local, 3)).ok
