@@ -29,8 +29,10 @@ subset of another partition of the same array is that partition.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -99,18 +101,26 @@ async def piece_table(
     chunk_table: ChunkTable | None = None,
 ) -> PieceTable:
     """The digests of one leaf's ``pieces`` (as `owned_slices` gives them); their chunks'
-    digests go into ``chunk_table`` where `piece_digests` makes them."""
+    digests go into ``chunk_table`` where `piece_digests` makes them. Up to one piece per
+    core is hashed at a time (each on a worker thread, a device's piece copied to the host
+    first), every one finished before an error is raised."""
+    slots = asyncio.Semaphore(os.cpu_count() or 2)
+
+    async def one(index: Index, data: Any) -> tuple[str, ChunkTable]:
+        async with slots:
+            nbytes = piece_size(index, shape) * itemsize
+            return await off_loop(lambda: piece_digests(data, index, shape, chunk_shape), nbytes)
+
+    found = await asyncio.gather(
+        *(one(index, data) for index, data, _ in pieces), return_exceptions=True
+    )
     out: PieceTable = {}
-    for index, data, _ in pieces:
-        nbytes = piece_size(index, shape) * itemsize
-
-        def run(index: Index = index, data: Any = data) -> tuple[str, ChunkTable]:
-            return piece_digests(data, index, shape, chunk_shape)
-
-        hexed, chunks = await off_loop(run, nbytes)
-        out[piece_key(index, shape)] = hexed
+    for (index, _, _), got in zip(pieces, found, strict=True):
+        if isinstance(got, BaseException):
+            raise got
+        out[piece_key(index, shape)] = got[0]
         if chunk_table is not None:
-            chunk_table.update(chunks)
+            chunk_table.update(got[1])
     return out
 
 
