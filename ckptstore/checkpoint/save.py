@@ -23,9 +23,7 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,15 +32,14 @@ from typing import Any
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.chunklevel import held_bytes, item_chunks, read_records, write_records
 from ckptstore.checkpoint.commit import (
-    ABANDON,
     COMMIT,
     Fate,
     claim,
-    clear_attempt,
     commit,
     ensure_uncommitted,
     new_owner,
 )
+from ckptstore.checkpoint.discard import discard, root_missing
 from ckptstore.checkpoint.incremental import (
     References,
     SameObjects,
@@ -55,7 +52,7 @@ from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.datapath.packs import PackTarget, check_packs, read_index, write_index
-from ckptstore.errors import CkptStoreError, ConfigError, FencedError, NotFoundError
+from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
@@ -65,8 +62,6 @@ from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import describe, flatten
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
-
-log = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -282,14 +277,14 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
     try:
         mine = ProcessReport.from_json(await handoff.everyone(write_mine))
     except NotFoundError as exc:
-        if (missing := await _root_missing(backend)) is not None:  # a missing bucket
+        if (missing := await root_missing(backend)) is not None:  # a missing bucket
             raise NotFoundError(
                 f"{missing.message}: nothing was saved", backend=backend.url
             ) from exc
-        await _discard(backend, where, handoff, owner)
+        await discard(backend, where, handoff, owner)
         raise
     except Exception:
-        await _discard(backend, where, handoff, owner)
+        await discard(backend, where, handoff, owner)
         raise
     written = time.perf_counter()
     phases: dict[str, float] = {}
@@ -309,7 +304,7 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         await handoff.primary(merge_and_commit)
     except Exception:
         if not committing:
-            await _discard(backend, where, handoff, owner)
+            await discard(backend, where, handoff, owner)
         raise
     await hooks.after_finish(backend, where, handoff)
     items = request.items
@@ -464,11 +459,6 @@ async def _manifest(
     )
 
 
-#: How long process 0 of a failed save waits for the others to stop writing (each reports
-#: when its writes end) before it removes the attempt; past it, `gc` removes it later.
-DISCARD_WAIT = 60.0
-
-
 async def _packed(
     backend: Backend,
     where: layout.AttemptDir,
@@ -503,70 +493,6 @@ async def _digests(
         if report.digested.get(item)
     ]
     return await read_digests(backend, stores)
-
-
-async def _root_missing(backend: Backend) -> NotFoundError | None:
-    """After a write found nothing to write into: whether the root itself is missing (a
-    bucket that does not exist, a directory deleted meanwhile). Then there is no attempt to
-    discard or leave for gc, and that, not a key, is what the save's error should name.
-    (Asked only on failure: a check before every save would cost a request each.)"""
-    try:
-        await backend.check_root()
-    except NotFoundError as exc:
-        return exc
-    except CkptStoreError:
-        return None
-    return None
-
-
-async def _discard(
-    backend: Backend, where: layout.AttemptDir, handoff: Handoff, owner: str
-) -> None:
-    """Remove the attempt of a save that failed before its commit began, so that what it
-    wrote (on a full disk: the space the next save needs) goes at once. Process 0 removes
-    it once every process has reported the end of its writes (within `DISCARD_WAIT`
-    seconds; a process that never reports may still be writing, so then, as on any error
-    here, the attempt is left to `gc`), after claiming its fate (its own commit claim
-    counts; one that `gc` won is gc's to remove)."""
-    if handoff.me != 0:
-        return
-    if not await handoff.settled(min(handoff.timeout, DISCARD_WAIT)):
-        log.warning("a failed save left attempt %s for gc: not every process reported", where.root)
-        return
-    try:
-        await claim(backend, where, ABANDON, owner)
-        removed = await _cleared(backend, where)
-    except FencedError:
-        log.info("a failed save's attempt %s is gc's (it decided first)", where.root)
-        return
-    except Exception as exc:  # the save's own error is the one to raise
-        log.warning("a failed save left attempt %s for gc: %s", where.root, exc)
-    else:
-        log.info("a failed save's attempt %s removed (%d objects)", where.root, removed)
-
-
-async def _cleared(backend: Backend, where: layout.AttemptDir) -> int:
-    """Clear an abandoned attempt until it stays empty, then drop its fate record.
-
-    The writes of the failed save have all been awaited, but TensorStore may still be
-    ending one it had in flight: a data file of the same commit, whose write future
-    resolved once the commit failed (seen under load on a full disk: a data file landed
-    after the first clear had listed the attempt). The attempt is listed again, with
-    growing pauses, until two listings find nothing (at most `STRAGGLER_WAIT` seconds); its
-    ABANDON fate stays meanwhile, so nobody can claim it. Returns the objects removed."""
-    removed = await clear_attempt(backend, where, keep_fate=True)
-    delay, quiet, deadline = 0.05, 0, time.monotonic() + STRAGGLER_WAIT
-    while quiet < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(delay)
-        more = await clear_attempt(backend, where, keep_fate=True)
-        removed += more
-        quiet = quiet + 1 if more == 0 else 0
-        delay = min(2 * delay, 0.4)
-    return removed + await clear_attempt(backend, where, keep_fate=False)
-
-
-#: How long a failed save's cleanup waits for TensorStore's last writes (`_cleared`).
-STRAGGLER_WAIT = 3.0
 
 
 def _last(key: str) -> str:
