@@ -206,18 +206,7 @@ async def unchanged(
     await handoff.everyone(mine)
 
     async def decide() -> str:
-        reports = await handoff.reports()
-        read = {report.get("base") for report in reports}
-        if len(read) > 1:  # chunk holders come from the base each process read: one base
-            raise BaseStepGoneError(
-                f"base step {step} was committed again while the processes read it "
-                f"(attempts {sorted(map(str, read))}); nothing was written"
-            )
-        agreed: dict[str, list[int]] = {}
-        for name in items:
-            found = [set(report["same"].get(name, [])) for report in reports]
-            agreed[name] = sorted(set.intersection(*found)) if found else []
-        return json.dumps(agreed)
+        return json.dumps(_agreed(step, list(items), await handoff.reports()))
 
     agreed = json.loads(await handoff.agree(decide))
     leaves = {name: {items[name][0][k].name for k in agreed.get(name, [])} for name in items}
@@ -227,6 +216,23 @@ async def unchanged(
             plans[name].digests.pop(leaf, None)
             plans[name].held.pop(leaf, None)
     return Unchanged(leaves, digested, opened[0], plans)
+
+
+def _agreed(step: int, items: Sequence[str], reports: Sequence[dict[str, Any]]) -> Any:
+    """Process 0: per item, the indices of the leaves every process found unchanged. Every
+    process must have read the same attempt of the base: chunk holders come from the base
+    each read (`BaseStepGoneError` if it was committed again between their reads)."""
+    read = {report.get("base") for report in reports}
+    if len(read) > 1:
+        raise BaseStepGoneError(
+            f"base step {step} was committed again while the processes read it "
+            f"(attempts {sorted(map(str, read))}); nothing was written"
+        )
+    agreed: dict[str, list[int]] = {}
+    for name in items:
+        found = [set(report["same"].get(name, [])) for report in reports]
+        agreed[name] = sorted(set.intersection(*found)) if found else []
+    return agreed
 
 
 @dataclass
