@@ -4,6 +4,7 @@ survives the deletion of its base and gc (docs/incremental.md, "Chunk references
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
 from ckptstore.checkpoint.commit import load_committed
-from ckptstore.errors import CorruptCheckpointError, UnsupportedOperationError
+from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Reference
 from tests.checkpoint.helpers import assert_same, resign, stored_bytes
@@ -221,7 +222,7 @@ async def test_sharded_partial_and_resharded_restores(local: Backend) -> None:
     assert (await ckptstore.verify(local, 2)).ok
 
 
-async def test_promotion_copies_chunk_holders_and_export_refuses_typed(
+async def test_promotion_and_orbax_export_of_a_chunk_referencing_step(
     tmp_path: Path, local: Backend
 ) -> None:
     tiers = ckptstore.Tiered(str(tmp_path / "ckpt"), str(tmp_path / "durable"))
@@ -232,8 +233,14 @@ async def test_promotion_copies_chunk_holders_and_export_refuses_typed(
     durable = str(tmp_path / "durable")
     assert_same((await ckptstore.restore(durable, 2))["emb"], v2)
     assert (await ckptstore.verify(durable, 2)).ok
-    with pytest.raises(UnsupportedOperationError):
-        await ckptstore.export_orbax(local, str(tmp_path / "orbax"), step=2)
+    # Orbax reads the leaf whole from the export: its chunks, wherever they are held, written
+    # into the view.
+    exported = await ckptstore.export_orbax(local, str(tmp_path / "orbax"), step=2)
+    import orbax.checkpoint as ocp
+
+    got = await asyncio.to_thread(ocp.StandardCheckpointer().restore, exported.path)
+    np.testing.assert_array_equal(np.asarray(got["emb"]), v2)
+    np.testing.assert_array_equal(np.asarray(got["frozen"]), FROZEN)
 
 
 async def test_a_leaf_its_base_held_in_part_and_now_unchanged_is_held_chunk_by_chunk(
