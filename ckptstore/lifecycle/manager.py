@@ -346,6 +346,7 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
                 # Digests serve incremental saves only: a hash of every byte, skipped
                 # where no save of this manager will compare them.
                 digests=self.options.incremental,
+                chunk_bytes=self.options.chunk_bytes,
             )
 
         try:
