@@ -224,6 +224,9 @@ def _print_info(manifest: Manifest, after: dict[str, float]) -> None:
             shape = "x".join(map(str, leaf.shape)) or "scalar"
             k = item.refs.get(leaf.name)
             held = "" if k is None else f"  (in step {manifest.references[k].step})"
+            if (part := item.chunk_refs.get(leaf.name)) is not None:  # chunk references
+                steps = sorted({manifest.references[j].step for j in part.held})
+                held = f"  ({part.count} chunks in steps {', '.join(map(str, steps))})"
             print(
                 f"  {leaf.name:{width}}  {leaf.dtype:>12}  {shape:>18}  "
                 f"{human(leaf.nbytes):>10}  {_sharding_text(leaf.sharding)}{held}"
