@@ -403,8 +403,11 @@ async def _manifest(
         packed = await _packed(backend, where, name, item.leaves, reports)
         infos = {info.name: info for info in item.leaves}
         held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
+        # A host-local fast tier holds only process 0's store here: the others' digests
+        # stay on their hosts, and this step serves as a base for process 0's pieces only.
+        readable = reports if request.hooks.merge else reports[:1]
         chunked = await read_records(
-            backend, [s for s, r in zip(stores, reports, strict=True) if r.chunked.get(name)]
+            backend, [s for s, r in zip(stores, readable, strict=False) if r.chunked.get(name)]
         )
         # Leaves held in part: the chunks the base's holders have are not in this attempt.
         in_part = item_chunks(based, name, item.leaves, chunked, held, references)
@@ -414,9 +417,6 @@ async def _manifest(
             await check_packs(
                 backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
             )
-        # A host-local fast tier holds only process 0's store here: the others' digests
-        # stay on their hosts, and this step serves as a base for process 0's pieces only.
-        readable = reports if request.hooks.merge else reports[:1]
         digests = await _digests(backend, where, name, readable)
         refs: dict[str, int] = {}
         for leaf in sorted(held - in_part.refs.keys()):  # held in part by the base: chunks
