@@ -30,8 +30,13 @@ Floors (later saves): bytes written <= 1.1x the changed bytes; time to durable <
 full save's; disk of all steps <= 1.2x (base + steps x changed); restore of an incremental
 step >= 0.9x the speed of a full one; promotion of the last step <= 0.2x a full step's.
 
-    python benchmarks/incremental.py            # 1 GiB base, 10 steps
+Then the chunk-level scenario (`benchmarks/incremental_chunks.py`: a 256 MiB embedding
+table changing in 2% of its chunks per step, saved with ``base=`` and in full, side by
+side), whose figures go to ``benchmarks/results/incremental_chunks.json``.
+
+    python benchmarks/incremental.py            # 1 GiB base, 10 steps; table 256 MiB, 7 steps
     python benchmarks/incremental.py --quick    # 32 MiB, 4 steps (smoke test)
+    python benchmarks/incremental.py --chunks-only   # the chunk-level scenario alone
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
+from benchmarks import incremental_chunks
 from benchmarks.common import (
     RESULTS,
     MiB,
@@ -246,16 +252,25 @@ def main() -> int:
     parser.add_argument("--mib", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--no-write-results", action="store_true")
+    parser.add_argument("--chunks-mib", type=int, help="the chunk scenario's table (256)")
+    parser.add_argument("--chunks-steps", type=int, help="its later saves (7; >= 5 timed)")
+    parser.add_argument("--chunks-only", action="store_true")
     args = parser.parse_args()
     mib = args.mib or (32 if args.quick else 1024)
     steps = args.steps or (4 if args.quick else 10)
     results = []
+    chunked: dict[str, Any] | None = None
     with scratch_dir("ckptstore-bench-incremental-") as scratch:
         print(f"scratch directory: {scratch}", flush=True)
         for name, make in (("lora", lora(mib)), ("third", third(mib))):
+            if args.chunks_only:
+                break
             root = scratch / name
             results.append(run_tree(name, make, steps, root))
             shutil.rmtree(root, ignore_errors=True)
+        chunk_mib = args.chunks_mib or (8 if args.quick else 256)
+        chunk_steps = args.chunks_steps or (3 if args.quick else 7)
+        chunked = incremental_chunks.run(chunk_mib, chunk_steps, scratch / "chunks")
     rows = []
     for r in results:
         q = r["ratios"]
@@ -298,11 +313,25 @@ def main() -> int:
                 "PASS" if f["promote"] else "FAIL",
             ],
         ]
-    print(f"\n{mib} MiB state, {steps} steps\n")
+    rows += incremental_chunks.rows_of(chunked)
+    print(f"\n{mib} MiB state, {steps} steps; table {chunk_mib} MiB, {chunk_steps} steps\n")
     print(markdown_table(["tree", "measure", "ratio", "floor", "verdict"], rows))
     failed = [f"{r['tree']}.{k}" for r in results for k, ok in r["floors"].items() if not ok]
+    failed += [f"chunks.{k}" for k, ok in chunked["floors"].items() if not ok]
     print("floors:", "all pass" if not failed else "FAILED: " + ", ".join(failed))
     if not args.no_write_results:
+        write_results(
+            RESULTS / "incremental_chunks.json",
+            {
+                "benchmark": "incremental_chunks",
+                "when": utc_timestamp(),
+                "machine": machine_info(PACKAGES),
+                "mib": chunk_mib,
+                "steps": chunk_steps,
+                **chunked,
+            },
+        )
+    if not args.no_write_results and results:
         write_results(
             RESULTS / "incremental.json",
             {

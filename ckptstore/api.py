@@ -62,6 +62,7 @@ async def save(
     base: int | None = None,
     codecs: Any = None,
     casts: Any = None,
+    chunk_bytes: int | None = None,
 ) -> SaveResult:
     """Save ``tree`` as checkpoint ``step``; returns once it is committed.
 
@@ -80,7 +81,12 @@ async def save(
     `CheckpointNotFoundError`) if ``base`` is not committed (on tiers: on the fast tier),
     before anything is written, or no longer committed when the save would commit (then
     nothing is committed). Host-local fast tiers of a multi-host job refuse it
-    (`UnsupportedOperationError`).
+    (`UnsupportedOperationError`). A leaf of several chunks that changed in some of them
+    is written in part: only its changed chunks (docs/incremental.md, "Chunk references").
+
+    ``chunk_bytes``: the largest chunk of a big leaf (default 64 MiB; chunks divide each
+    shard). Smaller chunks let incremental saves of sparsely updated leaves (embedding
+    tables) write less; a base is used chunk by chunk only with the same chunk shape.
 
     On a `Tiered` target (or a profile with a ``[tiers]`` table) the step is saved and
     committed on the fast tier, after checking it has room; promotion to the durable tier
@@ -96,6 +102,7 @@ async def save(
         base=base,
         codecs=codecs,
         casts=casts,
+        chunk_bytes=chunk_bytes,
     )
 
 
@@ -115,6 +122,7 @@ async def save_items(
     digests: bool = True,
     codecs: Any = None,
     casts: Any = None,
+    chunk_bytes: int | None = None,
 ) -> SaveResult:
     """Save several trees (items, e.g. the train state and a data-iterator state) as one
     step, committed together; restore reads any of them by name. An item that is not
@@ -125,8 +133,8 @@ async def save_items(
     ``base`` committed since as another attempt is `BaseStepGoneError`). ``digests`` false
     (a manager that does not save incrementally): no piece digests are recorded, so an
     incremental save on this step later writes every leaf; with ``base`` they always are.
-    ``codecs``, ``casts``: as `save`'s, for every item."""
-    step, prepared, configs = plain_save.prepare(step, items, codecs, casts)  # bad: fail first
+    ``codecs``, ``casts``, ``chunk_bytes``: as `save`'s, for every item."""
+    step, prepared, configs = plain_save.prepare(step, items, codecs, casts, chunk_bytes)
     if base is not None:
         base = layout.check_step(base)
 

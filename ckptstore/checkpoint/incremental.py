@@ -11,22 +11,33 @@ model and its safety argument: docs/incremental.md.
 
 Every process digests its own pieces of each candidate leaf; a leaf is referenced only if
 every process found all its pieces unchanged (one round through the coordination
-service), since a leaf is either written whole or referenced whole.
+service), since a leaf is either written whole or referenced whole. Of a leaf that
+changed, each process leaves out the chunks it owns that are unchanged, where the base
+recorded chunk digests (`ckptstore.checkpoint.chunklevel`): a decision of its own.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.chunklevel import plan_chunks
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.datapath.arrays import owned_slices
+from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
-from ckptstore.format.digests import ALGORITHM, PieceTable, check_table, matches, piece_table
+from ckptstore.format.digests import (
+    ALGORITHM,
+    ChunkTable,
+    PieceTable,
+    check_table,
+    matches,
+    piece_table,
+)
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import PackRef
@@ -79,6 +90,10 @@ class Base:
         """Where in its holder's item the leaf is packed, if it is."""
         return self.manifest.items[item].packed.get(leaf)
 
+    def in_part(self, item: str) -> Collection[str]:
+        """The leaves of ``item`` the base holds in part (`ItemManifest.chunk_refs`)."""
+        return self.manifest.items[item].chunk_refs.keys()
+
     def digests(self, item: str, leaf: str) -> PieceTable:
         """The piece digests the base recorded for ``leaf`` (a referenced leaf's own)."""
         return dict(self.manifest.items[item].digests[leaf])
@@ -127,6 +142,9 @@ class Unchanged:
     leaves: dict[str, set[str]]
     digested: dict[str, dict[str, PieceTable]]
     base: Base | None = None
+    #: Per item, this process's chunk-level plan: the chunks of changed leaves it leaves
+    #: out (the base's holders have them), and the chunk digests it made of its pieces.
+    chunks: dict[str, ChunkPlan] = field(default_factory=dict)
 
 
 async def unchanged(
@@ -136,6 +154,7 @@ async def unchanged(
     handoff: Handoff,
     same_objects: SameObjects | None = None,
     attempt: str | None = None,
+    whole_only: bool = False,
 ) -> Unchanged:
     """Every process: read base ``step``, digest its pieces of each leaf the base stored
     in the same form, compare with the base's digests, and agree with the others on the
@@ -148,8 +167,10 @@ async def unchanged(
     ``same_objects``: leaves the caller vouches are the very objects the base attempt
     was saved from (a `jax.Array` never changes): compared by form, not digested again;
     the base must then still be that attempt. ``attempt``: the base must still be that
-    attempt (`open_base`)."""
+    attempt (`open_base`). ``whole_only`` (a partial save's part, which references leaves
+    whole): a leaf the base holds in part (chunk references) is never unchanged."""
     digested: dict[str, dict[str, PieceTable]] = {}
+    plans = {name: ChunkPlan({}, {}) for name in items}
     opened: list[Base] = []
     vouched = same_objects.leaves if same_objects is not None else {}
     if same_objects is not None:
@@ -165,36 +186,54 @@ async def unchanged(
             tables = digested.setdefault(name, {})
             for k, (info, value) in enumerate(zip(infos, values, strict=True)):
                 recorded = base.table(name, info)
-                if recorded is None:
+                if recorded is None or (whole_only and info.name in base.in_part(name)):
                     continue
                 if info.name in vouched.get(name, ()):
                     same.setdefault(name, []).append(k)
                     continue
                 pieces = owned_slices(value, handoff.me)
                 itemsize = dtype_of(info.dtype).itemsize
-                table = await piece_table(pieces, info.shape, itemsize)
+                chunk_table: ChunkTable = {}
+                table = await piece_table(
+                    pieces, info.shape, info.chunk_shape, itemsize, chunk_table
+                )
                 if table:  # none where this process owns no piece (a replica elsewhere)
                     tables[info.name] = table
                 if matches(table, recorded):
                     same.setdefault(name, []).append(k)
-        return {"same": same}
+                plan_chunks(plans[name], base, name, info, chunk_table)
+        return {"same": same, "base": base.manifest.attempt}
 
     await handoff.everyone(mine)
 
     async def decide() -> str:
-        reports = await handoff.reports()
-        agreed: dict[str, list[int]] = {}
-        for name in items:
-            found = [set(report["same"].get(name, [])) for report in reports]
-            agreed[name] = sorted(set.intersection(*found)) if found else []
-        return json.dumps(agreed)
+        return json.dumps(_agreed(step, list(items), await handoff.reports()))
 
     agreed = json.loads(await handoff.agree(decide))
     leaves = {name: {items[name][0][k].name for k in agreed.get(name, [])} for name in items}
     for name, same in leaves.items():  # their digests are the base's: not kept twice
         for leaf in same:
             digested.get(name, {}).pop(leaf, None)
-    return Unchanged(leaves, digested, opened[0])
+            plans[name].digests.pop(leaf, None)
+            plans[name].held.pop(leaf, None)
+    return Unchanged(leaves, digested, opened[0], plans)
+
+
+def _agreed(step: int, items: Sequence[str], reports: Sequence[dict[str, Any]]) -> Any:
+    """Process 0: per item, the indices of the leaves every process found unchanged. Every
+    process must have read the same attempt of the base: chunk holders come from the base
+    each read (`BaseStepGoneError` if it was committed again between their reads)."""
+    read = {report.get("base") for report in reports}
+    if len(read) > 1:
+        raise BaseStepGoneError(
+            f"base step {step} was committed again while the processes read it "
+            f"(attempts {sorted(map(str, read))}); nothing was written"
+        )
+    agreed: dict[str, list[int]] = {}
+    for name in items:
+        found = [set(report["same"].get(name, [])) for report in reports]
+        agreed[name] = sorted(set.intersection(*found)) if found else []
+    return agreed
 
 
 @dataclass

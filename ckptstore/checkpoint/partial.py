@@ -312,7 +312,9 @@ class PartialSave:
         if self.base is not None:  # every process: its pieces, then one agreement round
             pairs = {item: (infos, values)}
             base = self.base
-            same = await unchanged(self.backend, base.step, pairs, handoff, attempt=base.attempt)
+            same = await unchanged(
+                self.backend, base.step, pairs, handoff, attempt=base.attempt, whole_only=True
+            )
         held = same.leaves[item]
 
         async def name_part() -> str:

@@ -21,11 +21,12 @@ from ckptstore.checkpoint.assemble import in_memory, restore_stored
 from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.datapath import ocdbt_index
+from ckptstore.datapath.chunkreads import RoutedChunks
 from ckptstore.datapath.packs import read_packed, read_split
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_small_leaves
 from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
-from ckptstore.errors import CheckpointNotFoundError
+from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptstore.format import jsonitems, layout
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import (
@@ -121,11 +122,18 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
     saved = manifest.items[item]
     home = manifest.item_dir(item)  # most leaves' directory: worked out once, not per leaf
     where = {n: manifest.leaf_dir(item, n) if n in saved.refs else home for n in saved.leaves}
+    in_part = {n: manifest.holder_dirs(item, n) for n in saved.chunk_refs}
     # An incremental step's leaves can lie in several attempts: their stores (each an
     # index to load) are opened together, not one after another.
-    prefixes = list(dict.fromkeys(where.values()))
+    held = [d for dirs in in_part.values() for d in dirs.values()]
+    prefixes = list(dict.fromkeys([*where.values(), *held]))
     opened = await settle(_Reader.open(backend, p, saved.packed) for p in prefixes)
     readers = dict(zip(prefixes, opened, strict=True))
+
+    def routed(info: LeafInfo) -> RoutedChunks:
+        """The chunks of a leaf held in part, each from the store of its holder."""
+        holders = {k: readers[d].source for k, d in in_part[info.name].items()}
+        return RoutedChunks(info, readers[home].source, holders, saved.chunk_refs[info.name])
 
     def split(infos: Sequence[LeafInfo]) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
@@ -134,6 +142,8 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
         return groups
 
     async def open_native(info: LeafInfo) -> ts.TensorStore:
+        if info.name in in_part:  # no one zarr3 array has all its chunks: read it whole
+            return ts.array(await (await _read_in_part(routed(info), info))(()))
         return await readers[where[info.name]].open_native(info)
 
     async def read_small(infos: Sequence[LeafInfo]) -> list[np.ndarray[Any, Any]]:
@@ -147,14 +157,30 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
 
     async def open_raw(infos: Sequence[LeafInfo]) -> list[Read | None]:
         out: list[Read | None] = [None] * len(infos)
-        groups = list(split(infos).items())
-        found = await settle(readers[p].open_raw([infos[k] for k in ks]) for p, ks in groups)
-        for (_, ks), reads in zip(groups, found, strict=True):
-            for k, read in zip(ks, reads, strict=True):
-                out[k] = read
+        for k, info in enumerate(infos):
+            if info.name in in_part:
+                out[k] = await _read_in_part(routed(info), info)
+        rest = [k for k, info in enumerate(infos) if info.name not in in_part]
+        groups = list(split([infos[k] for k in rest]).items())
+        found = await settle(readers[p].open_raw([infos[rest[j]] for j in js]) for p, js in groups)
+        for (_, js), reads in zip(groups, found, strict=True):
+            for j, read in zip(js, reads, strict=True):
+                out[rest[j]] = read
         return out
 
     return StoredItem(saved.leaves, saved.structure, open_native, read_small, open_raw)
+
+
+async def _read_in_part(source: RoutedChunks, info: LeafInfo) -> RawLeaf:
+    """The reader of a leaf held in part (chunk references): chunk by chunk, each from its
+    holder's store. Only leaves whose ``zarr.json`` is what a save writes are saved so."""
+    raw = await RawLeaf.open(source, info)
+    if raw is None:
+        raise CorruptCheckpointError(
+            "the zarr.json of a leaf held in part by other attempts is not what a save writes",
+            leaf=info.name,
+        )
+    return raw
 
 
 @dataclass(frozen=True)

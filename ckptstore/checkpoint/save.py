@@ -23,25 +23,23 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.chunklevel import held_bytes, item_chunks, read_records, write_records
 from ckptstore.checkpoint.commit import (
-    ABANDON,
     COMMIT,
     Fate,
     claim,
-    clear_attempt,
     commit,
     ensure_uncommitted,
     new_owner,
 )
+from ckptstore.checkpoint.discard import discard, root_missing
 from ckptstore.checkpoint.incremental import (
     References,
     SameObjects,
@@ -52,21 +50,26 @@ from ckptstore.checkpoint.incremental import (
 )
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import write_store
+from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.datapath.packs import PackTarget, check_packs, read_index, write_index
-from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
+from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.casts import CastPolicy
 from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
-from ckptstore.format.leaves import LeafInfo, cast_value, describe_leaf, storable
+from ckptstore.format.leaves import (
+    TARGET_CHUNK_BYTES,
+    LeafInfo,
+    cast_value,
+    describe_leaf,
+    storable,
+)
 from ckptstore.format.manifest import ItemManifest, Manifest, needed_version
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import describe, flatten
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
-
-log = logging.getLogger("ckptstore")
 
 
 @dataclass(frozen=True)
@@ -97,18 +100,23 @@ class PreparedItem:
 
     @classmethod
     def of(
-        cls, tree: Any, codecs: CodecPolicy | None = None, casts: CastPolicy | None = None
+        cls,
+        tree: Any,
+        codecs: CodecPolicy | None = None,
+        casts: CastPolicy | None = None,
+        chunk_bytes: int = TARGET_CHUNK_BYTES,
     ) -> PreparedItem:
-        """``tree`` flattened and described, the leaves ``casts`` picks converted to a
-        narrower dtype (None: none), each leaf with the codec ``codecs`` picks (None: every
-        leaf raw)."""
+        """``tree`` flattened and described, its big leaves split into chunks of at most
+        ``chunk_bytes`` (where a shard divides: `choose_chunks`), the leaves ``casts``
+        picks converted to a narrower dtype (None: none), each leaf with the codec
+        ``codecs`` picks (None: every leaf raw)."""
         # The collector paused for this short, synchronous step only (see `gcpause`): a
         # full collection here was half of a many-leaf save's time (docs/benchmarks.md).
         with gc_paused():
             named = flatten(tree)
-            infos = [describe_leaf(n, v) for n, v in named]
+            infos = [describe_leaf(n, v, chunk_bytes) for n, v in named]
             if casts is not None and not casts.empty:
-                named, infos = _cast(named, infos, casts)
+                named, infos = _cast(named, infos, casts, chunk_bytes)
             if codecs is not None:
                 infos = codecs.apply(infos)
             if any(info.prng_impl for info in infos):  # typed PRNG keys: write their data
@@ -117,7 +125,7 @@ class PreparedItem:
 
 
 def _cast(
-    named: list[tuple[str, Any]], infos: list[LeafInfo], casts: CastPolicy
+    named: list[tuple[str, Any]], infos: list[LeafInfo], casts: CastPolicy, chunk_bytes: int
 ) -> tuple[list[tuple[str, Any]], list[LeafInfo]]:
     """The leaves ``casts`` picks, converted and described in their stored dtype, each
     recording the dtype it had (`LeafInfo.cast_from`); the others as they are."""
@@ -126,23 +134,35 @@ def _cast(
         target = casts.target_for(info)
         if target is not None:
             value = cast_value(value, target)
-            info = dataclasses.replace(describe_leaf(name, value), cast_from=info.dtype)
+            described = describe_leaf(name, value, chunk_bytes)
+            info = dataclasses.replace(described, cast_from=info.dtype)
         out_named.append((name, value))
         out_infos.append(info)
     return out_named, out_infos
 
 
 def prepare(
-    step: int, items: Mapping[str, Any], codecs: Any = None, casts: Any = None
+    step: int,
+    items: Mapping[str, Any],
+    codecs: Any = None,
+    casts: Any = None,
+    chunk_bytes: int | None = None,
 ) -> tuple[int, dict[str, PreparedItem], dict[str, JsonItem]]:
     """Check ``step`` and the item names, and flatten and describe every tree, before
     anything is opened or written. An item that is not arrays and numbers but JSON (a
     dataclass config, a dict with strings) is kept as JSON in the manifest
     (`ckptstore.format.jsonitems`): the third dict. ``codecs``: which leaves are
     compressed, any form `CodecPolicy.of` takes (a bad one fails here too); ``casts``:
-    which are stored in a narrower dtype (`CastPolicy.of`: never unless asked)."""
+    which are stored in a narrower dtype (`CastPolicy.of`: never unless asked);
+    ``chunk_bytes``: the largest chunk of a big leaf (default `TARGET_CHUNK_BYTES`);
+    smaller chunks let an incremental save write less of a leaf that changed in a few
+    places (docs/incremental.md)."""
     step = layout.check_step(step)
     policy, narrower = CodecPolicy.of(codecs), CastPolicy.of(casts)
+    if chunk_bytes is None:
+        chunk_bytes = TARGET_CHUNK_BYTES
+    elif not (isinstance(chunk_bytes, int) and chunk_bytes >= 1):
+        raise ConfigError(f"chunk_bytes must be a positive int, not {chunk_bytes!r}")
     if not items:
         raise CkptStoreError("nothing to save: no items")
     prepared: dict[str, PreparedItem] = {}
@@ -150,7 +170,7 @@ def prepare(
     for name, tree in items.items():
         layout.check_item(name)
         if is_array_tree(tree):
-            prepared[name] = PreparedItem.of(tree, policy, narrower)
+            prepared[name] = PreparedItem.of(tree, policy, narrower, chunk_bytes)
         else:
             configs[name] = as_json_item(name, tree)
     return step, prepared, configs
@@ -255,6 +275,9 @@ class ProcessReport:
     seconds: float = 0.0
     packed: dict[str, int] = field(default_factory=dict)  # per item, leaves it packed
     digested: dict[str, int] = field(default_factory=dict)  # per item, leaves it digested
+    chunked: dict[str, int] = field(default_factory=dict)  # per item, leaves with chunk records
+    #: Payload bytes of the chunks it left out because the base's holders have them.
+    held_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -299,14 +322,14 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
     try:
         mine = ProcessReport.from_json(await handoff.everyone(write_mine))
     except NotFoundError as exc:
-        if (missing := await _root_missing(backend)) is not None:  # a missing bucket
+        if (missing := await root_missing(backend)) is not None:  # a missing bucket
             raise NotFoundError(
                 f"{missing.message}: nothing was saved", backend=backend.url
             ) from exc
-        await _discard(backend, where, handoff, owner)
+        await discard(backend, where, handoff, owner)
         raise
     except Exception:
-        await _discard(backend, where, handoff, owner)
+        await discard(backend, where, handoff, owner)
         raise
     written = time.perf_counter()
     phases: dict[str, float] = {}
@@ -326,7 +349,7 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         await handoff.primary(merge_and_commit)
     except Exception:
         if not committing:
-            await _discard(backend, where, handoff, owner)
+            await discard(backend, where, handoff, owner)
         raise
     await hooks.after_finish(backend, where, handoff)
     items = request.items
@@ -338,7 +361,8 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         seconds=time.perf_counter() - start,
         merge_seconds=phases.get("merge", 0.0),
         timings={"write": written - start, **phases},
-        bytes_referenced=sum(
+        bytes_referenced=mine.held_bytes
+        + sum(
             info.nbytes
             for name, item in items.items()
             for info in item.leaves
@@ -369,6 +393,8 @@ async def _write_mine(
         packs = PackTarget(backend, where.item(name), _last(store)) if request.hooks.packs else None
         skip = same.leaves.get(name, set())
         tables = dict(same.digested.get(name, {})) if record_digests else None
+        plan = same.chunks.get(name) or ChunkPlan()
+        chunk_plan = ChunkPlan(plan.held, dict(plan.digests) if record_digests else {})
         stats = await write_store(
             backend,
             store,
@@ -381,6 +407,7 @@ async def _write_mine(
             write_metadata=me == 0,
             packs=packs,
             digests=tables,
+            chunk_plan=chunk_plan,
         )
         if stats.packed:
             await write_index(backend, store, stats.packed)
@@ -394,6 +421,11 @@ async def _write_mine(
                 **total.digested,
                 name: 0 if tables is None else await write_digests(backend, store, tables),
             },
+            chunked={
+                **total.chunked,
+                name: await write_records(backend, store, chunk_plan.digests, chunk_plan.held),
+            },
+            held_bytes=total.held_bytes + held_bytes(item.leaves, chunk_plan.held),
         )
     return total
 
@@ -410,23 +442,29 @@ async def _manifest(
     backend, based = request.backend, same.base
     manifest_items = {}
     references = References([])
+    any_chunk_refs = False
     for name, item in request.items.items():
         stores = [where.process_store(name, i) for i in range(len(reports))]
         packed = await _packed(backend, where, name, item.leaves, reports)
         infos = {info.name: info for info in item.leaves}
         held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
-        if request.hooks.merge:
-            unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
-            await merge(backend, where.item(name), stores, unpacked)
-            await check_packs(
-                backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
-            )
         # A host-local fast tier holds only process 0's store here: the others' digests
         # stay on their hosts, and this step serves as a base for process 0's pieces only.
         readable = reports if request.hooks.merge else reports[:1]
+        chunked = await read_records(
+            backend, [s for s, r in zip(stores, readable, strict=False) if r.chunked.get(name)]
+        )
+        # Leaves held in part: the chunks the base's holders have are not in this attempt.
+        in_part = item_chunks(based, name, item.leaves, chunked, held, references)
+        if request.hooks.merge:
+            unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
+            await merge(backend, where.item(name), stores, unpacked, regions=in_part.regions)
+            await check_packs(
+                backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
+            )
         digests = await _digests(backend, where, name, readable)
         refs: dict[str, int] = {}
-        for leaf in sorted(held):
+        for leaf in sorted(held - in_part.refs.keys()):  # held in part by the base: chunks
             assert based is not None
             refs[leaf] = references.index(based.holder(name, leaf))
             digests[leaf] = based.digests(name, leaf)
@@ -440,7 +478,10 @@ async def _manifest(
             packed={info.name: packed[info.name] for info in item.leaves if info.name in packed},
             digests={info.name: digests[info.name] for info in item.leaves if info.name in digests},
             refs=refs,
+            chunk_digests=in_part.digests,
+            chunk_refs=in_part.refs,
         )
+        any_chunk_refs = any_chunk_refs or bool(in_part.refs)
     return Manifest(
         step=request.step,
         attempt=where.attempt,
@@ -457,11 +498,6 @@ async def _manifest(
             "merge": time.perf_counter() - written,
         },
     )
-
-
-#: How long process 0 of a failed save waits for the others to stop writing (each reports
-#: when its writes end) before it removes the attempt; past it, `gc` removes it later.
-DISCARD_WAIT = 60.0
 
 
 async def _packed(
@@ -498,70 +534,6 @@ async def _digests(
         if report.digested.get(item)
     ]
     return await read_digests(backend, stores)
-
-
-async def _root_missing(backend: Backend) -> NotFoundError | None:
-    """After a write found nothing to write into: whether the root itself is missing (a
-    bucket that does not exist, a directory deleted meanwhile). Then there is no attempt to
-    discard or leave for gc, and that, not a key, is what the save's error should name.
-    (Asked only on failure: a check before every save would cost a request each.)"""
-    try:
-        await backend.check_root()
-    except NotFoundError as exc:
-        return exc
-    except CkptStoreError:
-        return None
-    return None
-
-
-async def _discard(
-    backend: Backend, where: layout.AttemptDir, handoff: Handoff, owner: str
-) -> None:
-    """Remove the attempt of a save that failed before its commit began, so that what it
-    wrote (on a full disk: the space the next save needs) goes at once. Process 0 removes
-    it once every process has reported the end of its writes (within `DISCARD_WAIT`
-    seconds; a process that never reports may still be writing, so then, as on any error
-    here, the attempt is left to `gc`), after claiming its fate (its own commit claim
-    counts; one that `gc` won is gc's to remove)."""
-    if handoff.me != 0:
-        return
-    if not await handoff.settled(min(handoff.timeout, DISCARD_WAIT)):
-        log.warning("a failed save left attempt %s for gc: not every process reported", where.root)
-        return
-    try:
-        await claim(backend, where, ABANDON, owner)
-        removed = await _cleared(backend, where)
-    except FencedError:
-        log.info("a failed save's attempt %s is gc's (it decided first)", where.root)
-        return
-    except Exception as exc:  # the save's own error is the one to raise
-        log.warning("a failed save left attempt %s for gc: %s", where.root, exc)
-    else:
-        log.info("a failed save's attempt %s removed (%d objects)", where.root, removed)
-
-
-async def _cleared(backend: Backend, where: layout.AttemptDir) -> int:
-    """Clear an abandoned attempt until it stays empty, then drop its fate record.
-
-    The writes of the failed save have all been awaited, but TensorStore may still be
-    ending one it had in flight: a data file of the same commit, whose write future
-    resolved once the commit failed (seen under load on a full disk: a data file landed
-    after the first clear had listed the attempt). The attempt is listed again, with
-    growing pauses, until two listings find nothing (at most `STRAGGLER_WAIT` seconds); its
-    ABANDON fate stays meanwhile, so nobody can claim it. Returns the objects removed."""
-    removed = await clear_attempt(backend, where, keep_fate=True)
-    delay, quiet, deadline = 0.05, 0, time.monotonic() + STRAGGLER_WAIT
-    while quiet < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(delay)
-        more = await clear_attempt(backend, where, keep_fate=True)
-        removed += more
-        quiet = quiet + 1 if more == 0 else 0
-        delay = min(2 * delay, 0.4)
-    return removed + await clear_attempt(backend, where, keep_fate=False)
-
-
-#: How long a failed save's cleanup waits for TensorStore's last writes (`_cleared`).
-STRAGGLER_WAIT = 3.0
 
 
 def _last(key: str) -> str:

@@ -28,6 +28,7 @@ from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import direct_chunks
+from ckptstore.checkpoint.verifychunks import verify_in_part, written_regions
 from ckptstore.datapath.packs import read_packed
 from ckptstore.datapath.rawleaf import RawLeaf
 from ckptstore.datapath.reads import Chunks, KvChunks, open_leaf, read_slice
@@ -42,13 +43,14 @@ from ckptstore.format import layout
 from ckptstore.format.digests import (
     ALGORITHM,
     PieceTable,
-    digest_off_loop,
     parse_piece_key,
+    piece_digests,
     piece_size,
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.runtime.bytebudget import ByteBudget
+from ckptstore.runtime.futures import off_loop
 
 #: Bytes of one leaf read at a time; larger leaves are read in slabs of their first axis.
 READ_BYTES = 64 << 20
@@ -161,7 +163,9 @@ async def _verify_item(
         if roots is not None and not any(prefix.startswith(r) for r in roots):
             continue  # held by an attempt not asked for
         shown = name if prefix == manifest.item_dir(name) else prefix
-        await _verify_leaves(backend, item, prefix, shown, infos, report, budget, checked)
+        in_part = {i.name: manifest.holder_dirs(name, i.name) for i in infos}
+        in_part = {leaf: dirs for leaf, dirs in in_part.items() if dirs}
+        await _verify_leaves(backend, item, prefix, shown, infos, report, budget, checked, in_part)
         report.leaves += len(infos)
 
 
@@ -174,16 +178,22 @@ async def _verify_leaves(
     report: VerifyReport,
     budget: ByteBudget,
     checked: Callable[[int], None],
+    in_part: dict[str, dict[int, str]] | None = None,
 ) -> None:
     """The leaves ``infos`` of ``item``, held in the item directory ``prefix`` (shown as
-    ``name`` in what the report names)."""
+    ``name`` in what the report names). ``in_part``: leaves held in part by other attempts
+    (chunk references): holder's reference index -> its item directory."""
+    in_part = in_part or {}
     spec = ocdbt_spec(backend.kvstore_spec(prefix))
     ctx = backend.ts_context
     in_store = [info for info in infos if info.name not in item.packed]
     try:
         kv = await ts.KvStore.open(spec, context=ctx)
         keys = [k.decode() for k in await kv.list()]
-        coverage = await validate(kv, keys, in_store)
+        regions = {leaf: written_regions(item, i) for i in in_store if (leaf := i.name) in in_part}
+        # A leaf held whole by other attempts' chunks has nothing in this store to check.
+        here = [i for i in in_store if regions.get(i.name) != []]
+        coverage = await validate(kv, keys, here, regions)
         # The restore's reader: on local disk, each chunk read straight into a buffer from
         # its data file (`ocdbt_index`), not copied three times through TensorStore's kvstore;
         # elsewhere the store already open here.
@@ -218,7 +228,13 @@ async def _verify_leaves(
         for info in todo:  # shared: each leaf goes to the next free worker
             try:
                 table = _referenced_digests(item, info.name)
-                if table is not None:  # bytes another attempt holds: are they what was saved?
+                if info.name in in_part:  # chunks in several stores; held ones by digest
+                    assert source is not None
+                    holders = {
+                        k: await _chunk_source(backend, d) for k, d in in_part[info.name].items()
+                    }
+                    nbytes = await verify_in_part(item, info, source, holders, budget, checked)
+                elif table is not None:  # bytes another attempt holds: are they what was saved?
                     read = await _reader(backend, prefix, spec, ctx, source, item, info)
                     nbytes = await _check_digests(read, info, table, budget, checked)
                 elif info.name in item.packed:
@@ -239,6 +255,15 @@ def _referenced_digests(item: ItemManifest, leaf: str) -> PieceTable | None:
     if leaf not in item.refs or item.digest_algorithm != ALGORITHM:
         return None
     return item.digests.get(leaf)
+
+
+async def _chunk_source(backend: Backend, prefix: str) -> Chunks:
+    """A reader of the chunks of the merged store at ``prefix`` (as a restore reads them)."""
+    source = await direct_chunks(backend, prefix)
+    if source is not None:
+        return source
+    spec = ocdbt_spec(backend.kvstore_spec(prefix))
+    return KvChunks(await ts.KvStore.open(spec, context=backend.ts_context), backend.ts_context)
 
 
 async def _reader(
@@ -295,7 +320,12 @@ async def _check_digests(
             raise CorruptCheckpointError(f"leaf {info.name!r}: digest of bad bounds {key!r}")
         nbytes = itemsize * piece_size(index, info.shape)
         async with budget.hold(nbytes):
-            got = await digest_off_loop(await read(index), nbytes)
+            data = await read(index)
+
+            def run(data: Any = data, index: Index = index) -> tuple[str, dict[int, str]]:
+                return piece_digests(data, index, info.shape, info.chunk_shape)
+
+            got, _ = await off_loop(run, nbytes)
         if got != want:
             raise CorruptCheckpointError(
                 f"leaf {info.name!r}: the bytes it references (piece {key or 'all'}) are not "

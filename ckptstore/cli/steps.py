@@ -232,6 +232,9 @@ def _print_info(
             shape = "x".join(map(str, leaf.shape)) or "scalar"
             k = item.refs.get(leaf.name)
             held = "" if k is None else f"  (in step {manifest.references[k].step})"
+            if (part := item.chunk_refs.get(leaf.name)) is not None:  # chunk references
+                steps = sorted({manifest.references[j].step for j in part.held})
+                held = f"  ({part.count} chunks in steps {', '.join(map(str, steps))})"
             if leaf.cast_from is not None:  # stored narrower, restored as cast_from
                 held += f"  (cast from {leaf.cast_from})"
             size = sizes.get(name, {}).get(leaf.name)

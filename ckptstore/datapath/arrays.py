@@ -25,11 +25,12 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import policy_of, within
 from ckptstore.backends.tserrors import write_error
+from ckptstore.datapath.chunkwrites import ChunkPlan, unheld_pieces
 from ckptstore.datapath.packs import PackTarget, write_pack
 from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import chunks
-from ckptstore.format.digests import PieceTable, digest, digest_off_loop, piece_key
+from ckptstore.format.digests import ChunkTable, PieceTable, digest, piece_digests, piece_key
 from ckptstore.format.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
 from ckptstore.format.packs import PackRef
 from ckptstore.runtime.bytebudget import ByteBudget
@@ -151,6 +152,7 @@ async def write_leaves(
     select: Select = owned_slices,
     packs: PackTarget | None = None,
     digests: dict[str, PieceTable] | None = None,
+    chunk_plan: ChunkPlan | None = None,
 ) -> WriteStats:
     """Write this process's pieces of ``leaves`` into the OCDBT store ``store``.
 
@@ -161,7 +163,9 @@ async def write_leaves(
     With ``packs``, small single-chunk leaves go into packs there instead
     (`ckptstore.format.packs`; ``WriteStats.packed`` says where). With ``digests``,
     each piece written of a leaf not in it yet is digested as it is written
-    (`ckptstore.format.digests`), into ``digests[leaf][piece bounds]``.
+    (`ckptstore.format.digests`), into ``digests[leaf][piece bounds]``. With ``chunk_plan``
+    (an incremental save), the chunks it says are held elsewhere are not written, and the
+    chunk digests of what is digested are kept there (`ckptstore.datapath.chunkwrites`).
     """
     kv = await ts.KvStore.open(store, context=context)
     writer = LeafWriter(
@@ -174,6 +178,7 @@ async def write_leaves(
         select=select,
         packs=packs,
         digests=digests,
+        chunk_plan=chunk_plan,
     )
     return await writer.write(leaves)
 
@@ -199,10 +204,12 @@ class LeafWriter:
         select: Select,
         packs: PackTarget | None,
         digests: dict[str, PieceTable] | None,
+        chunk_plan: ChunkPlan | None = None,
     ) -> None:
         self.store, self.context, self.kv = store, context, kv
         self.process, self.write_metadata = process, write_metadata
         self.budget, self.select, self.packs, self.digests = budget, select, packs, digests
+        self.chunk_plan = chunk_plan or ChunkPlan()
         self.stats = WriteStats(process=process)
         self._encoding = asyncio.Lock()  # packs are encoded one at a time (see `write_pack`)
 
@@ -265,7 +272,14 @@ class LeafWriter:
         if pieces:
             self.stats.leaves.append(info.name)
         table = self.table_for(info) if pieces else None  # no empty tables
-        writes = (self.piece(arr, *piece, table=table) for piece in pieces)
+        hashing = None
+        if table is not None:  # chunk digests beside the piece digests
+            chunk_table = self.chunk_plan.digests.setdefault(info.name, {})
+            hashing = _Hashing(table, chunk_table, info.chunk_shape)
+        held = self.chunk_plan.held.get(info.name)
+        if held:  # held elsewhere (an incremental save): digested already, not written
+            pieces = unheld_pieces(pieces, info, held)
+        writes = (self.piece(arr, *piece, table=hashing) for piece in pieces)
         await gather_first_error([*meta, *writes])
 
     async def metadata(self, info: LeafInfo) -> None:
@@ -280,22 +294,19 @@ class LeafWriter:
         data: Any,
         private: bool,
         *,
-        table: PieceTable | None = None,
+        table: _Hashing | None = None,
     ) -> None:
         """One piece of a big leaf: written from its own memory where it is host memory,
         else copied to the host first within the budget."""
         nbytes = math.prod(sliced_shape(arr.shape, index)) * arr.dtype.numpy_dtype.itemsize
         view = data if private and isinstance(data, np.ndarray) else host_view(data)
-        hashed = table is not None
         if view is not None:  # no copy: adds no memory, so it takes no share of the budget
-            hexed = await self.written(arr, index, view, True, nbytes, hashed)
+            await self.written(arr, index, view, True, nbytes, table)
         else:
             async with self.budget.hold(nbytes):
                 host = await off_loop(lambda: np.asarray(data), nbytes)  # device to host
                 # A numpy leaf is the caller's array: TensorStore copies it.
-                hexed = await self.written(arr, index, host, private, nbytes, hashed)
-        if table is not None and hexed is not None:
-            table[piece_key(index, arr.shape)] = hexed
+                await self.written(arr, index, host, private, nbytes, table)
         self.stats.shards += 1
         self.stats.bytes += nbytes
 
@@ -306,16 +317,23 @@ class LeafWriter:
         host: Any,
         reference: bool,
         nbytes: int,
-        hashed: bool,
-    ) -> str | None:
-        """Write ``host`` at ``index``, digesting it meanwhile when ``hashed``."""
+        hashing: _Hashing | None,
+    ) -> None:
+        """Write ``host`` at ``index``, digesting it meanwhile into ``hashing``."""
         write = arr[index].write(host, can_reference_source_data_indefinitely=reference)
         writing = finish_first(within(write, self.context, nbytes, "writing checkpoint data"))
-        if not hashed:
+        if hashing is None:
             await writing
-            return None
-        hexed, _ = await gather_first_error([digest_off_loop(host, nbytes), writing])
-        return str(hexed)
+            return
+        shape = tuple(arr.shape)
+
+        def run() -> tuple[str, ChunkTable]:
+            return piece_digests(host, index, shape, hashing.chunk_shape)
+
+        hexed, _ = await gather_first_error([off_loop(run, nbytes), writing])
+        piece, chunk_table = hexed
+        hashing.pieces[piece_key(index, shape)] = piece
+        hashing.chunks.update(chunk_table)
 
     async def small_leaves(self, group: list[tuple[LeafInfo, Any]]) -> None:
         """Single-chunk leaves as raw OCDBT keys: at most one piece each (the whole array),
@@ -392,6 +410,16 @@ class LeafWriter:
             for (info, _), ref in zip(owned, refs, strict=True):
                 self.stats.packed[info.name] = ref
                 self.count(info, info.nbytes)
+
+
+@dataclass(frozen=True)
+class _Hashing:
+    """Where a big leaf's digests go as its pieces are written: piece digests and their
+    chunks' digests (`ckptstore.format.digests.piece_digests`)."""
+
+    pieces: PieceTable
+    chunks: ChunkTable
+    chunk_shape: tuple[int, ...]
 
 
 def host_view(data: Any) -> np.ndarray[Any, Any] | None:

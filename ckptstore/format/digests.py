@@ -13,6 +13,13 @@ incrementally records none (``save_items(digests=False)``), and its steps, as ba
 reference nothing. Tables of another algorithm (`LEGACY`: steps saved by earlier versions)
 are never compared.
 
+A piece of a leaf of more than one chunk is digested chunk by chunk (`piece_digests`):
+each chunk of its zarr3 chunk grid gets its own digest (`ChunkTable`, what lets a later save
+write only the chunks that changed: docs/incremental.md, "Chunk references"), and the
+piece's digest is BLAKE3-128 of its chunks' digests (16 bytes each, in C order of their
+grid coordinates), so the bytes are hashed once. A piece whose bounds do not lie on chunk
+boundaries, and every piece of a leaf of one chunk, is digested whole.
+
 A piece is what `ckptstore.datapath.arrays.owned_slices` gives a process: an addressable
 shard with replica id 0, or a whole host value on process 0. The pieces of one leaf over
 all processes cover the array exactly once, so two tables of one leaf are equal when one
@@ -22,6 +29,10 @@ subset of another partition of the same array is that partition.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,8 +47,11 @@ from ckptstore.runtime.futures import off_loop
 PieceTable = dict[str, str]
 
 DIGEST_BYTES = 16
-#: The algorithm of every digest this version records (a manifest item's ``digest``).
-ALGORITHM = "blake3-128"
+#: The algorithm of every digest this version records (a manifest item's ``digest``): BLAKE3-128,
+#: a piece of a leaf of several chunks digested as its chunks' digests (`piece_digests`).
+ALGORITHM = "blake3-128-chunks"
+#: What versions before chunk digests recorded (every piece digested whole): never compared.
+WHOLE_PIECES = "blake3-128"
 #: What a manifest item with digests but no ``digest`` field holds (earlier versions).
 LEGACY = "blake2b-128"
 _HEX = re.compile(r"[0-9a-f]{32}")
@@ -80,14 +94,98 @@ async def digest_off_loop(data: Any, nbytes: int) -> str:
 
 
 async def piece_table(
-    pieces: Sequence[tuple[Index, Any, bool]], shape: Sequence[int], itemsize: int
+    pieces: Sequence[tuple[Index, Any, bool]],
+    shape: Sequence[int],
+    chunk_shape: Sequence[int],
+    itemsize: int,
+    chunk_table: ChunkTable | None = None,
 ) -> PieceTable:
-    """The digests of one leaf's ``pieces`` (as `owned_slices` gives them)."""
+    """The digests of one leaf's ``pieces`` (as `owned_slices` gives them); their chunks'
+    digests go into ``chunk_table`` where `piece_digests` makes them. Up to one piece per
+    core is hashed at a time (each on a worker thread, a device's piece copied to the host
+    first), every one finished before an error is raised."""
+    slots = asyncio.Semaphore(os.cpu_count() or 2)
+
+    async def one(index: Index, data: Any) -> tuple[str, ChunkTable]:
+        async with slots:
+            nbytes = piece_size(index, shape) * itemsize
+            return await off_loop(lambda: piece_digests(data, index, shape, chunk_shape), nbytes)
+
+    found = await asyncio.gather(
+        *(one(index, data) for index, data, _ in pieces), return_exceptions=True
+    )
     out: PieceTable = {}
-    for index, data, _ in pieces:
-        nbytes = piece_size(index, shape) * itemsize
-        out[piece_key(index, shape)] = await digest_off_loop(data, nbytes)
+    for (index, _, _), got in zip(pieces, found, strict=True):
+        if isinstance(got, BaseException):
+            raise got
+        out[piece_key(index, shape)] = got[0]
+        if chunk_table is not None:
+            chunk_table.update(got[1])
     return out
+
+
+#: One leaf's chunk digests: linear chunk index (C order over the chunk grid) -> digest.
+ChunkTable = dict[int, str]
+
+
+def chunk_grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """Chunks per axis of a leaf's regular chunk grid (``()`` for a 0-d leaf)."""
+    return tuple(-(-n // c) if n else 0 for n, c in zip(shape, chunk_shape, strict=True))
+
+
+def chunk_count(shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
+    """How many chunks the leaf's grid has (1 for a 0-d leaf)."""
+    return math.prod(chunk_grid(shape, chunk_shape))
+
+
+def chunk_region(linear: int, shape: Sequence[int], chunk_shape: Sequence[int]) -> Index:
+    """The region of the leaf that chunk ``linear`` (C order over the grid) covers."""
+    coord = np.unravel_index(linear, chunk_grid(shape, chunk_shape)) if shape else ()
+    return tuple(
+        slice(int(k) * c, min((int(k) + 1) * c, n))
+        for k, c, n in zip(coord, chunk_shape, shape, strict=True)
+    )
+
+
+def piece_chunks(
+    index: Index, shape: Sequence[int], chunk_shape: Sequence[int]
+) -> list[tuple[int, Index]] | None:
+    """The chunks the piece ``index`` covers, in C order: each one's linear index and its
+    region relative to the piece. None if the piece's bounds are not on chunk boundaries
+    (then it holds parts of chunks)."""
+    grid = chunk_grid(shape, chunk_shape)
+    ranges = []
+    for s, n, c in zip(index, shape, chunk_shape, strict=True):
+        start, stop = s.indices(n)[:2]
+        if start % c or (stop % c and stop != n) or stop <= start:
+            return None
+        ranges.append(range(start // c, -(-stop // c)))
+    out = []
+    for coord in itertools.product(*ranges):
+        rel = tuple(
+            slice(k * c - s.indices(n)[0], min((k + 1) * c, n) - s.indices(n)[0])
+            for k, c, n, s in zip(coord, chunk_shape, shape, index, strict=True)
+        )
+        out.append((int(np.ravel_multi_index(coord, grid)) if grid else 0, rel))
+    return out
+
+
+def piece_digests(
+    data: Any, index: Index, shape: Sequence[int], chunk_shape: Sequence[int]
+) -> tuple[str, ChunkTable]:
+    """The digest of one piece (`ALGORITHM`) and, for a leaf of several chunks whose piece
+    lies on chunk boundaries, the digest of each chunk it covers. Then the piece's digest
+    is BLAKE3-128 of those (16 bytes each, in order), so its bytes are hashed once; else
+    it is `digest` of the piece. Synchronous: call it off the event loop."""
+    if chunk_count(shape, chunk_shape) <= 1:
+        return digest(data), {}
+    covered = piece_chunks(index, shape, chunk_shape)
+    if covered is None:
+        return digest(data), {}
+    arr = np.asarray(data)
+    table = {linear: digest(arr[rel]) for linear, rel in covered}
+    joined = b"".join(bytes.fromhex(table[linear]) for linear, _ in covered)
+    return str(blake3.blake3(joined).hexdigest(length=DIGEST_BYTES)), table
 
 
 def matches(mine: Mapping[str, str], base: Mapping[str, str] | None) -> bool:
@@ -108,6 +206,11 @@ def check_table(leaf: str, table: Any) -> PieceTable:
         if not (isinstance(value, str) and _HEX.fullmatch(value)):
             raise ValueError(f"leaf {leaf!r}: bad digest {str(value)[:40]!r}")
     return dict(table)
+
+
+def is_digest(value: Any) -> bool:
+    """Whether ``value`` is a digest as this module writes them (32 lowercase hex digits)."""
+    return isinstance(value, str) and _HEX.fullmatch(value) is not None
 
 
 def piece_size(index: Index, shape: Sequence[int]) -> int:

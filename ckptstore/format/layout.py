@@ -58,9 +58,10 @@ FORMAT = "ckptstore"
 #: The newest format read and written. 3: an item's small leaves may be packed
 #: (`ckptstore.format.packs`); 4: an item's leaves may be held by another attempt
 #: (incremental saves, docs/incremental.md); 5: a leaf may be compressed or cast
-#: (`ckptstore.format.codecs`, `ckptstore.format.casts`). A step is written as the oldest
-#: version that describes it (`ckptstore.format.manifest.needed_version`), so that older
-#: readers read every step they can and refuse, naming the version, the others.
+#: (`ckptstore.format.codecs`, `ckptstore.format.casts`), or held in part, chunk by chunk,
+#: by other attempts (chunk references). A step is written as the oldest version that
+#: describes it (`ckptstore.format.manifest.needed_version`), so that older readers read
+#: what they can and refuse, by version, what they would misread.
 FORMAT_VERSION = 5
 REFERENCES_VERSION = 4
 PLAIN_VERSION = 3

@@ -20,7 +20,16 @@ from ckptstore.backends.keys import validate_key
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks, layout
 from ckptstore.format.casts import SOURCES as CAST_SOURCES
-from ckptstore.format.digests import ALGORITHM, LEGACY, PieceTable, check_table
+from ckptstore.format.chunkrefs import ChunkRefs, decode_digests
+from ckptstore.format.digests import (
+    ALGORITHM,
+    LEGACY,
+    PieceTable,
+    check_table,
+    chunk_count,
+    chunk_region,
+    piece_size,
+)
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.packs import PackRef
@@ -80,6 +89,12 @@ class ItemManifest:
     #: `Manifest.references`. Such a leaf is read from the same item of that attempt (its
     #: merged store, or its pack where ``packed`` names one), not from this attempt's.
     refs: dict[str, int] = field(default_factory=dict)
+    #: Leaves of several chunks, each chunk's digest (`ckptstore.format.chunkrefs`): what
+    #: lets a later save write only the chunks that changed.
+    chunk_digests: dict[str, str] = field(default_factory=dict)
+    #: Leaves some of whose chunks other attempts hold (`ChunkRefs`: chunk-level references
+    #: of an incremental save); their other chunks and ``zarr.json`` are this attempt's.
+    chunk_refs: dict[str, ChunkRefs] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +102,20 @@ class ItemManifest:
 
     @property
     def referenced_bytes(self) -> int:
-        """Payload bytes of the leaves another attempt holds."""
-        return sum(self.leaves[name].nbytes for name in self.refs)
+        """Payload bytes of the leaves, and of the chunks, another attempt holds."""
+        whole = sum(self.leaves[name].nbytes for name in self.refs)
+        return whole + sum(self.held_chunk_bytes(name) for name in self.chunk_refs)
+
+    def held_chunk_bytes(self, leaf: str) -> int:
+        """Payload bytes of ``leaf``'s chunks that other attempts hold."""
+        held = self.chunk_refs.get(leaf)
+        if held is None:
+            return 0
+        info = self.leaves[leaf]
+        return dtype_of(info.dtype).itemsize * sum(
+            piece_size(chunk_region(linear, info.shape, info.chunk_shape), info.shape)
+            for linear, _ in held.chunks()
+        )
 
 
 @dataclass
@@ -135,6 +162,14 @@ class Manifest:
             return self.item_dir(item)
         return self.references[k].dir.item(item)
 
+    def holder_dirs(self, item: str, leaf: str) -> dict[int, str]:
+        """For a leaf with chunk references: each holder's reference index -> the same item
+        of that attempt (where its chunks of the leaf are read)."""
+        held = self.items[item].chunk_refs.get(leaf)
+        if held is None:
+            return {}
+        return {k: self.references[k].dir.item(item) for k in held.held}
+
     def to_bytes(self) -> bytes:
         with gc_paused():  # one object per field of thousands of leaves: see `gcpause`
             return json.dumps(self._doc(), separators=(",", ":")).encode()  # C encoder
@@ -163,6 +198,12 @@ class Manifest:
                         else {}
                     ),
                     **({"refs": item.refs} if item.refs else {}),
+                    **({"chunk_digests": item.chunk_digests} if item.chunk_digests else {}),
+                    **(
+                        {"chunk_refs": {n: c.to_json() for n, c in item.chunk_refs.items()}}
+                        if item.chunk_refs
+                        else {}
+                    ),
                 }
                 for name, item in self.items.items()
             },
@@ -293,6 +334,9 @@ def _parse_item(name: str, item: Any, references: int = 0) -> ItemManifest:
         _expect(_is_int(k) and 0 <= k < references, f"leaf {leaf!r}: bad reference {k!r}")
     unknown = sorted((set(digests) | set(refs_doc)) - set(leaves))
     _expect(not unknown, f"item {name!r}: digests or refs of unknown leaves {unknown[:5]}")
+    chunk_digests, chunk_refs = _parse_chunks(name, item, leaves, references)
+    both = sorted((set(refs_doc) | set(packed)) & set(chunk_refs))
+    _expect(not both, f"item {name!r}: leaves {both[:5]} have chunk references and are whole")
     return ItemManifest(
         structure=structure,
         leaves=leaves,
@@ -301,7 +345,30 @@ def _parse_item(name: str, item: Any, references: int = 0) -> ItemManifest:
         digests=digests,
         digest_algorithm=algorithm,
         refs=dict(refs_doc),
+        chunk_digests=chunk_digests,
+        chunk_refs=chunk_refs,
     )
+
+
+def _parse_chunks(
+    name: str, item: dict[str, Any], leaves: dict[str, LeafInfo], references: int
+) -> tuple[dict[str, str], dict[str, ChunkRefs]]:
+    """An item's chunk digests and chunk references (`ckptstore.format.chunkrefs`),
+    checked against its leaves' chunk grids and the manifest's references."""
+    digests_doc = item.get("chunk_digests", {})
+    refs_doc = item.get("chunk_refs", {})
+    _expect(isinstance(digests_doc, dict), f"item {name!r}: chunk_digests is not an object")
+    _expect(isinstance(refs_doc, dict), f"item {name!r}: chunk_refs is not an object")
+    unknown = sorted((set(digests_doc) | set(refs_doc)) - set(leaves))
+    _expect(not unknown, f"item {name!r}: chunk records of unknown leaves {unknown[:5]}")
+    counts = {
+        n: chunk_count(leaves[n].shape, leaves[n].chunk_shape) for n in {*digests_doc, *refs_doc}
+    }
+    for leaf in refs_doc:  # only a leaf of several chunks is held in part
+        _expect(counts[leaf] > 1, f"leaf {leaf!r}: chunk references of a single-chunk leaf")
+    digests = {n: decode_digests(n, t, counts[n]) for n, t in digests_doc.items()}
+    refs = {n: ChunkRefs.from_json(n, d, references, counts[n]) for n, d in refs_doc.items()}
+    return digests, refs
 
 
 def parse_leaf(name: str, d: Any) -> LeafInfo:
@@ -386,8 +453,10 @@ def _expect(ok: bool, why: str) -> None:
 def needed_version(items: Mapping[str, ItemManifest], referenced: bool) -> int:
     """The oldest format version that describes ``items`` (``referenced``: some leaf is
     held by another attempt): a reader of an older version refuses it, naming the version,
-    rather than read compressed bytes as raw ones."""
+    rather than read compressed bytes as raw ones or a leaf held in part as a whole one."""
     leaves = (info for item in items.values() for info in item.leaves.values())
-    if any(info.codec is not None or info.cast_from is not None for info in leaves):
+    if any(info.codec is not None or info.cast_from is not None for info in leaves) or any(
+        item.chunk_refs for item in items.values()
+    ):
         return layout.FORMAT_VERSION
     return layout.REFERENCES_VERSION if referenced else layout.PLAIN_VERSION

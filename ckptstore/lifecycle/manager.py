@@ -363,6 +363,7 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
                 digests=self.options.incremental,
                 codecs=self.options.codecs,
                 casts=self.options.casts,
+                chunk_bytes=self.options.chunk_bytes,
             )
 
         try:

@@ -20,6 +20,7 @@ timeout = "10m"                  # cross-process waits
 gc_on_start = true
 gc_grace = "10m"
 incremental = false              # true: each save references what the last step holds
+chunk_bytes = 131072             # big leaves' largest chunk (default 64 MiB)
 codecs = "zstd:3"                # every leaf compressed; or a table, first match wins:
 # [manager.codecs]
 # "params/*" = "zstd:3"
@@ -88,6 +89,10 @@ class ManagerOptions:
     #: Leaves each save stores in a narrower dtype, restored into the dtype they had
     #: (lossy: ``{glob pattern: dtype}`` or a callable, `CastPolicy.of`). None: none.
     casts: Any = None
+    #: The largest chunk of a big leaf (None: 64 MiB). Smaller chunks let incremental saves
+    #: of sparsely updated leaves (embedding tables) write only the chunks that changed
+    #: (docs/incremental.md, "Chunk references"); keep it the same from one run to the next.
+    chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.codecs = CodecPolicy.of(self.codecs, what="codecs")
@@ -102,6 +107,12 @@ class ManagerOptions:
             raise ConfigError(f"incremental must be True or False, got {self.incremental!r}")
         if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
             raise ConfigError("max_staging_bytes must be positive")
+        if self.chunk_bytes is not None and (
+            isinstance(self.chunk_bytes, bool)
+            or not isinstance(self.chunk_bytes, int)
+            or self.chunk_bytes <= 0
+        ):
+            raise ConfigError(f"chunk_bytes must be a positive integer, got {self.chunk_bytes!r}")
         layout.check_item(self.item)
 
     @classmethod
@@ -165,8 +176,9 @@ class ManagerOptions:
             if not isinstance(v, dict):
                 raise ConfigError(f"{source}.casts must be a table of pattern = dtype, got {v!r}")
             out["casts"] = CastPolicy.of(v, what=f"{source}.casts")
-        if (v := take("max_staging_bytes")) is not None:
-            out["max_staging_bytes"] = _int(v, f"{source}.max_staging_bytes")
+        for key in ("max_staging_bytes", "chunk_bytes"):
+            if (v := take(key)) is not None:
+                out[key] = _int(v, f"{source}.{key}")
         if table:
             raise ConfigError(f"{source}: unknown keys {sorted(table)}")
         if saves:

@@ -65,6 +65,7 @@ from ckptstore.format.layout import (
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.orbax.destination import Destination
+from ckptstore.orbax.exportchunks import write_in_part
 from ckptstore.orbax.inspect import read_all
 from ckptstore.orbax.items import JSON_FILE
 from ckptstore.orbax.keys import ARRAY_METADATAS
@@ -106,6 +107,7 @@ class _Item:
     saved: ItemManifest
     found: list[OrbaxEntry]  # its leaves under Orbax's names
     copies: list[tuple[_Source, list[ObjectInfo]]]  # the stores to mirror, and their objects
+    manifest: Manifest  # the step's: leaves held in part are read through it
 
 
 async def export(
@@ -171,7 +173,8 @@ async def _plan(src: Backend, manifest: Manifest, name: str) -> _Item:
     saved = manifest.items[name]
     found = entries(saved.structure, saved.leaves)
     sources = await _sources(src, manifest, name)
-    return _Item(name, saved, found, [(s, await _objects_to_copy(src, s)) for s in sources])
+    copies = [(s, await _objects_to_copy(src, s)) for s in sources]
+    return _Item(name, saved, found, copies, manifest)
 
 
 async def _write_item(
@@ -196,7 +199,10 @@ async def _write_item(
     mirror_of = {leaf: _join(item_dir, s.mirror) for s in sources for leaf in s.leaves}
     saved, found = planned.saved, planned.found
     counts[2] += await _write_packed(src, where_of, dst, item_dir, found, saved)
-    unpacked = [e for e in found if e.leaf not in saved.packed]
+    counts[2] += await write_in_part(src, planned.manifest, planned.name, dst, item_dir, found)
+    # Leaves held in part are in no one mirrored store: written into the view above.
+    whole = [e for e in found if e.leaf not in saved.chunk_refs]
+    unpacked = [e for e in whole if e.leaf not in saved.packed]
     await _build_view(dst, mirror_of, item_dir, unpacked)
     if verify:
         await _read_back(dst, item_dir, found, saved.leaves)

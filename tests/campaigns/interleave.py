@@ -367,6 +367,30 @@ def incremental_actor(step: int, base: int, value: float, fallback: bool = False
     return act
 
 
+def chunk_actor(step: int, base: int, value: float, fallback: bool = False) -> Actor:
+    """An incremental save of ``step`` on ``base`` whose table changed in one chunk of
+    four: the other three are referenced chunk by chunk (docs/incremental.md, "Chunk
+    references"); ``fallback`` as in `incremental_actor`."""
+
+    async def act(world: World) -> None:
+        want = chunk_tree(value)
+        world.candidates.setdefault(step, []).append(want)
+        try:
+            result = await ckptstore.save(
+                world.fast, want, step=step, base=base, chunk_bytes=CHUNK_BYTES
+            )
+        except ckptstore.BaseStepGoneError:
+            if not fallback:
+                raise
+            result = await ckptstore.save(world.fast, want, step=step, chunk_bytes=CHUNK_BYTES)
+        else:
+            if result.bytes_referenced != 3 * CHUNK_BYTES:
+                raise AssertionError(f"referenced {result.bytes_referenced} B, not 3 chunks")
+        world.told.append((_name(), step, want))
+
+    return act
+
+
 def _name() -> str:
     return str(_actor.get())
 
@@ -441,6 +465,33 @@ async def chained(world: World) -> None:
     want = inc_tree(2.0)
     world.candidates[2] = [want]
     await ckptstore.save(world.fast, want, step=2, base=STEP)
+
+
+#: The chunk-level tree's table: 32 float32 in chunks of 8 (`CHUNK_BYTES`), of which only
+#: the first changes with the saved value.
+CHUNK_BYTES = 32
+
+
+def chunk_tree(value: float) -> dict[str, Any]:
+    """A table that changes in its first chunk only, and a leaf that says who saved it."""
+    table = np.arange(32, dtype=np.float32)
+    table[0] = value
+    return {"table": table, "w": np.full(4, value, np.float32)}
+
+
+async def chunk_based(world: World) -> None:
+    """Step 1 committed in full with the chunk-level tree: the holder of the chunks."""
+    want = chunk_tree(1.0)
+    world.candidates[STEP] = [want]
+    await ckptstore.save(world.fast, want, step=STEP, chunk_bytes=CHUNK_BYTES)
+
+
+async def chunk_chained(world: World) -> None:
+    """Step 1 in full, step 2 on base 1 (it wrote one chunk, references three to step 1)."""
+    await chunk_based(world)
+    want = chunk_tree(2.0)
+    world.candidates[2] = [want]
+    await ckptstore.save(world.fast, want, step=2, base=STEP, chunk_bytes=CHUNK_BYTES)
 
 
 # ---- invariants ----
@@ -749,8 +800,46 @@ INCREMENTAL += [
         check=survives_gc,
     ),
 ]
+#: Chunk references (docs/incremental.md, "Chunk references"): the same races, with a
+#: save that references three chunks of a leaf and writes the fourth.
+INCREMENTAL += [
+    Scenario(
+        "a chunk-referencing save races delete_step of its base",
+        chunk_based,
+        {"save": chunk_actor(2, STEP, 2.0), "delete": delete_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "a chunk-referencing save races gc",
+        chunk_based,
+        {"save": chunk_actor(2, STEP, 2.0), "gc": gc_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "a chunk-referencing save on a chunk-referencing base races delete_step of the holder",
+        chunk_chained,
+        {"save": chunk_actor(3, 2, 3.0), "delete": delete_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "delete_step of a step whose chunks another references races gc",
+        chunk_chained,
+        {"delete": delete_actor(), "gc": gc_actor()},
+        check=survives_gc,
+    ),
+]
 INCREMENTAL_BOUNDED = 3
 INCREMENTAL_TRIPLES = [
+    Scenario(
+        "a chunk-referencing save falling back, delete_step of its base and gc",
+        chunk_based,
+        {
+            "save": chunk_actor(2, STEP, 2.0, fallback=True),
+            "delete": delete_actor(),
+            "gc": gc_actor(),
+        },
+        check=survives_gc,
+    ),
     Scenario(
         "promoting an incremental step, delete_step of its base on both tiers and gc",
         chained,

@@ -111,9 +111,9 @@ async def test_a_save_pauses_the_collector_only_while_it_describes_the_tree(
     seen_describing: list[bool] = []
     real = save_module.describe_leaf
 
-    def describe_leaf(name: str, value: object) -> object:
+    def describe_leaf(name: str, value: object, *rest: int) -> object:
         seen_describing.append(gc.isenabled())
-        return real(name, value)
+        return real(name, value, *rest)
 
     monkeypatch.setattr(save_module, "describe_leaf", describe_leaf)
     Watching.seen_writing.clear()

@@ -140,3 +140,17 @@ def test_ls_all_marks_the_base_a_deleted_step_leaves_as_referenced(
     assert lines[0].split()[:3] == ["STEP", "STATE", "STORED"]
     (row,) = [line for line in lines[1:] if line.split()[0] == "1"]
     assert row.split()[1] == "referenced" and row.endswith("(base of 2, 3)")
+
+
+def test_info_shows_chunks_held_by_other_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A leaf held in part (chunk references) says how many chunks which steps hold."""
+    where = str(tmp_path / "chunks")
+    table = np.arange(1024 * 64, dtype=np.float32).reshape(1024, 64)
+    ckptstore.save_sync(where, {"emb": table}, step=1, chunk_bytes=4096)
+    table[3] += 1  # 2 of its 64 chunks
+    ckptstore.save_sync(where, {"emb": table}, step=2, base=1, chunk_bytes=4096)
+    assert main(["info", where, "--step", "2"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("emb")]
+    assert line.endswith("(62 chunks in steps 1)")

@@ -7,10 +7,10 @@ Usage: incremental_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT
 Saves `tree` four times: step 1 in full; step 2 with ``base=1`` and the same values
 (every leaf unchanged); step 3 with ``base=2`` where one element of the LAST process's
 shard of "w" changed, on that process only (the others build the very same values as
-before); step 4 as a partial save with ``base=3``, one part per leaf, where one element of
-process 0's shard of "m" changed, on process 0 only. Prints one JSON line per save: its
-step, the bytes this process wrote, and the bytes referenced (and for step 4, the leaves
-each part referenced).
+before: "w" is written in part, by that process alone); step 4 as a partial save with
+``base=3``, one part per leaf, where one element of process 0's shard of "m" changed, on
+process 0 only. Prints one JSON line per save: its step, the bytes this process wrote,
+and the bytes referenced (and for step 4, the leaves each part referenced).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def main() -> None:
 
     async def run() -> None:
         for step, base in ((1, None), (2, 1), (3, 2)):
-            # Step 3 changes "w" only where the last process builds it: a process's
-            # callback is called for its own shards alone.
+            # Step 3 changes "w" only where the last process builds it (so it is written in
+            # part): a process's callback is called for its own shards alone.
             result = await ckptstore.save(root, tree(step), step=step, base=base, timeout=120)
             print(
                 json.dumps(

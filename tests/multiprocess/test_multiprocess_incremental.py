@@ -101,14 +101,21 @@ def test_processes_reference_unchanged_leaves_and_write_a_leaf_changed_on_one_wh
     assert data_bytes(root, 2) == 0
 
     # Step 3 (base=2), one element of the last process's shard of "w" changed there only:
-    # "w" is written whole, by every process (never half referenced); the rest is
-    # referenced, to step 1's attempt, which holds the bytes (no chain through step 2).
+    # "w" (one chunk per process's shard) is written in part: the last process writes its
+    # chunk, each other one leaves its own out, a decision of its own (docs/incremental.md,
+    # "Chunk references"); the rest is referenced, to step 1's attempt, which holds the
+    # bytes (no chain through step 2).
     third = manifest(root, 3)
     assert third["references"] == [holder]
     assert third["base"] == {"step": 2, "attempt": second["attempt"]}
     assert sorted(third["items"]["state"]["refs"]) == [k for k in LEAVES if k != "w"]
-    assert [mine[2]["written"] for mine in reports] == [w_bytes // num] * num
-    assert all(mine[2]["referenced"] == payload - w_bytes for mine in reports)
+    assert third["items"]["state"]["chunk_refs"] == {"w": {"0": [[0, num - 1]]}}
+    assert third["format_version"] == 5
+    shard = w_bytes // num
+    assert [mine[2]["written"] for mine in reports] == [0] * (num - 1) + [shard]
+    assert [mine[2]["referenced"] for mine in reports] == [payload - w_bytes + shard] * (
+        num - 1
+    ) + [payload - w_bytes]
     old, new = first["items"]["state"]["digests"]["w"], third["items"]["state"]["digests"]["w"]
     assert sorted(old) == sorted(new) and len(new) == num  # one piece per process
     differ = [bounds for bounds in new if new[bounds] != old[bounds]]
@@ -116,20 +123,18 @@ def test_processes_reference_unchanged_leaves_and_write_a_leaf_changed_on_one_wh
     assert 0 < data_bytes(root, 3) < payload
 
     # Step 4, a partial save on base 3, one part per leaf, one element of process 0's
-    # shard of "m" changed there only: "m" is written whole, the rest referenced, each to
-    # the attempt that wrote it ("w" to step 3's, the others to step 1's).
+    # shard of "m" changed there only: "m" is written whole, and so is "w", which step 3
+    # holds in part (a part references leaves whole only); the rest is referenced, to
+    # step 1's attempt, which wrote it.
     m_bytes = expected("m", 1).nbytes
-    assert [mine[3]["parts"] for mine in reports] == [
-        [["w"], [], ["steps"], ["bias"], ["host"]]
-    ] * num
-    assert all(mine[3]["written"] == m_bytes for mine in reports)  # the parts' total
-    assert all(mine[3]["referenced"] == payload - m_bytes for mine in reports)
+    assert [mine[3]["parts"] for mine in reports] == [[[], [], ["steps"], ["bias"], ["host"]]] * num
+    assert all(mine[3]["written"] == m_bytes + w_bytes for mine in reports)  # the parts' total
+    assert all(mine[3]["referenced"] == payload - m_bytes - w_bytes for mine in reports)
     fourth = manifest(root, 4)
     refs = fourth["items"]["state"]["refs"]
-    assert sorted(refs) == [k for k in LEAVES if k != "m"]
+    assert sorted(refs) == [k for k in LEAVES if k not in ("m", "w")]
     held = {k: fourth["references"][i] for k, i in refs.items()}
-    assert held["w"] == {"step": 3, "attempt": third["attempt"]}
-    assert all(held[k] == holder for k in held if k != "w")
+    assert all(held[k] == holder for k in held)
     old, new = first["items"]["state"]["digests"]["m"], fourth["items"]["state"]["digests"]["m"]
     assert [bounds for bounds in new if new[bounds] != old[bounds]] == [f"0:6,0:{96 // num}"]
     assert CHANGED_M[1] < 96 // num

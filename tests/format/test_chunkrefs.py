@@ -1,0 +1,112 @@
+"""Chunk references in the manifest (`ckptstore.format.chunkrefs`): written compactly as
+ranges, read back equal, and every malformed record refused with a typed error."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ckptstore.errors import CorruptCheckpointError
+from ckptstore.format import layout
+from ckptstore.format.chunkrefs import ChunkRefs
+from ckptstore.format.leaves import LeafInfo
+from ckptstore.format.manifest import ItemManifest, Manifest, Reference
+
+A1 = "attempt-20260101T000000-000000000001"
+A2 = "attempt-20260101T000000-000000000002"
+A3 = "attempt-20260101T000000-000000000003"
+N = 4096  # chunks of the table: a 256 MiB table of 64 KiB chunks
+
+
+def manifest() -> Manifest:
+    """Step 3: a table of 4096 chunks, most held by step 1, two ranges by step 2."""
+    structure = {"t": "dict", "keys": [["str", "t"]], "items": [{"t": "leaf", "name": "t"}]}
+    info = LeafInfo("t", (N * 16, 1024), "float32", (16, 1024), "numpy")
+    held = {k: 1 for k in range(N) if k % 1000 not in (7, 8)}
+    held.update({7: 0, 8: 0, 1007: 0})
+    item = ItemManifest(
+        structure,
+        {"t": info},
+        chunk_digests={"t": "ab" * 16 * N},
+        chunk_refs={"t": ChunkRefs.of(held)},
+    )
+    return Manifest(
+        step=3,
+        attempt=A3,
+        items={"state": item},
+        references=[Reference(2, A2), Reference(1, A1)],
+        base=Reference(2, A2),
+        format_version=layout.FORMAT_VERSION,
+    )
+
+
+def test_round_trip_and_small() -> None:
+    m = manifest()
+    data = m.to_bytes()
+    back = Manifest.from_bytes(data, where="test")
+    assert back.items["state"].chunk_refs == m.items["state"].chunk_refs
+    refs = back.items["state"].chunk_refs["t"]
+    assert refs.holder(7) == 0 and refs.holder(9) == 1 and refs.holder(2007) is None
+    assert refs.count == N - 7  # chunks 1008, 2007-2008, 3007-3008, 4007-4008 are its own
+    # The holders are a few ranges, whatever the number of chunks; the digests dominate.
+    assert len(json.dumps(m.items["state"].chunk_refs["t"].to_json())) < 200
+    assert len(data) < 32 * N + 2000
+
+
+def edited(edit: Callable[[dict[str, Any]], None]) -> bytes:
+    doc = json.loads(manifest().to_bytes())
+    edit(doc["items"]["state"])
+    return json.dumps(doc).encode()
+
+
+def _set_refs(value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(item: dict[str, Any]) -> None:
+        item["chunk_refs"]["t"] = value
+
+    return edit
+
+
+HOSTILE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "holder out of range": _set_refs({"2": [[0, 5]]}),
+    "holder not an index": _set_refs({"-1": [[0, 5]]}),
+    "holder with a leading zero": _set_refs({"01": [[0, 5]]}),
+    "range past the grid": _set_refs({"0": [[0, N + 1]]}),
+    "empty range": _set_refs({"0": [[5, 5]]}),
+    "negative start": _set_refs({"0": [[-1, 5]]}),
+    "range of floats": _set_refs({"0": [[0.0, 5]]}),
+    "range of bools": _set_refs({"0": [[False, True]]}),
+    "range of three": _set_refs({"0": [[0, 5, 6]]}),
+    "unsorted ranges": _set_refs({"0": [[10, 20], [0, 5]]}),
+    "overlapping holders": _set_refs({"0": [[0, 10]], "1": [[5, 20]]}),
+    "no ranges": _set_refs({"0": []}),
+    "not an object": _set_refs([[0, 5]]),
+    "empty object": _set_refs({}),
+    "unknown leaf": lambda item: item["chunk_refs"].update({"zz": {"0": [[0, 1]]}}),
+    "refs not an object": lambda item: item.update({"chunk_refs": [1]}),
+    "also held whole": lambda item: item.update({"refs": {"t": 0}}),
+    "digests too short": lambda item: item["chunk_digests"].update({"t": "ab" * 16}),
+    "digests not hex": lambda item: item["chunk_digests"].update({"t": "zz" * 16 * N}),
+    "digests not a string": lambda item: item["chunk_digests"].update({"t": 5}),
+    "single-chunk leaf": lambda item: item["leaves"]["t"].update(
+        {"chunk_shape": item["leaves"]["t"]["shape"]}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_malformed_chunk_references_are_typed(case: str) -> None:
+    with pytest.raises(CorruptCheckpointError):
+        Manifest.from_bytes(edited(HOSTILE[case]), where=case)
+
+
+def test_an_older_reader_refuses_by_version() -> None:
+    """Chunk references make the manifest format version 5: a reader of version 4 would read
+    the leaf from the step's own store alone, so it must refuse the step instead."""
+    assert layout.FORMAT_VERSION == 5 and layout.REFERENCES_VERSION == 4
+    doc = json.loads(manifest().to_bytes())
+    doc["format_version"] = 6
+    with pytest.raises(CorruptCheckpointError, match="newer"):
+        Manifest.from_bytes(json.dumps(doc).encode(), where="future")
