@@ -67,13 +67,7 @@ def plan_chunks(plan: ChunkPlan, base: Base, item: str, info: LeafInfo, table: C
 def chunk_holder(base: Base, item: str, leaf: str, linear: int) -> Reference:
     """The attempt holding chunk ``linear`` of ``leaf`` as the base stored it: the base's
     own, or the one the base referenced for the leaf or for that chunk (no chains)."""
-    saved = base.manifest.items[item]
-    k = saved.refs.get(leaf)
-    if k is not None:
-        return base.manifest.references[k]
-    held = saved.chunk_refs.get(leaf)
-    j = held.holder(linear) if held is not None else None
-    return base.manifest.references[j] if j is not None else base.ref
+    return base.manifest.chunk_holder(item, leaf, linear) or base.ref
 
 
 @dataclass

@@ -82,9 +82,7 @@ class Base:
 
     def holder(self, item: str, leaf: str) -> Reference:
         """The attempt holding the bytes of ``leaf`` as the base stored it."""
-        saved = self.manifest.items[item]
-        k = saved.refs.get(leaf)
-        return self.manifest.references[k] if k is not None else self.ref
+        return self.manifest.holder(item, leaf) or self.ref
 
     def packed(self, item: str, leaf: str) -> PackRef | None:
         """Where in its holder's item the leaf is packed, if it is."""

@@ -230,8 +230,8 @@ def _print_info(
         )
         for leaf in sorted(item.leaves.values(), key=lambda i: i.name):
             shape = "x".join(map(str, leaf.shape)) or "scalar"
-            k = item.refs.get(leaf.name)
-            held = "" if k is None else f"  (in step {manifest.references[k].step})"
+            holder = manifest.holder(name, leaf.name)
+            held = "" if holder is None else f"  (in step {holder.step})"
             if (part := item.chunk_refs.get(leaf.name)) is not None:  # chunk references
                 steps = sorted({manifest.references[j].step for j in part.held})
                 held = f"  ({part.count} chunks in steps {', '.join(map(str, steps))})"

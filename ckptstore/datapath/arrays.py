@@ -262,7 +262,7 @@ class LeafWriter:
         else:
             # The metadata comes from process 0, which writes it as one more key beside the
             # chunks: one OCDBT commit takes both, where `create=True` would commit the
-            # zarr.json alone first (a serial commit per save, ~10-30 ms) before any chunk.
+            # zarr.json alone first (one more serial commit per save) before any chunk.
             opening = ts.open(
                 zarr_spec(self.store, info), open=True, assume_metadata=True, context=context
             )

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import ConfigError
+from ckptstore.format.codecs import pattern_rules
 from ckptstore.format.leaves import LeafInfo, dtype_of
 
 #: The dtypes a leaf may be stored as, by name.
@@ -94,14 +95,7 @@ class CastPolicy:
         if spec is None:
             return cls()
         if isinstance(spec, Mapping):
-            rules = []
-            for pattern, dtype in spec.items():
-                if not isinstance(pattern, str) or not pattern:
-                    raise ConfigError(
-                        f"{what}: a pattern must be a non-empty string, got {pattern!r}"
-                    )
-                rules.append((pattern, target_dtype(dtype, what=f"{what}[{pattern!r}]")))
-            return cls(rules=tuple(rules))
+            return cls(rules=pattern_rules(spec, target_dtype, what))
         if callable(spec):
             return cls(choose=spec)
         raise ConfigError(

@@ -25,11 +25,13 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 import zstandard
 
 from ckptstore.errors import ConfigError, CorruptCheckpointError
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from ckptstore.format.leaves import LeafInfo
@@ -163,14 +165,7 @@ class CodecPolicy:
         if spec is None or isinstance(spec, (str, Zstd)):
             return cls(default=parse_codec(spec, what=what))
         if isinstance(spec, Mapping):
-            rules = []
-            for pattern, codec in spec.items():
-                if not isinstance(pattern, str) or not pattern:
-                    raise ConfigError(
-                        f"{what}: a pattern must be a non-empty string, got {pattern!r}"
-                    )
-                rules.append((pattern, parse_codec(codec, what=f"{what}[{pattern!r}]")))
-            return cls(rules=tuple(rules))
+            return cls(rules=pattern_rules(spec, parse_codec, what))
         if callable(spec):
             return cls(choose=spec)
         raise ConfigError(
@@ -182,6 +177,20 @@ class CodecPolicy:
 # ---- compression ----
 
 _local = threading.local()  # zstandard's contexts are not thread-safe: one per thread
+
+
+def pattern_rules(
+    spec: Mapping[Any, Any], parse: Callable[..., T], what: str
+) -> tuple[tuple[str, T], ...]:
+    """``{glob pattern: value}`` as (pattern, ``parse(value, what=...)``) rules in order
+    (the codec and cast policies' tables); `ConfigError` for a pattern that is not a
+    non-empty string."""
+    rules = []
+    for pattern, value in spec.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{what}: a pattern must be a non-empty string, got {pattern!r}")
+        rules.append((pattern, parse(value, what=f"{what}[{pattern!r}]")))
+    return tuple(rules)
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:

@@ -154,13 +154,36 @@ class Manifest:
         manifest's attempt."""
         return layout.AttemptDir(self.step, self.attempt).item(item)
 
+    def holder(self, item: str, leaf: str) -> Reference | None:
+        """The other attempt holding ``leaf``'s bytes whole (an incremental save's leaf
+        reference); None: this attempt holds them, all or (`chunk_refs`) some of them."""
+        k = self.items[item].refs.get(leaf)
+        return None if k is None else self.references[k]
+
+    def chunk_holder(self, item: str, leaf: str, linear: int) -> Reference | None:
+        """The other attempt holding chunk ``linear`` (C order) of ``leaf``: the leaf's
+        `holder`, or the chunk's (`chunk_refs`); None: this attempt holds it."""
+        whole = self.holder(item, leaf)
+        if whole is not None:
+            return whole
+        held = self.items[item].chunk_refs.get(leaf)
+        k = None if held is None else held.holder(linear)
+        return None if k is None else self.references[k]
+
+    def held(self, item: str) -> dict[Reference, frozenset[str]]:
+        """Each other attempt holding leaves of ``item`` whole, with those leaves, in the
+        order of `references`."""
+        refs = self.items[item].refs
+        return {
+            self.references[k]: frozenset(n for n, i in refs.items() if i == k)
+            for k in sorted(set(refs.values()))
+        }
+
     def leaf_dir(self, item: str, leaf: str) -> str:
         """The item directory holding ``leaf``'s bytes: this attempt's own, or (a reference
         of an incremental save) the same item of the attempt the references name for it."""
-        k = self.items[item].refs.get(leaf)
-        if k is None:
-            return self.item_dir(item)
-        return self.references[k].dir.item(item)
+        holder = self.holder(item, leaf)
+        return self.item_dir(item) if holder is None else holder.dir.item(item)
 
     def holder_dirs(self, item: str, leaf: str) -> dict[int, str]:
         """For a leaf with chunk references: each holder's reference index -> the same item

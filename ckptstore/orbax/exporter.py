@@ -267,8 +267,8 @@ async def _sources(src: Backend, manifest: Manifest, item: str) -> list[_Source]
             any(n not in saved.packed for n in own),
         )
     ]
-    for k in sorted(set(saved.refs.values())):
-        holder = manifest.references[k].dir
+    for reference, held in manifest.held(item).items():
+        k, holder = manifest.references.index(reference), reference.dir
         key = holder.manifest
         try:
             theirs = Manifest.from_bytes(await src.read(key), where=f"{src.url}/{key}")
@@ -283,7 +283,6 @@ async def _sources(src: Backend, manifest: Manifest, item: str) -> list[_Source]
             raise CorruptCheckpointError(
                 f"{src.url}/{key} does not describe the item {item!r} of attempt {holder.root}"
             )
-        held = frozenset(n for n, i in saved.refs.items() if i == k)
         there = theirs.items[item]
         out.append(
             _Source(
