@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/async_restore.py
 	$(PY) benchmarks/incremental.py
+	$(PY) benchmarks/codecs.py
 	$(PY) benchmarks/report.py
 
 # `make scale`: real JAX processes (one CPU device each) save with 8 and with 16 processes

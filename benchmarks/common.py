@@ -490,3 +490,67 @@ class MotoProcess:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+class ProxyProcess:
+    """`ckptstore.testing.faultproxy` run in a child process in front of ``upstream``,
+    passing everything through, its bodies capped at ``rate_limit`` bytes/s (a slow link).
+
+    In a child, as `MotoProcess`, so that the proxy's pacing and copying do not share the
+    measured client's GIL. It exits when its stdin closes, so it cannot outlive us.
+    """
+
+    def __init__(self, upstream: str, rate_limit: float | None = None) -> None:
+        self.upstream, self.rate_limit = upstream, rate_limit
+        self.endpoint = ""
+        self._proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> ProxyProcess:
+        args = [sys.executable, "-c", _PROXY_CHILD, self.upstream]
+        if self.rate_limit is not None:
+            args += ["--rate-limit", repr(float(self.rate_limit))]
+        self._proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            start_new_session=True,
+        )
+        try:
+            assert self._proc.stdout is not None
+            line = self._proc.stdout.readline().strip()
+            if not line.startswith("http://"):
+                raise RuntimeError(f"proxy child did not start (exit code {self._proc.poll()})")
+            self.endpoint = line
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+_PROXY_CHILD = """
+import sys
+from ckptstore.testing.faultproxy import FaultProxy
+args = sys.argv[1:]
+limit = float(args[2]) if args[1:2] == ["--rate-limit"] else None
+with FaultProxy(args[0], rate_limit_bytes_per_s=limit) as proxy:
+    print(proxy.endpoint, flush=True)
+    sys.stdin.read()  # until the parent closes stdin (or dies)
+"""

@@ -11,6 +11,11 @@ or ``agent`` regex) and when: on the ``nth`` matching requests, or at a seeded
 ``rate``. The proxy runs its own event loop in a daemon thread, so synchronous and
 asynchronous tests (and ``python -m ckptstore.testing.faultproxy``) can use it alike.
 Request and reply bodies are buffered whole: meant for test-sized objects, not TiBs.
+
+With ``rate_limit_bytes_per_s`` the proxy is also a slow link: request and reply bodies
+pass through one token bucket shared by every connection and both directions, so the
+bytes of all bodies together never go faster than that rate (`RateLimit`). A benchmark
+then sees what compression buys on a link slower than the disk or CPU.
 """
 
 from __future__ import annotations
@@ -108,6 +113,42 @@ class Fault:
         )
 
 
+class RateLimit:
+    """A token bucket: `take` returns once ``n`` more bytes fit under ``rate`` bytes/s.
+
+    One bucket serves every connection of a proxy and both directions (a half-duplex
+    link: request bodies upstream and reply bodies downstream share the rate). Takers
+    queue in arrival order (an `asyncio.Lock`), and a take may run into debt that the
+    next taker waits out, so chunks of any size keep the long-run rate exact; ``burst``
+    bytes may pass at once after an idle spell. Used on the proxy's event loop only.
+    """
+
+    #: Bytes per take: small enough that concurrent transfers interleave finely.
+    CHUNK = 64 * 1024
+
+    def __init__(self, rate: float, burst: int | None = None) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate limit must be positive bytes/s, got {rate}")
+        self.rate = float(rate)
+        self.burst = float(self.CHUNK if burst is None else burst)
+        self._tokens = self.burst
+        self._stamp = time.monotonic()
+        self._lock: asyncio.Lock | None = None
+        self.passed = 0  # bytes let through so far
+
+    async def take(self, n: int) -> None:
+        if self._lock is None:  # made on the loop that uses it
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= n
+            self.passed += n
+            if self._tokens < 0:
+                await asyncio.sleep(-self._tokens / self.rate)
+
+
 @dataclass(frozen=True)
 class Seen:
     """One request the proxy received: when, what, from whom, and the fault (if any)."""
@@ -145,8 +186,12 @@ class FaultProxy:
         seed: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
+        rate_limit_bytes_per_s: float | None = None,
     ):
+        """``rate_limit_bytes_per_s``: cap the bodies of all requests and replies together
+        at this many bytes per second (`RateLimit`); None: as fast as the proxy goes."""
         self.upstream = upstream.rstrip("/")
+        self._limit = None if rate_limit_bytes_per_s is None else RateLimit(rate_limit_bytes_per_s)
         self.host, self._port = host, port
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -181,6 +226,11 @@ class FaultProxy:
         """How many faults of each kind were injected so far."""
         with self._lock:
             return Counter(self._state.injected)
+
+    @property
+    def limited_bytes(self) -> int:
+        """Body bytes that passed the rate limit so far, both directions (0 without one)."""
+        return 0 if self._limit is None else self._limit.passed
 
     def reset_counts(self) -> None:
         """Forget the requests seen and the faults injected (the rules stay)."""
@@ -287,8 +337,18 @@ class FaultProxy:
 
     # ---- one request ----
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request's body, paced by the rate limit when there is one."""
+        if self._limit is None:
+            return await request.read()
+        parts = []
+        while chunk := await request.content.read(RateLimit.CHUNK):
+            await self._limit.take(len(chunk))
+            parts.append(chunk)
+        return b"".join(parts)
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        body = await self._read_body(request)
         agent = request.headers.get("User-Agent", "")
         fault = self._decide(request.method, request.raw_path, agent)
         kind = fault.kind if fault is not None else None
@@ -311,6 +371,16 @@ class FaultProxy:
             await reply.prepare(request)
             await reply.write(data[: len(data) // 2])
             return await _cut(request)
+        if self._limit is not None and data:
+            reply = web.StreamResponse(status=status, headers=headers)
+            reply.content_length = len(data)
+            await reply.prepare(request)
+            for at in range(0, len(data), RateLimit.CHUNK):
+                chunk = data[at : at + RateLimit.CHUNK]
+                await self._limit.take(len(chunk))
+                await reply.write(chunk)
+            await reply.write_eof()
+            return reply
         reply = web.Response(status=status, headers=headers, body=data or None)
         if "Content-Length" in headers:  # a HEAD reply's length describes the object
             reply.headers["Content-Length"] = headers["Content-Length"]
@@ -382,6 +452,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--path", help="only paths matching this regex")
     parser.add_argument("--agent", help="only User-Agents matching this regex")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        help="cap all bodies, both directions together, at this many bytes/s (e.g. 100e6)",
+    )
     return parser.parse_args(argv)
 
 
@@ -398,7 +473,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         path=args.path,
         agent=args.agent,
     )
-    with FaultProxy(args.upstream, [fault], seed=args.seed, port=args.port) as proxy:
+    with FaultProxy(
+        args.upstream,
+        [fault],
+        seed=args.seed,
+        port=args.port,
+        rate_limit_bytes_per_s=args.rate_limit,
+    ) as proxy:
         print(proxy.endpoint, flush=True)
         try:
             threading.Event().wait()

@@ -6,6 +6,7 @@ HTTP (urllib) and the backends' own clients.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.error
 import urllib.request
@@ -142,6 +143,32 @@ def test_latency_and_blackhole(ckptstore_s3_server: MotoS3Server) -> None:
     # stopping cut the black-holed request; a stopped proxy has no endpoint
     with pytest.raises(RuntimeError):
         p.endpoint  # noqa: B018
+
+
+async def test_rate_limit_caps_all_connections_both_ways(
+    ckptstore_s3_server: MotoS3Server, ckptstore_s3_bucket: str
+) -> None:
+    """Four concurrent uploads to moto, then four concurrent reads, through a proxy capped
+    at 20 MB/s: each batch takes at least its bytes over the cap (one bucket shared by the
+    connections; a lower bound on time only, which load cannot break)."""
+    cap, part = 20e6, 2 * 1024 * 1024
+    data = [bytes([i]) * part for i in range(4)]
+    total = sum(len(d) for d in data)
+    with FaultProxy(ckptstore_s3_server.endpoint, rate_limit_bytes_per_s=cap) as p:
+        async with s3(p, ckptstore_s3_bucket) as b:
+            start = time.monotonic()
+            await asyncio.gather(*(b.write(f"rl/{i}", d) for i, d in enumerate(data)))
+            wrote = time.monotonic() - start
+            assert p.limited_bytes >= total
+            start = time.monotonic()
+            got = await asyncio.gather(*(b.read(f"rl/{i}") for i in range(len(data))))
+            read = time.monotonic() - start
+        assert got == data
+        assert p.limited_bytes >= 2 * total
+    assert wrote >= 0.9 * total / cap, wrote
+    assert read >= 0.9 * total / cap, read
+    with pytest.raises(ValueError, match="positive"):
+        FaultProxy(ckptstore_s3_server.endpoint, rate_limit_bytes_per_s=0)
 
 
 async def test_gcs_resumable_upload_stays_behind_the_proxy(
