@@ -245,10 +245,18 @@ class PartialSaveSync:
         return self.session.leaves_of(item)
 
     def add(
-        self, subtree: Any, *, replace: bool = False, item: str | None = None, codecs: Any = None
+        self,
+        subtree: Any,
+        *,
+        replace: bool = False,
+        item: str | None = None,
+        codecs: Any = None,
+        casts: Any = None,
     ) -> Part:
         """`PartialSave.add`, blocking."""
-        return run(self.session.add(subtree, replace=replace, item=item, codecs=codecs))
+        return run(
+            self.session.add(subtree, replace=replace, item=item, codecs=codecs, casts=casts)
+        )
 
     def drop(self, index: int) -> None:
         """`PartialSave.drop`, blocking."""

@@ -84,6 +84,7 @@ from ckptstore.errors import (
     TreeError,
 )
 from ckptstore.format import layout
+from ckptstore.format.casts import CastPolicy
 from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.jsonitems import JsonItem, as_json_item
 from ckptstore.format.layout import AttemptDir
@@ -280,11 +281,18 @@ class PartialSave:
         return out
 
     async def add(
-        self, subtree: Any, *, replace: bool = False, item: str | None = None, codecs: Any = None
+        self,
+        subtree: Any,
+        *,
+        replace: bool = False,
+        item: str | None = None,
+        codecs: Any = None,
+        casts: Any = None,
     ) -> Part:
         """Write ``subtree`` as a new part of ``item`` (default: the session's item);
         returns once the part is durable and recorded. ``codecs``: which of its leaves are
-        compressed, as `ckptstore.save` takes it.
+        compressed; ``casts``: which are stored in a narrower dtype (lossy, never unless
+        asked); both as `ckptstore.save` takes them.
 
         Refused before anything is written: a leaf an earlier part of the item holds
         (unless ``replace``), and a leaf that lies under, or above, a leaf of an earlier
@@ -294,7 +302,8 @@ class PartialSave:
         """
         self._check_open()
         item = layout.check_item(item if item is not None else self.item)
-        prepared = PreparedItem.of(subtree, CodecPolicy.of(codecs))  # as a save prepares one
+        # As a save prepares one (bad codecs or casts fail here, before anything is written).
+        prepared = PreparedItem.of(subtree, CodecPolicy.of(codecs), CastPolicy.of(casts))
         infos = prepared.leaves
         saved = self.leaves_of(item)
         nested = nesting_conflicts(set(saved), [info.name for info in infos])

@@ -281,6 +281,26 @@ async def test_cast_leaves_are_stored_narrower_and_restored_in_their_dtype(tmp_p
     assert (await ckptstore.verify(root, 1)).ok
 
 
+def test_a_partial_save_casts_the_leaves_a_part_asks_for(tmp_path: Path) -> None:
+    """`PartialSave.add(casts=)`: the part's chosen leaves are stored narrower and restored
+    into their dtype; another part's leaves are not touched; a bad cast writes nothing."""
+    mu, w = compressible((256, 64)), compressible((64,), seed=1)
+    with ckptstore.partial_save_sync(tmp_path, 2) as session:
+        session.add({"opt": {"mu": mu}}, casts={"opt/*": "bfloat16"}, codecs="zstd:1")
+        session.add({"w": w})
+        with pytest.raises(ConfigError, match="casts"):
+            session.add({"x": np.ones(3)}, casts={"x": "int8"})
+        assert len(session.parts) == 2
+        session.finalize()
+    leaves = ckptstore.read_manifest_sync(tmp_path, 2).items["state"].leaves
+    assert (leaves["opt/mu"].dtype, leaves["opt/mu"].cast_from) == ("bfloat16", "float32")
+    assert (leaves["w"].dtype, leaves["w"].cast_from) == ("float32", None)
+    got = ckptstore.restore_sync(tmp_path, 2)
+    want = mu.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert got["opt"]["mu"].dtype == np.float32 and got["opt"]["mu"].tobytes() == want.tobytes()
+    assert got["w"].tobytes() == w.tobytes()
+
+
 async def test_casts_are_never_a_default_and_bad_ones_are_typed(tmp_path: Path) -> None:
     tree = {"w": np.full(8, 1 / 3, np.float32)}
     await ckptstore.save(str(tmp_path), tree, step=1)
