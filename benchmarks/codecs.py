@@ -393,10 +393,8 @@ def s3_contenders(tree: Any, link: S3Link, names: list[str], direct: bool) -> li
 def s3_link(scratch: Path, rate: float) -> Iterator[S3Link]:
     """moto in a child process (its spooled objects in memory where there is room), a bucket,
     and a proxy in another child capping bodies at ``rate`` bytes/s."""
-    import boto3
-
     from benchmarks.storage import moto_environment
-    from ckptstore.testing.servers import unique_bucket_name
+    from ckptstore.testing.servers import create_moto_bucket, unique_bucket_name
 
     spool = memory_base() or scratch
     with (
@@ -406,16 +404,7 @@ def s3_link(scratch: Path, rate: float) -> Iterator[S3Link]:
         ProxyProcess(moto.endpoint, rate) as proxy,
         ProxyProcess(moto.endpoint) as uncapped,
     ):
-        bucket = unique_bucket_name("codecs")
-        client = boto3.client(
-            "s3",
-            endpoint_url=moto.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
-        client.create_bucket(Bucket=bucket)
-        client.close()
+        bucket = create_moto_bucket(moto.endpoint, unique_bucket_name("codecs"))
         yield S3Link(bucket, proxy.endpoint, moto.endpoint, uncapped.endpoint, rate)
 
 

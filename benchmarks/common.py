@@ -439,25 +439,20 @@ with MotoS3Server() as server:
 """
 
 
-class MotoProcess:
-    """`ckptstore.testing.servers.MotoS3Server` run in a child process.
+class _ChildServer:
+    """A server run in a child process that prints its endpoint and exits when its stdin
+    closes (so it cannot outlive us). In-process, a threaded server would share this
+    interpreter's GIL with the client being measured; a child behaves like a real one."""
 
-    In-process, moto's threaded server would share this interpreter's GIL with
-    the client being measured; a child process behaves like a real server. The
-    child's temporary files (moto spools objects over 5 MiB to disk) go to
-    ``tmpdir``; it exits when its stdin closes, so it cannot outlive us.
-    """
+    what = "server"
 
-    def __init__(self, tmpdir: Path) -> None:
-        self.tmpdir = tmpdir
+    def __init__(self) -> None:
         self.endpoint = ""
         self._proc: subprocess.Popen[str] | None = None
 
-    def __enter__(self) -> MotoProcess:
-        self.tmpdir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, TMPDIR=str(self.tmpdir), JAX_PLATFORMS="cpu")
+    def _start(self, args: list[str], env: dict[str, str]) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _MOTO_CHILD],
+            [sys.executable, "-c", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -469,12 +464,13 @@ class MotoProcess:
             assert self._proc.stdout is not None
             line = self._proc.stdout.readline().strip()
             if not line.startswith("http://"):
-                raise RuntimeError(f"moto child did not start (exit code {self._proc.poll()})")
+                raise RuntimeError(
+                    f"{self.what} child did not start (exit code {self._proc.poll()})"
+                )
             self.endpoint = line
         except BaseException:
             self.__exit__()
             raise
-        return self
 
     def __exit__(self, *exc: object) -> None:
         proc, self._proc = self._proc, None
@@ -492,57 +488,41 @@ class MotoProcess:
             proc.stdout.close()
 
 
-class ProxyProcess:
-    """`ckptstore.testing.faultproxy` run in a child process in front of ``upstream``,
-    passing everything through, its bodies capped at ``rate_limit`` bytes/s (a slow link).
-
-    In a child, as `MotoProcess`, so that the proxy's pacing and copying do not share the
-    measured client's GIL. It exits when its stdin closes, so it cannot outlive us.
+class MotoProcess(_ChildServer):
+    """`ckptstore.testing.servers.MotoS3Server` run in a child process (`_ChildServer`).
+    The child's temporary files (moto spools objects over 5 MiB to disk) go to ``tmpdir``.
     """
 
-    def __init__(self, upstream: str, rate_limit: float | None = None) -> None:
-        self.upstream, self.rate_limit = upstream, rate_limit
-        self.endpoint = ""
-        self._proc: subprocess.Popen[str] | None = None
+    what = "moto"
 
-    def __enter__(self) -> ProxyProcess:
-        args = [sys.executable, "-c", _PROXY_CHILD, self.upstream]
-        if self.rate_limit is not None:
-            args += ["--rate-limit", repr(float(self.rate_limit))]
-        self._proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=dict(os.environ, PYTHONPATH=str(REPO)),
-            start_new_session=True,
-        )
-        try:
-            assert self._proc.stdout is not None
-            line = self._proc.stdout.readline().strip()
-            if not line.startswith("http://"):
-                raise RuntimeError(f"proxy child did not start (exit code {self._proc.poll()})")
-            self.endpoint = line
-        except BaseException:
-            self.__exit__()
-            raise
+    def __init__(self, tmpdir: Path) -> None:
+        super().__init__()
+        self.tmpdir = tmpdir
+
+    def __enter__(self) -> MotoProcess:
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        self._start([_MOTO_CHILD], dict(os.environ, TMPDIR=str(self.tmpdir), JAX_PLATFORMS="cpu"))
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+
+class ProxyProcess(_ChildServer):
+    """`ckptstore.testing.faultproxy` run in a child process (`_ChildServer`) in front of
+    ``upstream``, passing everything through, its bodies capped at ``rate_limit`` bytes/s
+    (a slow link): the proxy's pacing and copying do not share the measured client's GIL.
+    """
+
+    what = "proxy"
+
+    def __init__(self, upstream: str, rate_limit: float | None = None) -> None:
+        super().__init__()
+        self.upstream, self.rate_limit = upstream, rate_limit
+
+    def __enter__(self) -> ProxyProcess:
+        args = [_PROXY_CHILD, self.upstream]
+        if self.rate_limit is not None:
+            args += ["--rate-limit", repr(float(self.rate_limit))]
+        self._start(args, dict(os.environ, PYTHONPATH=str(REPO)))
+        return self
 
 
 _PROXY_CHILD = """

@@ -101,22 +101,11 @@ class Server:
 @contextmanager
 def emulator(kind: str, scratch: Path) -> Iterator[Server]:
     """moto (in a child process) or fake-gcs-server, with the environment pointed at it."""
-    from ckptstore.testing.servers import FakeGcsServer, unique_bucket_name
+    from ckptstore.testing.servers import FakeGcsServer, create_moto_bucket, unique_bucket_name
 
     if kind == "s3":
         with MotoProcess(scratch / "moto-tmp") as moto, moto_environment():
-            import boto3
-
-            bucket = unique_bucket_name("bench")
-            client = boto3.client(
-                "s3",
-                endpoint_url=moto.endpoint,
-                aws_access_key_id="testing",
-                aws_secret_access_key="testing",
-                region_name="us-east-1",
-            )
-            client.create_bucket(Bucket=bucket)
-            client.close()
+            bucket = create_moto_bucket(moto.endpoint, unique_bucket_name("bench"))
             yield Server(kind, moto.endpoint, bucket)
         return
     with FakeGcsServer() as gcs:

@@ -124,25 +124,28 @@ class MotoS3Server(_Server):
         self._port = None
 
     def create_bucket(self, name: str | None = None) -> str:
-        """Create a bucket (a fresh unique name by default) and return its name.
+        """Create a bucket (a fresh unique name by default) and return its name."""
+        return create_moto_bucket(self.endpoint, name or unique_bucket_name())
 
-        No region is passed: moto rejects ``LocationConstraint=us-east-1``.
-        """
-        import boto3
 
-        name = name or unique_bucket_name()
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=MOTO_KEY,
-            aws_secret_access_key=MOTO_KEY,
-            region_name=MOTO_REGION,
-        )
-        try:
-            client.create_bucket(Bucket=name)
-        finally:
-            client.close()
-        return name
+def create_moto_bucket(endpoint: str, name: str) -> str:
+    """Create bucket ``name`` on the moto server at ``endpoint`` (in this process or
+    another); returns the name. No region is passed: moto rejects
+    ``LocationConstraint=us-east-1``."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=MOTO_KEY,
+        aws_secret_access_key=MOTO_KEY,
+        region_name=MOTO_REGION,
+    )
+    try:
+        client.create_bucket(Bucket=name)
+    finally:
+        client.close()
+    return name
 
 
 def fake_gcs_binary() -> Path:
