@@ -99,6 +99,8 @@ class Retention:
             if step not in self._records:
                 try:
                     manifest = await load_committed(backend, step)
+                except CheckpointNotFoundError:  # deleted since the listing: nothing to keep
+                    continue
                 except CorruptCheckpointError as exc:  # never deleted on a guess
                     log.warning("ckptstore: step %d is unreadable, kept: %s", step, exc)
                     continue
