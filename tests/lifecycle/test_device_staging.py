@@ -223,3 +223,36 @@ def test_warm_touches_every_page_of_its_buffers_in_slices_the_threads_share(
     flat = bufs[2].reshape(-1).view(np.uint8)
     assert (flat[:: staging.PAGE] == 0).all()
     assert (np.delete(flat, np.arange(0, flat.size, staging.PAGE)) == 1).all()
+
+
+def test_host_staging_from_an_accelerator_keeps_each_transfers_own_host_array(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """From an accelerator (here: CPU devices taken for one), host staging makes no
+    second copy of a device array into a staging buffer: each piece is the host array
+    its transfer made, so the pause is the transfer's. Numpy leaves still go into
+    reused buffers; the originals may be deleted as soon as staging returns."""
+    monkeypatch.setattr(staging, "_on_cpu", lambda src: not isinstance(src, jax.Array))
+    tree = state()
+    want = {k: np.asarray(tree[k]) for k in ("w", "r", "one")}
+    want["key"] = np.asarray(jax.random.key_data(tree["key"]))
+    stager = Stager()
+    try:
+        staged = stager.stage(tree, "host")
+        assert staged.mode == "host"
+        assert set(stager._buffers) == {("host", ())}  # only the numpy leaf's
+        for leaf in jax.tree.leaves(tree):
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+        fetched = 0
+        for name, whole in want.items():
+            value = staged.tree[name]
+            assert isinstance(value, HostShards)
+            for index, piece in value.pieces:
+                assert isinstance(piece, np.ndarray)
+                assert np.array_equal(piece, whole[index])
+                fetched += piece.nbytes
+        assert fetched == sum(a.nbytes for a in want.values())  # replica 0 of each, once
+        assert staged.copied == fetched + tree["host"].nbytes
+    finally:
+        stager.close()
