@@ -39,7 +39,6 @@ from ckptstore.orbax.exporter import ExportResult
 from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES, OrbaxImportResult
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import blocking, run
-from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.progress import Progress
 from ckptstore.tiers import cleanup as tier_cleanup
 from ckptstore.tiers import read as tier_read
@@ -382,10 +381,9 @@ async def restore_with(
     tiers = as_tiered(target)
     if tiers is not None:
         return await tier_read.restore(tiers, step, like, options)
-    async with opened(single(target)) as backend:
-        with gc_paused():  # the tree's thousands of objects are not garbage
-            stored = await _stored_or_orbax(backend, step, options.item)
-            return await plain.restore_item(stored, like, options)
+    async with opened(single(target)) as backend:  # each step below pauses the collector
+        stored = await _stored_or_orbax(backend, step, options.item)
+        return await plain.restore_item(stored, like, options)
 
 
 async def _stored_or_orbax(backend: Backend, step: int | None, item: str) -> StoredItem | JsonItem:

@@ -38,6 +38,7 @@ from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.tree import MAX_DEPTH, check_structure, path_name
 from ckptstore.orbax.items import JSON, TREE, item_kinds, read_json_item
 from ckptstore.orbax.keys import key_impls, strict_json, typed_key
+from ckptstore.runtime.gcpause import gc_paused
 
 SEQUENCE, DICT = 1, 2  # Orbax's KeyType values
 #: Orbax value types stored as arrays, and the leaf kind each becomes.
@@ -263,7 +264,9 @@ async def _open_tree(backend: Backend, place: str, prefix: str) -> StoredItem:
     """The tree item whose directory is ``prefix`` (``place``: the checkpoint, for messages)."""
     meta_key = _join(prefix, ORBAX_TREE_METADATA)
     meta_at = f"{backend.url}/{meta_key}"
-    meta = parse_tree_metadata(await backend.read(meta_key), meta_at)
+    data = await backend.read(meta_key)
+    with gc_paused():  # an object per field of thousands of leaves: see `gcpause`
+        meta = parse_tree_metadata(data, meta_at)
     unsupported = sorted(
         f"{e.name} ({e.value_type})" for e in meta.entries if e.value_type in UNSUPPORTED
     )
