@@ -210,10 +210,29 @@ def piece_digests(
     covered = piece_chunks(index, shape, chunk_shape)
     if covered is None:
         return digest(data), {}
-    arr = np.asarray(data)
-    table = {linear: digest(arr[rel]) for linear, rel in covered}
-    joined = b"".join(bytes.fromhex(table[linear]) for linear, _ in covered)
-    return str(blake3.blake3(joined).hexdigest(length=DIGEST_BYTES)), table
+    hashes = chunk_digests(np.asarray(data), [rel for _, rel in covered])
+    table = {linear: hashed.hex() for (linear, _), hashed in zip(covered, hashes, strict=True)}
+    return str(blake3.blake3(b"".join(hashes)).hexdigest(length=DIGEST_BYTES)), table
+
+
+def chunk_digests(arr: np.ndarray[Any, Any], regions: Sequence[Index]) -> list[bytes]:
+    """`digest` of each of ``arr``'s ``regions``, as bytes: a region that is not one run of
+    memory is copied into one buffer, reused from region to region, and hashed there (a
+    fresh copy per region cost as much as the hashing)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    parts = [arr[rel] for rel in regions]
+    largest = max((part.nbytes for part in parts), default=0)
+    buffer = np.empty(largest, np.uint8)
+    out = []
+    for part in parts:
+        if part.flags.c_contiguous:
+            flat = part.reshape(-1).view(np.uint8)
+        else:
+            flat = buffer[: part.nbytes]
+            np.copyto(flat.view(part.dtype).reshape(part.shape), part)
+        out.append(blake3.blake3(flat.data).digest(length=DIGEST_BYTES))
+    return out
 
 
 def matches(mine: Mapping[str, str], base: Mapping[str, str] | None) -> bool:
