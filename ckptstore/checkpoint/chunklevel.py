@@ -27,7 +27,13 @@ from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import chunks
 from ckptstore.format.chunkrefs import ChunkRefs, chunk_digest, encode_digests
-from ckptstore.format.digests import ChunkTable, chunk_count, chunk_region, is_digest, piece_size
+from ckptstore.format.digests import (
+    ChunkTable,
+    chunk_count,
+    chunk_region,
+    chunks_size,
+    is_digest,
+)
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.format.manifest import Reference
 from ckptstore.runtime.gcpause import gc_paused
@@ -177,12 +183,11 @@ def item_chunks(
 
 def held_bytes(infos: Sequence[LeafInfo], held: Mapping[str, Set[int]]) -> int:
     """Payload bytes of the chunks ``held`` names (per leaf, linear chunk indices)."""
-    total = 0
-    for info in infos:
-        for k in held.get(info.name, ()):
-            region = chunk_region(k, info.shape, info.chunk_shape)
-            total += piece_size(region, info.shape) * dtype_of(info.dtype).itemsize
-    return total
+    return sum(
+        chunks_size(held[info.name], info.shape, info.chunk_shape) * dtype_of(info.dtype).itemsize
+        for info in infos
+        if held.get(info.name)
+    )
 
 
 def _chunk_table(leaf: str, doc: Any) -> ChunkTable:

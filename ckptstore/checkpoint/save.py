@@ -68,6 +68,7 @@ from ckptstore.format.leaves import (
 from ckptstore.format.manifest import ItemManifest, Manifest, needed_version
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import describe, flatten
+from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
 
@@ -409,25 +410,28 @@ async def _write_mine(
             digests=tables,
             chunk_plan=chunk_plan,
         )
-        if stats.packed:
-            await write_index(backend, store, stats.packed)
+        # What the store's writer records beside it, each its own small object: written at once.
+        beside = [
+            write_index(backend, store, stats.packed) if stats.packed else _none(),
+            write_digests(backend, store, tables) if tables is not None else _none(),
+            write_records(backend, store, chunk_plan.digests, chunk_plan.held),
+        ]
+        _, digested, chunked = await gather_first_error(beside)
         total = dataclasses.replace(
             total,
             shards=total.shards + stats.shards,
             bytes=total.bytes + stats.bytes,
             seconds=total.seconds + stats.seconds,
             packed={**total.packed, name: len(stats.packed)},
-            digested={
-                **total.digested,
-                name: 0 if tables is None else await write_digests(backend, store, tables),
-            },
-            chunked={
-                **total.chunked,
-                name: await write_records(backend, store, chunk_plan.digests, chunk_plan.held),
-            },
+            digested={**total.digested, name: digested or 0},
+            chunked={**total.chunked, name: chunked or 0},
             held_bytes=total.held_bytes + held_bytes(item.leaves, chunk_plan.held),
         )
     return total
+
+
+async def _none() -> int | None:
+    return None
 
 
 async def _manifest(

@@ -34,7 +34,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import blake3
@@ -139,12 +139,40 @@ def chunk_count(shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
 
 
 def chunk_region(linear: int, shape: Sequence[int], chunk_shape: Sequence[int]) -> Index:
-    """The region of the leaf that chunk ``linear`` (C order over the grid) covers."""
-    coord = np.unravel_index(linear, chunk_grid(shape, chunk_shape)) if shape else ()
+    """The region of the leaf that chunk ``linear`` (C order over the grid) covers;
+    ValueError if the grid has no such chunk."""
+    coord = _grid_coord(linear, chunk_grid(shape, chunk_shape))
     return tuple(
-        slice(int(k) * c, min((int(k) + 1) * c, n))
-        for k, c, n in zip(coord, chunk_shape, shape, strict=True)
+        slice(k * c, min((k + 1) * c, n)) for k, c, n in zip(coord, chunk_shape, shape, strict=True)
     )
+
+
+def chunks_size(linears: Iterable[int], shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
+    """The number of elements in the chunks ``linears`` names (each once, as given)."""
+    grid = chunk_grid(shape, chunk_shape)
+    extents = [
+        [min((k + 1) * c, n) - k * c for k in range(g)]
+        for g, c, n in zip(grid, chunk_shape, shape, strict=True)
+    ]
+    total = 0
+    for linear in linears:
+        size = 1
+        for axis, k in enumerate(_grid_coord(linear, grid)):
+            size *= extents[axis][k]
+        total += size
+    return total
+
+
+def _grid_coord(linear: int, grid: Sequence[int]) -> list[int]:
+    """Chunk ``linear``'s coordinates in ``grid`` (C order); ValueError outside it."""
+    if not 0 <= linear < math.prod(grid):
+        raise ValueError(f"chunk {linear} is outside a chunk grid of {tuple(grid)}")
+    coord = []
+    for n in reversed(grid):
+        linear, k = divmod(linear, n)
+        coord.append(k)
+    coord.reverse()
+    return coord
 
 
 def piece_chunks(
@@ -154,20 +182,20 @@ def piece_chunks(
     region relative to the piece. None if the piece's bounds are not on chunk boundaries
     (then it holds parts of chunks)."""
     grid = chunk_grid(shape, chunk_shape)
-    ranges = []
-    for s, n, c in zip(index, shape, chunk_shape, strict=True):
+    axes = []  # per axis: (the chunk's linear offset on that axis, its region in the piece)
+    stride = 1
+    for s, n, c, g in reversed(list(zip(index, shape, chunk_shape, grid, strict=True))):
         start, stop = s.indices(n)[:2]
         if start % c or (stop % c and stop != n) or stop <= start:
             return None
-        ranges.append(range(start // c, -(-stop // c)))
-    out = []
-    for coord in itertools.product(*ranges):
-        rel = tuple(
-            slice(k * c - s.indices(n)[0], min((k + 1) * c, n) - s.indices(n)[0])
-            for k, c, n, s in zip(coord, chunk_shape, shape, index, strict=True)
-        )
-        out.append((int(np.ravel_multi_index(coord, grid)) if grid else 0, rel))
-    return out
+        ks = range(start // c, -(-stop // c))
+        axes.append([(k * stride, slice(k * c - start, min((k + 1) * c, n) - start)) for k in ks])
+        stride *= g
+    axes.reverse()
+    return [
+        (sum(offset for offset, _ in combo), tuple(rel for _, rel in combo))
+        for combo in itertools.product(*axes)
+    ]
 
 
 def piece_digests(
@@ -182,10 +210,29 @@ def piece_digests(
     covered = piece_chunks(index, shape, chunk_shape)
     if covered is None:
         return digest(data), {}
-    arr = np.asarray(data)
-    table = {linear: digest(arr[rel]) for linear, rel in covered}
-    joined = b"".join(bytes.fromhex(table[linear]) for linear, _ in covered)
-    return str(blake3.blake3(joined).hexdigest(length=DIGEST_BYTES)), table
+    hashes = chunk_digests(np.asarray(data), [rel for _, rel in covered])
+    table = {linear: hashed.hex() for (linear, _), hashed in zip(covered, hashes, strict=True)}
+    return str(blake3.blake3(b"".join(hashes)).hexdigest(length=DIGEST_BYTES)), table
+
+
+def chunk_digests(arr: np.ndarray[Any, Any], regions: Sequence[Index]) -> list[bytes]:
+    """`digest` of each of ``arr``'s ``regions``, as bytes: a region that is not one run of
+    memory is copied into one buffer, reused from region to region, and hashed there (a
+    fresh copy per region cost as much as the hashing)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    parts = [arr[rel] for rel in regions]
+    largest = max((part.nbytes for part in parts), default=0)
+    buffer = np.empty(largest, np.uint8)
+    out = []
+    for part in parts:
+        if part.flags.c_contiguous:
+            flat = part.reshape(-1).view(np.uint8)
+        else:
+            flat = buffer[: part.nbytes]
+            np.copyto(flat.view(part.dtype).reshape(part.shape), part)
+        out.append(blake3.blake3(flat.data).digest(length=DIGEST_BYTES))
+    return out
 
 
 def matches(mine: Mapping[str, str], base: Mapping[str, str] | None) -> bool:

@@ -27,8 +27,7 @@ from ckptstore.format.digests import (
     PieceTable,
     check_table,
     chunk_count,
-    chunk_region,
-    piece_size,
+    chunks_size,
 )
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.leaves import LeafInfo, dtype_of
@@ -112,10 +111,8 @@ class ItemManifest:
         if held is None:
             return 0
         info = self.leaves[leaf]
-        return dtype_of(info.dtype).itemsize * sum(
-            piece_size(chunk_region(linear, info.shape, info.chunk_shape), info.shape)
-            for linear, _ in held.chunks()
-        )
+        linears = (linear for linear, _ in held.chunks())
+        return dtype_of(info.dtype).itemsize * chunks_size(linears, info.shape, info.chunk_shape)
 
 
 @dataclass
