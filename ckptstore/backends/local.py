@@ -51,15 +51,15 @@ _staging = threading.local()
 _TS_FILE_IO_THREADS = 16
 
 #: Directory fsyncs `LocalBackend.sync_dirs` keeps in flight. ext4 folds concurrent ones
-#: into one journal commit: 4,000 directories (a 1,024-process save's attempt has ~2,100)
-#: took 0.5-0.7 s with 8-32 at once here, 3.9-6.1 s one after another.
+#: into one journal commit: a 1,024-process save's attempt (~2,100 directories) syncs
+#: several times faster with 8-32 at once than one after another.
 _DIR_SYNCS = 16
 
 #: Reads into caller buffers (`read_into`, the restore's data path) run on a few threads of
-#: their own. More at once made the disk slower here, not faster: a 1 GiB restore read as
-#: 64 MiB chunks took a median 0.96 s with up to 6 reads at once (the default executor),
-#: 0.77-0.80 s with 2-3, 1.0 s with 1 (15 cold restores each); each read also faults in its
-#: new buffer's pages, which one thread alone cannot overlap with the disk.
+#: their own. More at once made the disk slower here, not faster: a 1 GiB cold restore read
+#: as 64 MiB chunks was fastest with 2-3 reads at once, slower with 1 and with the default
+#: executor's 6; each read also faults in its new buffer's pages, which one thread alone
+#: cannot overlap with the disk.
 _READERS = concurrent.futures.ThreadPoolExecutor(3, "ckptstore-read")
 
 

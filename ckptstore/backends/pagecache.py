@@ -6,8 +6,8 @@ kernel must find for them costs time: on VMs whose free memory is handed back
 to the host, a page never touched before is several times slower to fill than
 one just released. Dropping each file's pages as soon as they are written back
 keeps the cache small and lets the kernel recycle the same (warm) pages for the
-rest of the save: on the benchmark VM a 1 GiB save that keeps its files went
-from ~1.9 s to ~0.7 s.
+rest of the save, which made a 1 GiB save more than twice as fast on the benchmark
+VM (docs/benchmarks.md, "The host takes freed memory back").
 """
 
 from __future__ import annotations

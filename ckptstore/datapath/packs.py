@@ -78,7 +78,7 @@ async def write_pack(
     computed: packs are then encoded one at a time, in the order they ask, and the first
     reaches storage while the next is encoded. Encoded all at once (they share the
     interpreter lock and a few cores), every pack would be ready only when the last is,
-    and the storage would wait for all of them (tree c's saves: 1.66 s -> 1.45 s)."""
+    and the storage would wait for all of them (tree c's saves were slower so)."""
     async with encoding or contextlib.nullcontext():
         parts, offsets = await on_thread(None, lambda: pack_parts(leaves))
     await backend.write_gather(_join(prefix, key), parts)

@@ -5,7 +5,7 @@ content differs from what the base step stored. "Equal" is decided by a 128-bit 
 digest of each piece's bytes (C order, little-endian: the bytes a zarr3 chunk holds
 before its checksum), never by a 32-bit checksum: a digest decides identity, and a
 collision would silently restore another array. BLAKE3 is a cryptographic hash that runs
-at several GB/s per core (SIMD over its 1 KiB chunks) and releases the interpreter lock,
+faster than a disk writes (SIMD over its 1 KiB chunks) and releases the interpreter lock,
 so the digests of a save cost a fraction of its write. A save records a digest per piece
 (`PieceTable`: the piece's bounds -> its digest), and the manifest names the algorithm
 (`ALGORITHM`), so any later save can use it as a base; a manager that does not save

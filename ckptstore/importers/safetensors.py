@@ -39,8 +39,7 @@ from ckptstore.runtime.progress import Progress
 MiB = 1 << 20
 #: Tensor bytes per part. A batch is held twice while it is written (the tensors read from
 #: the files, and TensorStore's copies), so the default keeps an import's added peak near the
-#: largest tensor plus 128 MiB (measured: 138 MiB for a 256 MiB model of 8 MiB tensors; with
-#: 256 MiB batches it was 522 MiB).
+#: largest tensor plus 128 MiB (`tests/importers` measures an import's peak).
 DEFAULT_BATCH_BYTES = 64 * MiB
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * MiB

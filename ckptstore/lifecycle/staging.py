@@ -12,8 +12,8 @@ returns, so every piece a save will write is copied first. Three ways:
 - "host": of each `jax.Array`, the addressable shards with replica id 0 are copied to
   host memory (as `HostShards`). From an accelerator, every shard's transfer starts at
   once and the save keeps the host array each transfer made: JAX has no transfer into
-  a caller's buffer, and copying that array once more into a reused one made the pause
-  1.14x `jax.device_get`'s on a TPU v5e (8.6 GiB). From CPU devices (asked for), the
+  a caller's buffer, and copying that array once more into a reused one lengthened the
+  pause past `jax.device_get`'s (docs/benchmarks.md, "On a TPU"). From CPU devices (asked for), the
   copy goes into buffers kept from one save to the next (same leaf, same shard shape and
   dtype), so a steady-state save touches no new pages; large copies run on a few
   threads (numpy releases the GIL while copying). The copy is done when `stage`
@@ -122,9 +122,8 @@ class Stager:
         save pauses no longer than later ones (the manager calls this on the steps it does
         not save): where it will stage on the devices, the copy's programs are compiled;
         where on the host, its buffers are made and their pages touched (fresh pages cost
-        more than the copy into them). An accelerator's arrays have no buffers (each
-        transfer brings its own host memory: on a TPU v5e, 8.6 GiB, the first save paused
-        3.55 s, later ones 3.45-5.41 s). `stage` waits for what is left."""
+        more than the copy into them). An accelerator's arrays have no buffers: each
+        transfer brings its own host memory. `stage` waits for what is left."""
         leaves = jax.tree_util.tree_leaves(tree)
         arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
         if not arrays or self._warming:

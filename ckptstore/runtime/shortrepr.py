@@ -7,8 +7,8 @@ converts the handler to a `signal.Handlers` member by calling ``Handlers(handler
 fails and builds its ValueError message with ``%r`` of the partial: the task's repr, whose
 ``result=`` is `reprlib.repr` of the restored tree. `reprlib` abbreviates containers but asks
 each jax array for its full repr, and a jax array's repr copies the whole array to the host
-(and keeps that copy): for a 434 MiB sharded tree, 0.3-1.4 s and its size in memory, after
-the restore itself was done, on every call.
+(and keeps that copy): seconds and the tree's size in memory for a large tree, after the
+restore itself was done, on every call (docs/benchmarks.md, "The natural async form").
 
 `install` gives `reprlib`'s shared `Repr` (the one asyncio's task and future reprs use) a
 ``repr_<type>`` method for jax's array types, as `reprlib` documents for types of one's
