@@ -34,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.format.codecs import Codec, compress, decompress
+from ckptstore.format.codecs import Codec, compress, decompress_into
 from ckptstore.format.leaves import LeafInfo, dtype_of, zarr_spec
 from ckptstore.runtime.hostpool import aligned_empty
 
@@ -196,10 +196,15 @@ def _decode_compressed(info: LeafInfo, whole: np.ndarray[Any, Any]) -> np.ndarra
     packed = whole[: whole.size - _CRC_BYTES]
     if checksum(packed) != whole[packed.size :].tobytes():
         raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", leaf=info.name)
-    raw = decompress(packed.data, raw_size(info), info.name)
     dtype = dtype_of(info.dtype)
     out = aligned_empty(info.chunk_shape, dtype)
-    np.copyto(out, np.frombuffer(raw, _little(dtype)).reshape(info.chunk_shape))
+    stored_as = _little(dtype)
+    if stored_as == dtype:  # decoded where it stays
+        decompress_into(packed.data, out, info.name)
+        return out
+    little = np.empty(info.chunk_shape, stored_as)  # a big-endian dtype: swapped after
+    decompress_into(packed.data, little, info.name)
+    np.copyto(out, little)
     return out
 
 

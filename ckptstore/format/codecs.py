@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, Union
 
+import numpy as np
 import zstandard
 
 from ckptstore.errors import ConfigError, CorruptCheckpointError
@@ -209,10 +210,14 @@ def compress(codec: Zstd, data: Any) -> bytes:
     return _compressor(codec.level).compress(data)
 
 
-def decompress(data: Any, size: int, leaf: str) -> bytes:
-    """The ``size`` bytes the zstd frame ``data`` holds; anything else (not zstd, a frame
-    of another size) is `CorruptCheckpointError` naming ``leaf``. A frame header claiming
-    another size is refused before anything is allocated for it."""
+def decompress_into(data: Any, out: np.ndarray[Any, Any], leaf: str) -> None:
+    """Fill ``out`` (a C-contiguous array) with the zstd frame ``data``, which must hold
+    exactly its size; anything else (not zstd, a frame of another size) is
+    `CorruptCheckpointError` naming ``leaf``. A frame header claiming another size is
+    refused before anything is written. The frame is decoded straight into ``out``: no
+    buffer of its own, no copy (a restore's chunk is decoded where the devices take it)."""
+    dest = out.reshape(-1).view(np.uint8).data  # any dtype, bfloat16 too: as bytes
+    size = dest.nbytes
     dctx: zstandard.ZstdDecompressor | None = getattr(_local, "d", None)
     if dctx is None:
         dctx = _local.d = zstandard.ZstdDecompressor()
@@ -222,11 +227,15 @@ def decompress(data: Any, size: int, leaf: str) -> bytes:
             raise CorruptCheckpointError(
                 f"chunk's zstd frame holds {claimed} bytes, {size} expected", leaf=leaf
             )
-        out = dctx.decompress(data, max_output_size=size)
+        with dctx.stream_reader(data, read_size=max(len(data), 1)) as reader:
+            filled = 0
+            while filled < size and (got := reader.readinto(dest[filled:])):
+                filled += got
+            more = reader.read(1)
     except zstandard.ZstdError as exc:
         raise CorruptCheckpointError(f"chunk does not decompress (zstd): {exc}", leaf=leaf) from exc
-    if len(out) != size:
+    if filled != size or more:
+        held = f"more than {size}" if more else str(filled)
         raise CorruptCheckpointError(
-            f"chunk decompresses to {len(out)} bytes, {size} expected", leaf=leaf
+            f"chunk decompresses to {held} bytes, {size} expected", leaf=leaf
         )
-    return out

@@ -16,6 +16,7 @@ from ckptstore.format.leaves import LeafInfo, describe_leaf, zarr_spec
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.format.packs import PackRef, entry_size, pack_parts, pack_refs
 from ckptstore.format.tree import describe
+from ckptstore.runtime.hostpool import ALIGNMENT
 
 ZSTD3 = Zstd(3)
 
@@ -261,3 +262,31 @@ def test_incompressible_chunks_fit_the_bound_readers_allocate() -> None:
     for stored in (ours, theirs):
         assert data.nbytes < len(stored) <= chunks.stored_size(leaf)
         assert chunks.decode_chunk(leaf, stored).tobytes() == data.tobytes()
+
+
+def _framed(payload: bytes) -> bytes:
+    """``payload`` as a stored chunk: the bytes, then their crc32c."""
+    return payload + chunks.checksum(np.frombuffer(payload, np.uint8))
+
+
+@pytest.mark.parametrize("held", [8191, 8193])
+def test_a_frame_without_its_size_decoding_to_another_size_is_corruption(held: int) -> None:
+    """A frame whose header does not say its size (the decoder learns it only by
+    decoding) that holds a byte less or more than the chunk: corruption, not a partly
+    filled or overrun chunk."""
+    import zstandard
+
+    leaf = info()  # 64 x 32 float32: 8,192 bytes
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"\1" * held)
+    with pytest.raises(CorruptCheckpointError, match="8192 expected"):
+        chunks.decode_chunk(leaf, _framed(frame))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "uint32", "bool", "int8"])
+def test_compressed_chunks_of_any_dtype_decode_bit_exact(dtype: str) -> None:
+    leaf = LeafInfo("w", (16, 8), dtype, (16, 8), "numpy", codec=Zstd(1))
+    values = np.arange(128).reshape(16, 8) % 7
+    want = np.asarray(values, chunks.dtype_of(dtype))
+    got = chunks.decode_chunk(leaf, chunks.encode_chunk(leaf, want))
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    assert got.ctypes.data % ALIGNMENT == 0  # where devices may adopt it
