@@ -302,57 +302,22 @@ class PartialSave:
         """
         self._check_open()
         item = layout.check_item(item if item is not None else self.item)
-        # As a save prepares one (bad codecs or casts fail here, before anything is written).
-        prepared = PreparedItem.of(subtree, CodecPolicy.of(codecs), CastPolicy.of(casts))
+        prepared = self._prepare_part(subtree, item, replace, codecs, casts)
         infos = prepared.leaves
-        saved = self.leaves_of(item)
-        nested = nesting_conflicts(set(saved), [info.name for info in infos])
-        if nested:
-            raise TreeError("a part cannot nest leaves inside earlier ones: " + "; ".join(nested))
-        if not replace:
-            taken = sorted(set(saved) & {info.name for info in infos})
-            if taken:
-                raise DuplicateLeafError(taken)
         index = max((p.index for p in self.parts), default=-1) + 1  # same on every process
         handoff = Handoff(f"partial/{self.step}/add/{index}", self.timeout)
         await self._check_undecided()
         values = [value for _, value in prepared.named]
-        same = Unchanged({item: set()}, {})
-        if self.base is not None:  # every process: its pieces, then one agreement round
-            pairs = {item: (infos, values)}
-            base = self.base
-            same = await unchanged(
-                self.backend, base.step, pairs, handoff, attempt=base.attempt, whole_only=True
-            )
-        held = same.leaves[item]
+        same = await self._unchanged_since_base(item, infos, values, handoff)
 
         async def name_part() -> str:
             return layout.new_part_name(index)
 
         part_dir = await handoff.agree(name_part)
-
-        async def write_mine() -> dict[str, Any]:
-            store = self.where.part_store(item, part_dir, handoff.me)
-            digests = dict(same.digested.get(item, {}))
-            stats = await write_store(
-                self.backend,
-                store,
-                [(i, v) for i, v in zip(infos, values, strict=True) if i.name not in held],
-                process=handoff.me,
-                write_metadata=handoff.me == 0,
-                digests=digests,
-            )
-            digested = await write_digests(self.backend, store, digests)
-            return {**stats.to_json(), _DIGESTED: digested}
-
-        await handoff.everyone(write_mine)
-        refs: dict[str, Reference] = {}
-        packed: dict[str, PackRef] = {}
-        for leaf in sorted(held):  # always the holder of the bytes: no chains
-            assert same.base is not None
-            refs[leaf] = same.base.holder(item, leaf)
-            if (ref := same.base.packed(item, leaf)) is not None:
-                packed[leaf] = ref
+        await handoff.everyone(
+            lambda: self._write_part(handoff, item, part_dir, infos, values, same)
+        )
+        refs, packed = _base_references(same, item)
         part = Part(
             index=index,
             dir=part_dir,
@@ -364,40 +329,109 @@ class PartialSave:
             packed=packed,
             item=item,
         )
-
-        async def record() -> Part:
-            reports = await handoff.reports()
-            stores = [
-                self.where.part_store(item, part_dir, i)
-                for i, report in enumerate(reports)
-                if report.get(_DIGESTED)
-            ]
-            digests = await read_digests(self.backend, stores)
-            for leaf in held:  # a referenced leaf's digests are the base's
-                assert same.base is not None
-                digests[leaf] = same.base.digests(item, leaf)
-            recorded = dataclasses.replace(
-                part,
-                processes=[{k: v for k, v in r.items() if k != _DIGESTED} for r in reports],
-                digests={leaf: digests[leaf] for leaf in part.leaves if leaf in digests},
-            )
-            key = self.where.part_record(item, index)
-            try:
-                await self.backend.create(key, recorded.to_bytes())
-            except AlreadyExistsError as exc:
-                raise AlreadyExistsError(
-                    f"another writer of session {self.attempt} recorded part {index} first; "
-                    "reopen the session to continue",
-                    backend=self.backend.url,
-                    key=key,
-                ) from exc
-            # A part recorded after another actor decided the session is not in its step.
-            await self._check_undecided()
-            return recorded
-
-        part = await handoff.primary(record) or part
+        part = await handoff.primary(lambda: self._record_part(handoff, part, same)) or part
         self.parts.append(part)
         return part
+
+    def _prepare_part(
+        self, subtree: Any, item: str, replace: bool, codecs: Any, casts: Any
+    ) -> PreparedItem:
+        """``subtree`` prepared as a save prepares an item, and checked against the item's
+        earlier parts: all before anything is written, so a refused part leaves no trace.
+
+        Bad codecs or casts fail in the preparation; a leaf nested under (or above) a leaf
+        of an earlier part is a `TreeError`, and one an earlier part holds a
+        `DuplicateLeafError` unless ``replace``."""
+        prepared = PreparedItem.of(subtree, CodecPolicy.of(codecs), CastPolicy.of(casts))
+        infos = prepared.leaves
+        saved = self.leaves_of(item)
+        nested = nesting_conflicts(set(saved), [info.name for info in infos])
+        if nested:
+            raise TreeError("a part cannot nest leaves inside earlier ones: " + "; ".join(nested))
+        if not replace:
+            taken = sorted(set(saved) & {info.name for info in infos})
+            if taken:
+                raise DuplicateLeafError(taken)
+        return prepared
+
+    async def _unchanged_since_base(
+        self, item: str, infos: list[LeafInfo], values: list[Any], handoff: Handoff
+    ) -> Unchanged:
+        """The part's leaves unchanged since the session's base (none without a base).
+
+        With a base, every process digests its pieces and all agree in one round of
+        ``handoff`` (whole leaves only: a part references a leaf or writes all of it)."""
+        if self.base is None:
+            return Unchanged({item: set()}, {})
+        pairs = {item: (infos, values)}
+        base = self.base
+        return await unchanged(
+            self.backend, base.step, pairs, handoff, attempt=base.attempt, whole_only=True
+        )
+
+    async def _write_part(
+        self,
+        handoff: Handoff,
+        item: str,
+        part_dir: str,
+        infos: list[LeafInfo],
+        values: list[Any],
+        same: Unchanged,
+    ) -> dict[str, Any]:
+        """Every process: write its pieces of the leaves not referenced from the base into
+        its own store of the part, then the piece digests beside it. Returns the process's
+        report: its write stats and how many leaves it digested (`_DIGESTED`)."""
+        held = same.leaves[item]
+        store = self.where.part_store(item, part_dir, handoff.me)
+        digests = dict(same.digested.get(item, {}))
+        stats = await write_store(
+            self.backend,
+            store,
+            [(i, v) for i, v in zip(infos, values, strict=True) if i.name not in held],
+            process=handoff.me,
+            write_metadata=handoff.me == 0,
+            digests=digests,
+        )
+        digested = await write_digests(self.backend, store, digests)
+        return {**stats.to_json(), _DIGESTED: digested}
+
+    async def _record_part(self, handoff: Handoff, part: Part, same: Unchanged) -> Part:
+        """On process 0, once every process wrote: the part with the processes' reports and
+        the leaves' digests, recorded by creating its record (create-if-absent, last: the
+        part exists exactly when its record does).
+
+        `AlreadyExistsError` if another writer of the session recorded this index first;
+        `FencedError` if another actor decided the session meanwhile (a part recorded
+        after that is not in its step)."""
+        item, held = part.item, same.leaves[part.item]
+        reports = await handoff.reports()
+        stores = [
+            self.where.part_store(item, part.dir, i)
+            for i, report in enumerate(reports)
+            if report.get(_DIGESTED)
+        ]
+        digests = await read_digests(self.backend, stores)
+        for leaf in held:  # a referenced leaf's digests are the base's
+            assert same.base is not None
+            digests[leaf] = same.base.digests(item, leaf)
+        recorded = dataclasses.replace(
+            part,
+            processes=[{k: v for k, v in r.items() if k != _DIGESTED} for r in reports],
+            digests={leaf: digests[leaf] for leaf in part.leaves if leaf in digests},
+        )
+        key = self.where.part_record(item, part.index)
+        try:
+            await self.backend.create(key, recorded.to_bytes())
+        except AlreadyExistsError as exc:
+            raise AlreadyExistsError(
+                f"another writer of session {self.attempt} recorded part {part.index} first; "
+                "reopen the session to continue",
+                backend=self.backend.url,
+                key=key,
+            ) from exc
+        # A part recorded after another actor decided the session is not in its step.
+        await self._check_undecided()
+        return recorded
 
     async def drop(self, index: int) -> None:
         """Remove part ``index`` from the session (its data is left for `ckptstore.gc`)."""
@@ -535,3 +569,17 @@ class PartialSave:
         )
         await commit(self.backend, manifest, fate)
         return seconds
+
+
+def _base_references(same: Unchanged, item: str) -> tuple[dict[str, Reference], dict[str, PackRef]]:
+    """Where each leaf of ``item`` unchanged since the base is read from: the base's holder
+    of its bytes (always the holder, so references never chain), and its pack when the
+    base packed it."""
+    refs: dict[str, Reference] = {}
+    packed: dict[str, PackRef] = {}
+    for leaf in sorted(same.leaves[item]):
+        assert same.base is not None
+        refs[leaf] = same.base.holder(item, leaf)
+        if (ref := same.base.packed(item, leaf)) is not None:
+            packed[leaf] = ref
+    return refs, packed

@@ -8,7 +8,8 @@ loop, and once the handle is done (the step is committed) the keep policy is app
 there too, before the next save starts. One save is in flight at a time. A background failure is
 raised by `SaveHandle.wait` and, if nobody waited for it, by the next `save`.
 
-The class is this module and three mixins beside it, one concern each: `Retention`
+The class is this module and four mixins beside it, one concern each: `Writing` (the
+write of a staged save on the loop, and the next incremental save's base), `Retention`
 (promotion and the keep policy after each step), `Preemption` (SIGTERM and JAX's sync
 point) and `OrbaxCompat` (Orbax's method names, and Orbax roots read but never written).
 """
@@ -28,20 +29,16 @@ from collections.abc import Coroutine, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-import jax
-
-from ckptstore.api import gc, restore_with, save_items
+from ckptstore.api import gc, restore_with
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import env_profile, load_profile, target_profile
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.restore import RestoreOptions
-from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, open_target
-from ckptstore.errors import BaseStepGoneError, CkptStoreError, ConfigError, CorruptCheckpointError
+from ckptstore.errors import CkptStoreError, ConfigError, CorruptCheckpointError
 from ckptstore.format import layout
-from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
-from ckptstore.format.tree import flatten
+from ckptstore.format.jsonitems import as_json_item, is_array_tree
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.handles import SaveHandle, SaveStats
@@ -49,7 +46,8 @@ from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
 from ckptstore.lifecycle.preemption import Preemption
 from ckptstore.lifecycle.retention import Retention
-from ckptstore.lifecycle.staging import Staged, Stager
+from ckptstore.lifecycle.staging import Stager
+from ckptstore.lifecycle.writing import Writing
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
@@ -62,7 +60,7 @@ log = logging.getLogger("ckptstore")
 POLICY_RECORD = "save_policy"
 
 
-class CheckpointManager(OrbaxCompat, Retention, Preemption):
+class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
     ``target`` is anything `ckptstore.save` accepts (None: the profile
@@ -271,25 +269,6 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
             metadata[POLICY_RECORD] = self.save_policy.record()
         return metadata
 
-    def _same_objects(
-        self, arrays: Mapping[str, Any]
-    ) -> tuple[dict[str, set[str]], dict[tuple[str, str], weakref.ref[Any]]]:
-        """Per item, the leaves that are the very `jax.Array` objects the previous save of
-        this manager (the base of this one) was made from: a jax array never changes, so
-        the base's digests hold for them and they are not digested again. And weak
-        references to this save's arrays, for the next one."""
-        same: dict[str, set[str]] = {}
-        seen: dict[tuple[str, str], weakref.ref[Any]] = {}
-        for item, tree in arrays.items():
-            for name, value in flatten(tree):
-                if not isinstance(value, jax.Array):
-                    continue
-                seen[(item, name)] = weakref.ref(value)
-                previous = self._objects.get((item, name))
-                if previous is not None and previous() is value:
-                    same.setdefault(item, set()).add(name)
-        return same, seen
-
     async def _ensure_uncommitted(self, step: int) -> None:
         """`AlreadyExistsError` if ``step`` is committed on the target (tiered: on either
         tier; a step promoted and then dropped from the fast tier is committed too)."""
@@ -332,80 +311,6 @@ class CheckpointManager(OrbaxCompat, Retention, Preemption):
             return "save" if go else "skip"
 
         return await handoff.agree(decide) == "save"
-
-    async def _write(
-        self,
-        step: int,
-        staged: Staged,
-        configs: dict[str, JsonItem],
-        metrics: dict[str, Any],
-        metadata: dict[str, Any],
-        start: float,
-        waited: float,
-        base: int | None,
-        same: SameObjects | None,
-        objects: dict[tuple[str, str], weakref.ref[Any]],
-    ) -> SaveStats:
-        target = self._target()  # on tiers: room is checked on the fast tier
-
-        async def save(base: int | None) -> SaveResult:
-            return await save_items(
-                target,
-                {**staged.tree, **configs},
-                step=step,
-                metadata={**metadata, "metrics": metrics} if metrics else metadata,
-                timeout=self.options.timeout,
-                timings={"staging": staged.seconds},
-                base=base,
-                same_objects=same if base is not None else None,
-                # Digests serve incremental saves only: a hash of every byte, skipped
-                # where no save of this manager will compare them.
-                digests=self.options.incremental,
-                codecs=self.options.codecs,
-                casts=self.options.casts,
-                chunk_bytes=self.options.chunk_bytes,
-            )
-
-        try:
-            result = await save(base)
-        except BaseStepGoneError as exc:
-            # The base was deleted (by someone else: the keep policy never deletes the
-            # latest committed step), or on tiers evicted from the fast tier for room,
-            # before or while this save referenced it. Nothing was
-            # committed and the attempt is abandoned: the staged copy is still intact, so
-            # the step is saved again in full, once. Every process gets this error type.
-            log.warning("ckptstore: step %d saved in full: %s", step, exc)
-            base = None
-            result = await save(None)
-        # The next save's base, the attempt it is, and the arrays it was saved from.
-        self._base, self._base_attempt, self._objects = step, result.attempt, objects
-        durable = time.perf_counter() - start
-        self._records[step] = P.StepRecord(step, time.time(), metrics)
-        # The step is committed: the handle completes now. The keep policy runs after it,
-        # beside the next save if there is one (it only ever deletes committed steps), and
-        # after the previous keep-policy run.
-        self._retention = asyncio.run_coroutine_threadsafe(
-            self._retain(step, self._retention), self._loop
-        )
-        stats = SaveStats(
-            step=step,
-            attempt=result.attempt,
-            waited=waited,
-            staging=staged.seconds,
-            write=result.timings.get("write", 0.0),
-            merge=result.timings.get("merge", 0.0),
-            commit=result.timings.get("commit", 0.0),
-            durable=durable,
-            bytes=result.bytes,
-            bytes_written=result.bytes_written,
-            staged_bytes=staged.nbytes,
-            bytes_referenced=result.bytes_referenced,
-            base=base if result.bytes_referenced else None,
-            staging_mode=staged.mode,
-            staging_reason=staged.reason,
-        )
-        self.stats.append(stats)
-        return stats
 
     def _target(self) -> Backend | Tiered:
         """Where saves, promotions and deletes go: the open backend, or on tiers both open

@@ -17,7 +17,7 @@ import reprlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
-from benchmarks.trees import TREES
 from ckptstore import api
 from ckptstore.checkpoint import restore, save, verify
+from tests.checkpoint.helpers import Built, large_and_small, many_small
 
 SLOW = 0.05  # seconds of the loop thread's CPU time one callback may take
 # Imported up front (`ckptstore.save` imports `api` when first used): a first import is not
@@ -92,15 +92,19 @@ def callback_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[float, 
     gc.callbacks.remove(on_gc)
 
 
-@pytest.mark.parametrize(("name", "scale"), [("a", 1 / 8), ("c", 1 / 20)])
+# benchmarks/trees.py's trees a (at 1/8: 128 MiB, 4 large and 150 small leaves) and c (at
+# 1/20: 250 leaves), built alike.
+@pytest.mark.parametrize(
+    ("build", "scale"), [(large_and_small, 1 / 8), (many_small, 1 / 20)], ids=["a", "c"]
+)
 async def test_no_callback_holds_the_loop_during_save_restore_verify(
-    name: str,
+    build: Callable[[float, int], Built],
     scale: float,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
     callback_cpu: list[tuple[float, str]],
 ) -> None:
-    tree, like = TREES[name](scale, 0)
+    tree, like = build(scale, 0)
     jax.block_until_ready(tree)
     loop = asyncio.get_running_loop()
     loop.set_debug(True)
