@@ -25,6 +25,7 @@ from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint.cleanup import deleted_by_user, remove_step, trim_step
 from ckptstore.checkpoint.commit import (
     COMMIT,
+    Fate,
     Marker,
     claim,
     committed_steps,
@@ -45,11 +46,12 @@ from ckptstore.errors import (
     StorageError,
 )
 from ckptstore.format import layout
+from ckptstore.format.manifest import Manifest
 from ckptstore.runtime import distributed
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.holders import make_durable
+from ckptstore.tiers.holders import Holders, make_durable
 from ckptstore.tiers.hostlocal import (
     drop_staged,
     fast_is_shared,
@@ -243,6 +245,31 @@ async def promote_step(
     taken back and `FencedError` raised (the ``DELETED`` record it leaves, checked after
     the marker is created)."""
     start = time.perf_counter()
+    marker_bytes, marker = await _fast_marker(fast, step)
+    manifest = await load_manifest(fast, marker)
+    visiting = _visit(visiting, step, marker.attempt)
+    result = Promotion(step=step, attempt=marker.attempt)
+    if await _same_marker(durable, step, marker_bytes):
+        result.already = True
+        return result
+    upload = _Upload(fast, durable, marker, marker_bytes, manifest, result, max_bytes_in_flight)
+    # Only a verified copy is promoted (of an incremental step, its own leaves here; those
+    # it references in a holder are checked before that holder is copied, `copy_held`, or
+    # by the promotion of their own step). The check reads the fast copy while the upload
+    # runs, and the marker waits for both: a damaged copy fails the promotion before
+    # anything is committed, and what was uploaded is an uncommitted attempt, as after a
+    # promotion killed midway.
+    checked = [marker.where.root] if manifest.references else None
+    await gather_first_error(
+        [_check_fast_copy(fast, step, checked), upload.run(progress, visiting)]
+    )
+    await upload.commit()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+async def _fast_marker(fast: Backend, step: int) -> tuple[bytes, Marker]:
+    """Committed ``step``'s marker on the fast tier: its bytes, parsed."""
     found = await read_marker_bytes(fast, step)
     if found is None:
         raise CheckpointNotFoundError(
@@ -251,76 +278,97 @@ async def promote_step(
             key=layout.commit_key(step),
         )
     index, marker_bytes = found
-    key = layout.commit_key(step, index)
-    marker = Marker.from_bytes(marker_bytes, step=step, where=f"{fast.url}/{key}", index=index)
-    manifest = await load_manifest(fast, marker)
-    visiting = _visit(visiting, step, marker.attempt)
-    result = Promotion(step=step, attempt=marker.attempt)
-    if await _same_marker(durable, step, marker_bytes):
-        result.already = True
-        return result
-    fate = None
-    held = None
+    where = f"{fast.url}/{layout.commit_key(step, index)}"
+    return marker_bytes, Marker.from_bytes(marker_bytes, step=step, where=where, index=index)
 
-    async def upload() -> None:
-        nonlocal fate, held
+
+@dataclass
+class _Upload:
+    """One step's promotion after its checks: the copy of its attempt (and, of an
+    incremental step, first what it references), then the marker (`commit`)."""
+
+    fast: Backend
+    durable: Backend
+    marker: Marker
+    marker_bytes: bytes
+    manifest: Manifest
+    result: Promotion
+    max_bytes_in_flight: int
+    fate: Fate | None = None  # the durable attempt's fate, claimed for this commit
+    held: Holders | None = None  # what the step references, made durable first
+
+    async def run(
+        self,
+        progress: Callable[[int, int], None] | None,
+        visiting: frozenset[tuple[int, str | None]],
+    ) -> None:
+        """Claim the durable attempt's fate, make what it references durable, copy it."""
+        marker, result = self.marker, self.result
         if marker.attempt is not None:
-            owner = "promote-" + digest(marker_bytes).removeprefix("sha256:")[:32]
-            fate = await claim(durable, marker.where, COMMIT, owner)
-            await refuse_dead(durable, marker.where)
-        if manifest.references:  # an incremental step: the attempts it reads from, first
-
-            async def promote_first(at: int) -> Promotion:
-                return await promote_step(
-                    fast, durable, at, max_bytes_in_flight, progress, visiting
-                )
-
-            async def copy_held(objects: list[ObjectInfo], root: str) -> tuple[int, int]:
-                await _check_fast_copy(fast, step, [root])  # the leaves this step reads there
-                scratch = Promotion(step=step, attempt=marker.attempt)
-                await copy_objects(fast, durable, objects, root, scratch, max_bytes_in_flight)
-                return scratch.copied, scratch.bytes
-
-            held = await make_durable(fast, durable, manifest, promote_first, copy_held)
-            result.bases, result.held_objects, result.held_bytes = (
-                held.promoted,
-                held.objects,
-                held.bytes,
-            )
-        objects = await attempt_objects(fast, marker)
+            owner = "promote-" + digest(self.marker_bytes).removeprefix("sha256:")[:32]
+            self.fate = await claim(self.durable, marker.where, COMMIT, owner)
+            await refuse_dead(self.durable, marker.where)
+        if self.manifest.references:  # an incremental step: the attempts it reads from, first
+            self.held = await self._references_first(progress, visiting)
+            result.bases = self.held.promoted
+            result.held_objects, result.held_bytes = self.held.objects, self.held.bytes
+        objects = await attempt_objects(self.fast, marker)
         await copy_objects(
-            fast, durable, objects, marker.where.root, result, max_bytes_in_flight, progress
+            self.fast,
+            self.durable,
+            objects,
+            marker.where.root,
+            result,
+            self.max_bytes_in_flight,
+            progress,
         )
-        await load_manifest(durable, marker)  # the durable copy's manifest checks out
+        await load_manifest(self.durable, marker)  # the durable copy's manifest checks out
 
-    # Only a verified copy is promoted (of an incremental step, its own leaves here; those
-    # it references in a holder are checked before that holder is copied, `copy_held`, or
-    # by the promotion of their own step). The check reads the fast copy while the upload
-    # runs, and the marker waits for both: a damaged copy fails the promotion before
-    # anything is committed, and what was uploaded is an uncommitted attempt, as after a
-    # promotion killed midway.
-    checked = [marker.where.root] if manifest.references else None
-    await gather_first_error([_check_fast_copy(fast, step, checked), upload()])
-    if fate is not None:
-        fate.check_fresh(marker.where)
-    if held is not None:  # after its manifest landed: what it references is still kept
-        await held.check(durable)
-    try:
-        await create_marker(durable, step, marker_bytes)
-    except AlreadyExistsError:
-        if not await _same_marker(durable, step, marker_bytes):
-            raise  # the durable tier committed another attempt of this step
-    if held is not None:
-        await held.release(durable)
-    if marker.attempt is not None and await deleted_by_user(fast, marker.where):
-        await _take_back(durable, step, marker_bytes)
-        raise FencedError(
-            f"step {step} was deleted while it was being promoted; not promoted",
-            backend=durable.url,
-            key=key,
-        )
-    result.seconds = time.perf_counter() - start
-    return result
+    async def _references_first(
+        self,
+        progress: Callable[[int, int], None] | None,
+        visiting: frozenset[tuple[int, str | None]],
+    ) -> Holders:
+        """Make durable what an incremental step references: each holder's step promoted
+        first, or the held objects copied under this step (`holders.make_durable`)."""
+        fast, durable, step = self.fast, self.durable, self.result.step
+
+        async def promote_first(at: int) -> Promotion:
+            return await promote_step(
+                fast, durable, at, self.max_bytes_in_flight, progress, visiting
+            )
+
+        async def copy_held(objects: list[ObjectInfo], root: str) -> tuple[int, int]:
+            await _check_fast_copy(fast, step, [root])  # the leaves this step reads there
+            scratch = Promotion(step=step, attempt=self.marker.attempt)
+            await copy_objects(fast, durable, objects, root, scratch, self.max_bytes_in_flight)
+            return scratch.copied, scratch.bytes
+
+        return await make_durable(fast, durable, self.manifest, promote_first, copy_held)
+
+    async def commit(self) -> None:
+        """The durable marker, once the fate is still ours and what the step references
+        is still kept; taken back (`FencedError`) if the step was deleted on the fast tier
+        meanwhile."""
+        durable, marker, step = self.durable, self.marker, self.result.step
+        if self.fate is not None:
+            self.fate.check_fresh(marker.where)
+        if self.held is not None:  # after its manifest landed: what it references is kept
+            await self.held.check(durable)
+        try:
+            await create_marker(durable, step, self.marker_bytes)
+        except AlreadyExistsError:
+            if not await _same_marker(durable, step, self.marker_bytes):
+                raise  # the durable tier committed another attempt of this step
+        if self.held is not None:
+            await self.held.release(durable)
+        if marker.attempt is not None and await deleted_by_user(self.fast, marker.where):
+            await _take_back(durable, step, self.marker_bytes)
+            raise FencedError(
+                f"step {step} was deleted while it was being promoted; not promoted",
+                backend=durable.url,
+                key=layout.commit_key(step, marker.index),
+            )
 
 
 async def refuse_dead(durable: Backend, where: layout.AttemptDir) -> None:
