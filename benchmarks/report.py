@@ -431,6 +431,9 @@ def small_leaves(results: Path) -> Figure:
     return single(rows, title, peer="dd", unit="seconds")
 
 
+FINISHED = "save to finished (old step deleted)"
+
+
 def training_loop(results: Path) -> Figure:
     """CheckpointManager against Orbax's async CheckpointManager, on one training loop."""
     data = load(results, "training_loop.json")
@@ -438,35 +441,43 @@ def training_loop(results: Path) -> Figure:
     table = {(r[0], r[2]): r for r in table_rows(data["table"])}
 
     def row(label: str, key: str, who: str, measure: str, baseline: str, scale: float) -> Row:
+        """``baseline`` names the table's column; "Orbax uncompressed..." is Orbax with its
+        compression off, any other Orbax its default (zstd level 1)."""
         t = table[(measure, baseline)]
         ratio = float(t[4].rstrip("x"))
-        ours, peer = (Stat.runs([v * scale for v in runs[w][key]]) for w in (who, "orbax"))
+        them = "orbax-nocomp" if baseline.startswith("Orbax uncompressed") else "orbax"
+        ours, peer = (Stat.runs([v * scale for v in runs[w][key]]) for w in (who, them))
+        label += ", vs Orbax off" if them == "orbax-nocomp" else ""
         return Row(label, ours, peer, ratio, verdict_note(t[5], t[6]) or "info")
 
-    rows = [
-        row("save to durable (views)", "durable", "ckptstore", "save to durable", "Orbax", 1),
-        row(
-            "save to durable (host staging)",
-            "durable",
-            "ckptstore-host",
-            "host-staging durable",
-            "Orbax",
-            1,
-        ),
-        row(
-            "save to finished, old step deleted",
-            "finished",
-            "ckptstore",
-            "save to finished (old step deleted)",
-            "Orbax",
-            1,
-        ),
+    has_off = "orbax-nocomp" in runs  # results before the uncompressed contender lack it
+    durable = [
+        ("save to durable (views)", "ckptstore", "save to durable"),
+        ("save to durable (host staging)", "ckptstore-host", "host-staging durable"),
+        ("save to finished, old step deleted", "ckptstore", FINISHED),
     ]
+    rows = []
+    for label, who, measure in durable:
+        key = "finished" if measure == FINISHED else "durable"
+        rows.append(row(label, key, who, measure, "Orbax", 1))
+        if has_off:
+            rows.append(row(label, key, who, measure, "Orbax uncompressed", 1))
     pause = [
-        row("pause per save (views)", "pause", "ckptstore", "pause per save", "Orbax pause", 1000)
+        row("pause per save (views)", "pause", "ckptstore", "pause per save", "Orbax pause", 1e3)
     ]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.2), height_ratios=[1, 3])
-    peer = "Orbax CheckpointManager (async)"
+    if has_off:
+        pause.append(
+            row(
+                "pause per save (views)",
+                "pause",
+                "ckptstore",
+                "pause per save",
+                "Orbax uncompressed pause",
+                1e3,
+            )
+        )
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.8), height_ratios=[1, 3])
+    peer = "Orbax CheckpointManager (async): default (zstd 1), or compression off (vs Orbax off)"
     pairs(top, pause, peer=peer, unit="milliseconds")
     pairs(bottom, rows, peer=peer, unit="seconds")
     top.set_title(

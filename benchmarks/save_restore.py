@@ -9,9 +9,14 @@ repetition), medians with their spread:
 - save: ``await ckptstore.save(path, tree, step=N)`` (durable: fsyncs) vs ``dd
   bs=16M oflag=direct conv=fsync`` of as many bytes, and vs Orbax
   ``StandardCheckpointer().save`` + ``wait_until_finished()`` as is and followed
-  by an fsync of every file and directory (equal durability);
+  by an fsync of every file and directory (equal durability), and vs Orbax with its
+  compression off, + fsync (Orbax's default compresses every chunk with zstd level 1;
+  ckptstore writes raw bytes; ``AsyncCheckpointer(PyTreeCheckpointHandler(
+  use_compression=False))``, the handler ``StandardCheckpointer``'s wraps, with
+  ``args.PyTreeSave``);
 - restore onto the requested shardings: ``ckptstore.restore(like=...)`` vs Orbax
-  ``restore(target=...)``, cold (every file's pages evicted first with
+  ``restore(target=...)`` of its default checkpoint and of its uncompressed one, cold
+  (every file's pages evicted first with
   ``POSIX_FADV_DONTNEED``; dropping the whole page cache needs root) and warm, and
   cold vs a raw read of as many bytes (``dd bs=16M`` of one evicted file), vs reading
   the checkpoint's own files (evicted, one after another, 16 MiB reads: the same bytes),
@@ -88,12 +93,12 @@ PACKAGES = ["ckptstore", "jax", "jaxlib", "tensorstore", "numpy", "orbax-checkpo
 PHASES = {
     "disk": ["ckpt_save", "dd_direct"],
     "disk_first": ["ckpt_save_first", "dd_direct"],
-    "orbax": ["ckpt_save", "orbax_save_fsync", "orbax_save"],
+    "orbax": ["ckpt_save", "orbax_save_fsync", "orbax_save", "orbax_raw_save_fsync"],
     "cold": ["ckpt_restore", "raw_read", "raw_read_files"],
     "cold_fresh": ["ckpt_restore", "raw_read_fresh", "raw_read_files_fresh"],
     "cold_reclaimed": ["ckpt_restore_reclaimed", "raw_read_fresh_reclaimed"],
-    "cold_orbax": ["ckpt_restore", "orbax_restore"],
-    "warm": ["ckpt_restore_warm", "orbax_restore_warm"],
+    "cold_orbax": ["ckpt_restore", "orbax_restore", "orbax_raw_restore"],
+    "warm": ["ckpt_restore_warm", "orbax_restore_warm", "orbax_raw_restore_warm"],
 }
 ORBAX_PHASES = {"orbax", "cold_orbax", "warm"}
 #: Orbax needs minutes per save of tree c's 5,000 leaves here (one took 11 min under load),
@@ -114,7 +119,21 @@ TIME_ROWS: list[tuple[str, str, str, str, float | str | None]] = [
     ),
     ("save (fsync) vs Orbax + fsync", "orbax", "ckpt_save", "orbax_save_fsync", 1.5),
     ("save (fsync) vs Orbax as is", "orbax", "ckpt_save", "orbax_save", None),
+    (
+        "save (fsync) vs Orbax uncompressed + fsync",
+        "orbax",
+        "ckpt_save",
+        "orbax_raw_save_fsync",
+        None,
+    ),
     ("restore (cold) vs Orbax", "cold_orbax", "ckpt_restore", "orbax_restore", 1.5),
+    (
+        "restore (cold) vs Orbax uncompressed",
+        "cold_orbax",
+        "ckpt_restore",
+        "orbax_raw_restore",
+        None,
+    ),
     ("restore (cold) vs raw read", "cold", "ckpt_restore", "raw_read", 0.8),
     ("restore (cold) vs reading its files", "cold", "ckpt_restore", "raw_read_files", 0.8),
     (
@@ -139,6 +158,13 @@ TIME_ROWS: list[tuple[str, str, str, str, float | str | None]] = [
         None,
     ),
     ("restore (warm) vs Orbax", "warm", "ckpt_restore_warm", "orbax_restore_warm", 1.5),
+    (
+        "restore (warm) vs Orbax uncompressed",
+        "warm",
+        "ckpt_restore_warm",
+        "orbax_raw_restore_warm",
+        None,
+    ),
 ]
 MEMORY_FLOOR = 0.25  # peak added / state bytes
 RESTORE_INFLIGHT = MAX_INFLIGHT_BYTES  # the restore's read-ahead budget
@@ -202,18 +228,37 @@ def read_fresh(files: Sequence[Path]) -> list[np.ndarray[Any, Any]]:
     return kept
 
 
-def orbax_save(tree: Any, path: Path, fsync: bool = False) -> None:
-    """Orbax's `StandardCheckpointer` save, finished; then optionally fsync everything."""
+def orbax_save(tree: Any, path: Path, fsync: bool = False, compress: bool = True) -> None:
+    """Orbax's `StandardCheckpointer` save, finished; then optionally fsync everything.
+    ``compress=False``: the same save with compression off (the handler it wraps,
+    `PyTreeCheckpointHandler`, with ``use_compression=False``: `StandardCheckpointHandler`
+    takes no such option)."""
     import orbax.checkpoint as ocp
 
-    ckptr = ocp.StandardCheckpointer()
+    if compress:
+        ckptr: Any = ocp.StandardCheckpointer()
+    else:
+        ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
     try:
-        ckptr.save(path, tree)
+        if compress:
+            ckptr.save(path, tree)
+        else:
+            ckptr.save(path, args=ocp.args.PyTreeSave(tree))
         ckptr.wait_until_finished()
     finally:
         ckptr.close()
     if fsync:
         fsync_tree(path)
+
+
+def orbax_compressor(path: Path) -> Any:
+    """The zarr compressor Orbax wrote for the first leaf of the checkpoint at ``path``."""
+    leaves = json.loads((path / "_METADATA").read_text())["tree_metadata"].values()
+    first = next(v for v in leaves if v["value_metadata"]["value_type"] == "jax.Array")
+    key = ".".join(str(k["key"]) for k in first["key_metadata"])
+    kvstore = {"driver": "ocdbt", "base": f"file://{path}", "path": key}
+    array = ts.open({"driver": "zarr", "kvstore": kvstore}).result()
+    return array.spec().to_json()["metadata"].get("compressor")
 
 
 def orbax_restore(path: Path, abstract: Any) -> Any:
@@ -329,16 +374,21 @@ class Contenders:
         assert self.first_save is not None
         return self.first_save(self.fresh("first"))
 
-    async def orbax_save(self, fsync: bool = False, keep: Path | None = None) -> float:
+    async def orbax_save(
+        self, fsync: bool = False, keep: Path | None = None, compress: bool = True
+    ) -> float:
         path = keep or self.fresh("orbax")
         with self.timed() as t:  # Orbax runs its own event loop: keep it off ours
-            await asyncio.to_thread(orbax_save, self.tree, path, fsync)
+            await asyncio.to_thread(orbax_save, self.tree, path, fsync, compress)
         if keep is None:
             shutil.rmtree(path)
         return t.seconds
 
     async def orbax_save_fsync(self) -> float:
         return await self.orbax_save(fsync=True)
+
+    async def orbax_raw_save_fsync(self) -> float:
+        return await self.orbax_save(fsync=True, compress=False)
 
     async def ckpt_restore(self, cold: bool = True, reclaimed: bool = False) -> float:
         path = self.scratch / "restore_ckpt"
@@ -355,18 +405,23 @@ class Contenders:
     async def ckpt_restore_reclaimed(self) -> float:
         return await self.ckpt_restore(reclaimed=True)
 
-    async def orbax_restore(self, cold: bool = True) -> float:
+    async def orbax_restore(self, cold: bool = True, where: str = "restore_orbax") -> float:
         if cold:
-            evict_tree(self.scratch / "restore_orbax")
+            evict_tree(self.scratch / where)
         with self.timed() as t:
-            got = await asyncio.to_thread(
-                orbax_restore, self.scratch / "restore_orbax", self.abstract
-            )
+            got = await asyncio.to_thread(orbax_restore, self.scratch / where, self.abstract)
         del got  # after the timer, as ours
         return t.seconds
 
     async def orbax_restore_warm(self) -> float:
         return await self.orbax_restore(cold=False)
+
+    async def orbax_raw_restore(self) -> float:
+        """Orbax's restore (the same call) of the checkpoint it saved uncompressed."""
+        return await self.orbax_restore(where="restore_orbax_raw")
+
+    async def orbax_raw_restore_warm(self) -> float:
+        return await self.orbax_restore(cold=False, where="restore_orbax_raw")
 
 
 def check_restores(c: Contenders, with_orbax: bool = True) -> None:
@@ -377,6 +432,8 @@ def check_restores(c: Contenders, with_orbax: bool = True) -> None:
     checks = [("ckptstore", got_ck)]
     if with_orbax:
         checks.append(("orbax", orbax_restore(c.scratch / "restore_orbax", c.abstract)))
+        raw = c.scratch / "restore_orbax_raw"
+        checks.append(("orbax uncompressed", orbax_restore(raw, c.abstract)))
     for name, got in checks:
         for a, b, s in zip(want, jax.tree_util.tree_leaves(got), shardings, strict=True):
             if b.sharding != s or not np.array_equal(np.asarray(a), np.asarray(b)):
@@ -526,13 +583,15 @@ def run_tree(
     ran on, and with ``memory`` the peak memory that saves and restores add."""
     out: dict[str, Any] = {"timings": {}, "sizes": {}, "memory": {}}
     orbax_scale = ORBAX_SCALE.get(name)
+    chosen = [p for p in PHASES if p in args.phases]
     if orbax_scale is None:
-        passes = [(args.scale, list(PHASES))]
+        passes = [(args.scale, chosen)]
     else:
         passes = [
-            (args.scale, [p for p in PHASES if p not in ORBAX_PHASES]),
-            (args.scale * orbax_scale, [p for p in PHASES if p in ORBAX_PHASES]),
+            (args.scale, [p for p in chosen if p not in ORBAX_PHASES]),
+            (args.scale * orbax_scale, [p for p in chosen if p in ORBAX_PHASES]),
         ]
+    passes = [(scale, phases) for scale, phases in passes if phases]
     for scale, phases in passes:
         with_orbax = any(p in ORBAX_PHASES for p in phases)
         _run_pass(name, scale, phases, with_orbax, args, scratch, out)
@@ -563,6 +622,11 @@ def _run_pass(
     asyncio.run(c.ckpt_save(keep=scratch / "restore_ckpt"))  # restore fixtures; warm-up
     if with_orbax:
         asyncio.run(c.orbax_save(keep=scratch / "restore_orbax"))
+        asyncio.run(c.orbax_save(keep=scratch / "restore_orbax_raw", compress=False))
+        written = {k: orbax_compressor(scratch / k) for k in ("restore_orbax", "restore_orbax_raw")}
+        print(f"  Orbax's zarr compressor as written, default / off: {written}", flush=True)
+        assert written["restore_orbax"] is not None and written["restore_orbax_raw"] is None
+        out["orbax_compressor"] = written
     check_restores(c, with_orbax)
     for phase in phases:
         names = PHASES[phase]
@@ -598,7 +662,8 @@ def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     }
     first = per_tree[args.trees[0]]
     memory = first["memory"]
-    memory_bytes = first["sizes"]["orbax"][0]
+    sizes = first["sizes"]  # the memory runs in the Orbax phases' pass, at its size
+    memory_bytes = next((sizes[p][0] for p in ORBAX_PHASES if p in sizes), first["nbytes"])
     print(f"merge: {args.merge_stores} stores x {args.merge_store_mib} MiB ...", flush=True)
     size = args.merge_store_mib * MiB
     merged = asyncio.run(bench_merge(scratch, args.reps, args.merge_stores, size))
@@ -616,6 +681,8 @@ def evaluate(r: dict[str, Any]) -> list[dict[str, Any]]:
     for tree, t in r["trees"].items():
         m = t["timings"]
         for label, phase, a, b, f in TIME_ROWS:
+            if phase not in t["sizes"]:  # not run (--phases)
+                continue
             n, leaves = t["sizes"][phase]
 
             def rate(k: str, n: int = n, m: dict[str, Any] = m) -> str:
@@ -683,7 +750,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def to_json(args: argparse.Namespace, r: dict[str, Any], rows: list[Any], scratch: Path) -> Any:
-    keys = "trees scale reps memory_reps merge_stores merge_store_mib seed".split()
+    keys = "trees phases scale reps memory_reps merge_stores merge_store_mib seed".split()
     config, mg = {k: getattr(args, k) for k in keys}, r["merge"]
     return {
         "benchmark": "save_restore",
@@ -700,14 +767,17 @@ def to_json(args: argparse.Namespace, r: dict[str, Any], rows: list[Any], scratc
             "free_memory": "each timed operation first touches and frees twice the state's "
             "bytes (common.recycle_memory); the cold_reclaimed phase instead waits "
             f"{args.reclaim_wait} s for the host to take freed memory back",
-            "orbax": "StandardCheckpointer defaults; orbax_save_fsync adds an fsync of "
-            "every file and directory",
+            "orbax": "StandardCheckpointer defaults (zstd level 1); orbax_save_fsync adds an "
+            "fsync of every file and directory; orbax_raw_*: compression off "
+            "(AsyncCheckpointer(PyTreeCheckpointHandler(use_compression=False)), PyTreeSave), "
+            "restored by the same StandardCheckpointer restore",
         },
         "machine": common.machine_info(PACKAGES, scratch),
         "trees": {
             name: {
                 "bytes": t["nbytes"],
                 "leaves": t["leaves"],
+                "orbax_compressor": t.get("orbax_compressor"),
                 "phase_sizes": {p: {"bytes": n, "leaves": k} for p, (n, k) in t["sizes"].items()},
                 "timings": {
                     k: v.to_json(t["sizes"][k.split(":")[0]][0]) for k, v in t["timings"].items()
@@ -733,6 +803,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, help="tree size factor (default 1; 1/16 with --quick)")
     p.add_argument("--reps", type=int, default=5, help="repetitions (default 5)")
     p.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help="phases to run (default all: " + ",".join(PHASES) + ")",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 1/16 size (or --scale), 2 reps, 16 stores merged",
@@ -757,6 +832,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--child-tree", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.trees = [t.strip() for t in args.trees.split(",") if t.strip()]
+    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    if sorted(set(args.phases) - set(PHASES)) or not args.phases:
+        p.error(f"unknown phases in {args.phases}; choose from {list(PHASES)}")
     unknown = sorted(set(args.trees) - set(TREES))
     if unknown or not args.trees:
         p.error(f"unknown trees {unknown}; choose from {sorted(TREES)}")

@@ -7,6 +7,11 @@ managers are configured as their users run them: Orbax 0.12.8
 ckptstore ``CheckpointManager`` with its defaults (fsync on; staging "auto", which on CPU
 devices holds zero-copy views of the arrays' buffers) and with ``staging="host"`` (a copy
 into reused host buffers before ``save`` returns, the accelerator path); all keep one step.
+Orbax's default compresses each array chunk with zstd level 1 (zarr2's ``{"id": "zstd",
+"level": 1}``); ckptstore writes raw bytes. So Orbax also runs with its compression off
+("orbax-nocomp": the same async manager with a ``PyTreeCheckpointHandler(use_compression=False)``
+in its ``handler_registry`` and ``args.PyTreeSave``: ``StandardCheckpointHandler`` is that
+handler with its compression on and a check of the tree, and takes no ``use_compression``).
 
 Per repetition, for each library (the first one alternates):
 
@@ -123,11 +128,18 @@ class Contender:
             import orbax.checkpoint as ocp
 
             self.ocp = ocp
+            registry: dict[str, Any] = {}
+            if name == "orbax-nocomp":
+                handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+                handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+                handlers.add(None, ocp.args.PyTreeSave, handler)
+                registry["handler_registry"] = handlers
             self.mgr = ocp.CheckpointManager(
                 root,
                 options=ocp.CheckpointManagerOptions(
                     max_to_keep=1, enable_async_checkpointing=True
                 ),
+                **registry,
             )
             # A measuring probe only: Orbax commits the step, then (same thread) deletes the
             # steps max_to_keep drops; the time between the two is when the step is durable.
@@ -145,6 +157,8 @@ class Contender:
         self.started = time.perf_counter()
         if self.name.startswith("ckptstore"):
             self._handle = self.mgr.save(self.step, state)
+        elif self.name == "orbax-nocomp":
+            self.mgr.save(self.step, args=self.ocp.args.PyTreeSave(state))
         else:
             self.mgr.save(self.step, args=self.ocp.args.StandardSave(state))
 
@@ -160,6 +174,17 @@ class Contender:
         self.mgr.wait_until_finished()
         assert self.committed > self.started, "Orbax's finalize probe did not run"
         return self.committed - self.started
+
+    def compressor(self) -> Any:
+        """The compressor in the zarr metadata of the last step's first leaf (None: raw)."""
+        if self.name.startswith("ckptstore"):
+            return None  # ckptstore writes the arrays' bytes as they are
+        import tensorstore as ts
+
+        item = self.root / str(self.step) / "default"
+        kvstore = {"driver": "ocdbt", "base": f"file://{item}", "path": "params.layer0"}
+        array = ts.open({"driver": "zarr", "kvstore": kvstore}).result()
+        return array.spec().to_json()["metadata"].get("compressor")
 
     def finish(self) -> None:
         """The library's own wait for everything in the background (old steps deleted)."""
@@ -219,7 +244,7 @@ def main() -> int:
     state = make_state(nbytes)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     state, _ = run_steps(state, 2)  # compile
-    names = ["ckptstore", "ckptstore-host", "orbax"]
+    names = ["ckptstore", "ckptstore-host", "orbax", "orbax-nocomp"]
     stats: dict[str, dict[str, Stats]] = {
         n: {
             k: Stats()
@@ -238,6 +263,8 @@ def main() -> int:
             for c in contenders.values():  # first-save costs (compilation, imports) untimed
                 c.save(state)
                 c.finish()
+            compression = {n: c.compressor() for n, c in contenders.items()}
+            print("compression (zarr compressor as written):", compression)
             for rep in range(reps):
                 for k in range(len(names)):
                     name = names[(rep + k) % len(names)]
@@ -280,15 +307,23 @@ def main() -> int:
         rows.append([what, ms(value), base_name, ms(base), f"{ratio:.2f}x", floor_text, verdict])
 
     ck, ckh, ob = stats["ckptstore"], stats["ckptstore-host"], stats["orbax"]
+    on = stats["orbax-nocomp"]  # Orbax with its compression off: raw bytes, as ckptstore's
+    nc = "Orbax uncompressed"
     row("pause per save", ck["pause"], "Orbax pause", ob["pause"], 1.0)
+    row("pause per save", ck["pause"], f"{nc} pause", on["pause"], None)
     row("pause per save", ck["pause"], "host copy", host, 1.2)
     row("Orbax pause", ob["pause"], "host copy", host, None)
+    row(f"{nc} pause", on["pause"], "host copy", host, None)
     row("host-staging pause", ckh["pause"], "host copy", host, 1.2)
     row("save to durable", ck["durable"], "Orbax", ob["durable"], 0.5)
+    row("save to durable", ck["durable"], nc, on["durable"], None)
     row("host-staging durable", ckh["durable"], "Orbax", ob["durable"], None)
+    row("host-staging durable", ckh["durable"], nc, on["durable"], None)
     row("save to durable", ck["durable"], "dd direct+fsync", dd, 1.1)  # the disk's own limit
     row("dd direct+fsync of the state's bytes", dd, "Orbax", ob["durable"], None)
+    row("dd direct+fsync of the state's bytes", dd, nc, on["durable"], None)
     row("save to finished (old step deleted)", ck["finished"], "Orbax", ob["finished"], None)
+    row("save to finished (old step deleted)", ck["finished"], nc, on["finished"], None)
     for n in names:
         during, alone = stats[n]["step_during_save"], stats[n]["step"]
         row(f"{n}: step during a save", during, "step alone", alone, None)
@@ -298,6 +333,7 @@ def main() -> int:
     }
     for n in ("ckptstore", "ckptstore-host"):
         row(f"{n}: loop time lost per save", lost[n], "Orbax", lost["orbax"], None)
+        row(f"{n}: loop time lost per save", lost[n], nc, lost["orbax-nocomp"], None)
     table = markdown_table(
         [
             "measure",
@@ -337,6 +373,8 @@ def main() -> int:
                 "runs_s": {n: {k: v.runs for k, v in s.items()} for n, s in stats.items()},
                 "medians_s": med,
                 "host_copy_median_s": host.median,
+                "loop_time_lost_s": lost,
+                "compression": compression,
                 "dd_direct_fsync_s": dd.runs,
                 "ckptstore_phases_median_s": phases,
                 "table": table,
