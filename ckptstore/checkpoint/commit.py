@@ -485,12 +485,18 @@ async def same_commit(a: Backend, b: Backend, step: int) -> bool:
 
 async def read_marker(backend: Backend, step: int) -> Marker | None:
     """The parsed current marker of ``step``, or None if the step is not committed."""
+    found = await read_marker_and_bytes(backend, step)
+    return None if found is None else found[1]
+
+
+async def read_marker_and_bytes(backend: Backend, step: int) -> tuple[bytes, Marker] | None:
+    """`read_marker`, with the marker's bytes as stored (what a promotion copies)."""
     found = await read_marker_bytes(backend, step)
     if found is None:
         return None
     index, data = found
     key = layout.commit_key(step, index)
-    return Marker.from_bytes(data, step=step, where=f"{backend.url}/{key}", index=index)
+    return data, Marker.from_bytes(data, step=step, where=f"{backend.url}/{key}", index=index)
 
 
 async def load_committed(backend: Backend, step: int) -> Manifest:

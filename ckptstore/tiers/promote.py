@@ -32,6 +32,7 @@ from ckptstore.checkpoint.commit import (
     create_marker,
     digest,
     load_manifest,
+    read_marker_and_bytes,
     read_marker_bytes,
     same_commit,
 )
@@ -270,16 +271,14 @@ async def promote_step(
 
 async def _fast_marker(fast: Backend, step: int) -> tuple[bytes, Marker]:
     """Committed ``step``'s marker on the fast tier: its bytes, parsed."""
-    found = await read_marker_bytes(fast, step)
+    found = await read_marker_and_bytes(fast, step)
     if found is None:
         raise CheckpointNotFoundError(
             f"step {step} is not committed on the fast tier",
             backend=fast.url,
             key=layout.commit_key(step),
         )
-    index, marker_bytes = found
-    where = f"{fast.url}/{layout.commit_key(step, index)}"
-    return marker_bytes, Marker.from_bytes(marker_bytes, step=step, where=where, index=index)
+    return found
 
 
 @dataclass
