@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ckptstore.runtime.hostpool import aligned_empty
+from ckptstore.testing.arrays import random_array
 
 MiB = 1 << 20
 Built = tuple[dict[str, Any], dict[str, Any]]
@@ -41,22 +41,7 @@ _ABSTRACT_ONLY = [False]  # set by `abstract`: leaves become ShapeDtypeStructs, 
 def _fill(shape: tuple[int, ...], sharding: NamedSharding, seed: int, salt: int) -> Any:
     if _ABSTRACT_ONLY[0]:
         return jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
-
-    def piece(index: tuple[slice, ...]) -> np.ndarray[Any, Any]:
-        shard = [len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)]
-        rng = np.random.default_rng([seed, salt, *(s.start or 0 for s in index)])
-        return rng.random(shard, dtype=np.float32)
-
-    if sharding.is_fully_replicated:
-        # One host buffer that every CPU device adopts (as a restore builds them), not a
-        # copy per device: tree c would otherwise hold 8 x 1.15 GiB.
-        host = aligned_empty(shape, np.dtype(np.float32))
-        host[...] = piece(tuple(slice(None) for _ in shape))
-        return jax.block_until_ready(jax.device_put(host, sharding))
-    # Ready before it is returned: an array still being made finishes (and its memory
-    # lands) inside whatever is measured next, which made a save of tree d look like it
-    # added ~450 MiB.
-    return jax.block_until_ready(jax.make_array_from_callback(shape, sharding, piece))
+    return random_array(shape, sharding, seed, salt)
 
 
 def abstract_of(tree: Any) -> Any:

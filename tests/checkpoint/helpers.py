@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import digest, load_committed
-from ckptstore.runtime.hostpool import aligned_empty
+from ckptstore.testing.arrays import random_array
 from ckptstore.testing.faults import FaultyBackend
 from tests.paths import committed_root
 
@@ -205,23 +205,6 @@ MiB = 1 << 20
 Built = tuple[dict[str, Any], dict[str, Any]]
 
 
-def _random(shape: tuple[int, ...], sharding: NamedSharding, seed: int, salt: int) -> jax.Array:
-    """Random float32 data made shard by shard, ready when returned. A replicated leaf is one
-    aligned host buffer that every CPU device adopts (as a restore builds them), not a copy
-    per device."""
-
-    def piece(index: tuple[slice, ...]) -> np.ndarray[Any, Any]:
-        shard = [len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True)]
-        rng = np.random.default_rng([seed, salt, *(s.start or 0 for s in index)])
-        return rng.random(shard, dtype=np.float32)
-
-    if sharding.is_fully_replicated:
-        host = aligned_empty(shape, np.dtype(np.float32))
-        host[...] = piece(tuple(slice(None) for _ in shape))
-        return jax.block_until_ready(jax.device_put(host, sharding))
-    return jax.block_until_ready(jax.make_array_from_callback(shape, sharding, piece))
-
-
 def _with_like(tree: dict[str, Any]) -> Built:
     """The tree, and the abstract tree that restores it onto the shardings it was saved with."""
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
@@ -239,10 +222,10 @@ def large_and_small(scale: float, seed: int) -> Built:
     sharded, replicated = NamedSharding(mesh(), P("x", "y")), NamedSharding(mesh(), P())
     tree: dict[str, Any] = {"params": {}, "opt_state": {}}
     for i in range(4):
-        tree["params"][f"layer_{i}"] = {"kernel": _random((rows, cols), sharded, seed, i)}
+        tree["params"][f"layer_{i}"] = {"kernel": random_array((rows, cols), sharded, seed, i)}
     for j, n in enumerate(small):
         group = tree["params"] if j % 2 == 0 else tree["opt_state"]
-        leaf = _random((n,), replicated, seed, 1000 + j)
+        leaf = random_array((n,), replicated, seed, 1000 + j)
         group.setdefault(f"block_{j // 6}", {})[f"v{j % 6}"] = leaf
     return _with_like(tree)
 
@@ -257,5 +240,5 @@ def many_small(scale: float, seed: int) -> Built:
     tree: dict[str, Any] = {}
     for j, n in enumerate(sizes):
         group = tree.setdefault(f"module_{j // 50}", {})
-        group[f"t{j % 50}"] = _random((int(n),), replicated, seed, j)
+        group[f"t{j % 50}"] = random_array((int(n),), replicated, seed, j)
     return _with_like(tree)
