@@ -13,11 +13,11 @@ returns, so every piece a save will write is copied first. Three ways:
   host memory (as `HostShards`). From an accelerator, every shard's transfer starts at
   once and the save keeps the host array each transfer made: JAX has no transfer into
   a caller's buffer, and copying that array once more into a reused one lengthened the
-  pause past `jax.device_get`'s (docs/benchmarks.md, "On a TPU"). From CPU devices (asked for), the
-  copy goes into buffers kept from one save to the next (same leaf, same shard shape and
-  dtype), so a steady-state save touches no new pages; large copies run on a few
-  threads (numpy releases the GIL while copying). The copy is done when `stage`
-  returns. The way on accelerators without room for a device copy.
+  pause past `jax.device_get`'s (docs/benchmarks.md, "On a TPU"). From CPU devices
+  (asked for), the copy goes into buffers kept from one save to the next (same leaf,
+  same shard shape and dtype), so a steady-state save touches no new pages; large
+  copies run on a few threads (numpy releases the GIL while copying). The copy is done
+  when `stage` returns. The way on accelerators without room for a device copy.
 - "view": where device memory is host memory (CPU devices), `stage` only takes zero-copy
   numpy views of the arrays' own buffers, and the save writes straight from them; the
   views are dropped when the save is done. While a view lives its buffer is never reused:
