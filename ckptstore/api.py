@@ -523,6 +523,8 @@ async def import_orbax(
     as_item: str = layout.DEFAULT_ITEM,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: bool | Progress = False,
+    codecs: Any = None,
+    casts: Any = None,
 ) -> OrbaxImportResult:
     """Import an Orbax checkpoint into ``target`` as committed step ``as_step``.
 
@@ -534,6 +536,7 @@ async def import_orbax(
     is named ``as_item`` (``state``, the manager's default item). ``as_step`` defaults
     to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is one
     partial-save session (a killed import resumes); on tiers, on the fast tier.
+    ``codecs`` and ``casts``: how the leaves are stored, as `save`'s (docs/codecs.md).
     """
 
     async def open_session(at: int, name: str) -> PartialSave:
@@ -548,6 +551,8 @@ async def import_orbax(
         as_item=as_item,
         batch_bytes=batch_bytes,
         progress=progress,
+        codecs=codecs,
+        casts=casts,
     )
 
 

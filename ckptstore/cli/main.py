@@ -33,6 +33,7 @@ from ckptstore.cli.output import (
 )
 from ckptstore.cli.remove import cmd_gc, cmd_rm, parse_step_spec, positive_int
 from ckptstore.cli.steps import cmd_info, cmd_ls, cmd_ls_all, cmd_verify, cmd_verify_all
+from ckptstore.cli.storing import add_storing_options, storing_options
 from ckptstore.cli.text import count, human
 from ckptstore.cli.tiers import cmd_ls_all_tiers, cmd_ls_tiers, cmd_promote
 from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
@@ -112,6 +113,7 @@ async def cmd_import(args: argparse.Namespace, dst: Backend) -> int:
         rules=args.map,
         batch_bytes=args.batch_mib << 20,
         progress=out.bar("tensors", 0),
+        **args.storing,
     )
     if out.json:
         print_json(
@@ -257,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BATCH_BYTES >> 20,
         help="tensor MiB per part (an import holds about twice this at a time)",
     )
+    add_storing_options(imp)
     cli_orbax.add_parsers(sub, common)
     return parser
 
@@ -308,6 +311,8 @@ async def _on_target(
 
 def _dispatch(args: argparse.Namespace) -> int:
     out = Output.from_args(args)
+    if args.command in ("import-safetensors", "import-orbax"):
+        args.storing = storing_options(args)  # checked before any target is opened
     if args.command == "promote":
         return asyncio.run(
             cmd_promote(args.tiers, args.step, out, watch=args.watch, interval=args.interval)

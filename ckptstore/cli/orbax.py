@@ -12,6 +12,7 @@ from typing import Any
 from ckptstore.api import export_orbax, import_orbax
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.cli.output import Output, print_json
+from ckptstore.cli.storing import add_storing_options
 from ckptstore.cli.text import human
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES
@@ -194,6 +195,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     imp.add_argument("--as-step", type=int, help="the step to write (default: the Orbax step)")
     imp.add_argument("--batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20)
+    add_storing_options(imp)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -237,6 +239,7 @@ async def run(args: argparse.Namespace) -> int:
         as_step=args.as_step,
         batch_bytes=args.batch_mib << 20,
         progress=out.bar("leaves", 0),
+        **args.storing,
     )
     if out.json:
         print_json(

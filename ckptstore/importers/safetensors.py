@@ -32,6 +32,8 @@ from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.errors import SafetensorsError
+from ckptstore.format.casts import CastPolicy
+from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.tree import segment
 from ckptstore.runtime.membudget import check_fits
 from ckptstore.runtime.progress import Progress
@@ -340,8 +342,14 @@ async def import_safetensors(
     rules: Rules | str | os.PathLike[str] | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: bool | Progress = False,
+    codecs: Any = None,
+    casts: Any = None,
 ) -> ImportResult:
-    """Import a safetensors model into ``target`` as checkpoint ``step``."""
+    """Import a safetensors model into ``target`` as checkpoint ``step``.
+
+    ``codecs`` and ``casts``: how the leaves are stored, as `ckptstore.save`'s
+    (docs/codecs.md): checked before anything is read or written."""
+    codecs, casts = CodecPolicy.of(codecs), CastPolicy.of(casts)
     mapping = rules if isinstance(rules, Rules) else load_rules(rules)
     refs = find_tensors(source)
     plan = [(ref, t) for ref in refs if (t := mapping.apply(ref.name)) is not None]
@@ -355,7 +363,7 @@ async def import_safetensors(
         parts = 0
         for batch in _batches(todo, batch_bytes):
             subtree = nest([(t.path, convert(ref, t)) for ref, t in batch])
-            await session.add(subtree)
+            await session.add(subtree, codecs=codecs, casts=casts)
             del subtree
             parts += 1
             bar.advance(len(batch), sum(r.nbytes for r, _ in batch))

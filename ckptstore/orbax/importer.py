@@ -35,6 +35,8 @@ from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
+from ckptstore.format.casts import CastPolicy
+from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.layout import ORBAX_TREE_METADATA
 from ckptstore.format.leaves import LeafInfo
@@ -153,10 +155,14 @@ async def import_orbax(
     as_item: str = layout.DEFAULT_ITEM,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: bool | Progress = False,
+    codecs: Any = None,
+    casts: Any = None,
 ) -> OrbaxImportResult:
     """`ckptstore.import_orbax` (`ckptstore.api`): the import is one partial-save session,
     which ``open_session(as_step, item)`` opens for the first array item (a killed import
-    resumes it); every item's parts and the JSON items commit with its `finalize`."""
+    resumes it); every item's parts and the JSON items commit with its `finalize`.
+    ``codecs``, ``casts``: how the leaves are stored (checked before anything is read)."""
+    stored_as = {"codecs": CodecPolicy.of(codecs), "casts": CastPolicy.of(casts)}
     async with opened(source) as src:
         where, found = await open_orbax(src, step, item, as_item)
         written = as_step if as_step is not None else (orbax_steps.orbax_step(where) or 0)
@@ -172,7 +178,9 @@ async def import_orbax(
             bar = Progress.make(progress, len(infos), sum(i.nbytes for i in infos), "leaves")
             parts = 0
             for name, tree in trees.items():
-                parts += await _add_leaves(session, name, tree, todo[name], batch_bytes, bar)
+                parts += await _add_leaves(
+                    session, name, tree, todo[name], batch_bytes, bar, stored_as
+                )
             result = await session.finalize(
                 metadata={
                     "imported_from": place,
@@ -201,15 +209,17 @@ async def _add_leaves(
     todo: list[LeafInfo],
     batch_bytes: int,
     bar: Progress,
+    stored_as: dict[str, Any],
 ) -> int:
     """Read ``todo`` (leaves of the Orbax tree ``stored``) a batch at a time and add each
-    batch as a part of ``item``; returns how many parts were added."""
+    batch as a part of ``item``, stored as ``stored_as`` says (``codecs``, ``casts``);
+    returns how many parts were added."""
     parts = 0
     for batch in _batches(todo, batch_bytes):
         values = await settle(_load(stored, info) for info in batch)
         subtree = _nest({i.name: v for i, v in zip(batch, values, strict=True)})
         del values
-        await session.add(subtree, item=item)
+        await session.add(subtree, item=item, **stored_as)
         del subtree
         parts += 1
         bar.advance(len(batch), sum(i.nbytes for i in batch))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import subprocess
@@ -162,6 +163,69 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert f"imported {len(tensors)} tensors" in capsys.readouterr().out
     restored = ckptstore.restore_sync(dst, step=5)
     assert_bit_exact(restored["model"]["embed"]["weight"], tensors["model.embed.weight"])
+
+
+async def test_import_stores_leaves_as_codecs_and_casts_say(
+    any_backend: Backend, tmp_path: Path
+) -> None:
+    tensors = make_tensors(layers=2)
+    folder = write_sharded(tmp_path / "model", tensors)
+    codecs = {"model/embed/*": "zstd:3", "*": "zstd:1"}
+    casts = {"model/layers/*/mlp/down/weight": "bfloat16"}
+    await import_safetensors(folder, any_backend, step=2, codecs=codecs, casts=casts)
+    leaves = (await ckptstore.read_manifest(any_backend, 2)).items["state"].leaves
+    assert str(leaves["model/embed/weight"].codec) == "zstd:3"
+    assert str(leaves["lm_head/weight"].codec) == "zstd:1"
+    down = leaves["model/layers/1/mlp/down/weight"]
+    assert (down.dtype, down.cast_from) == ("bfloat16", "float32")
+    assert leaves["model/layers/1/mlp/up/weight"].cast_from is None
+    restored = await ckptstore.restore(any_backend, 2)
+    for name, want in tensors.items():
+        got = lookup(restored, name)
+        if name.endswith("mlp.down.weight"):  # rounded to bfloat16, restored as float32
+            want = want.astype(ml_dtypes.bfloat16).astype(np.float32)
+        assert_bit_exact(got, want)
+    assert (await ckptstore.verify(any_backend, 2)).ok
+
+
+def test_a_bad_codec_or_cast_fails_before_anything_is_written(tmp_path: Path) -> None:
+    folder = write_sharded(tmp_path / "model", make_tensors(layers=1))
+    dst = tmp_path / "ckpt"
+    with pytest.raises(ckptstore.ConfigError, match="unknown codec 'lz4'"):
+        asyncio.run(import_safetensors(folder, dst, codecs="lz4"))
+    with pytest.raises(ckptstore.ConfigError, match="int8"):
+        asyncio.run(import_safetensors(folder, dst, casts={"*": "int8"}))
+    assert not dst.exists()
+
+
+def test_command_line_codec_and_cast_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors = make_tensors(layers=1)
+    folder = write_sharded(tmp_path / "model", tensors, shards=2)
+    dst = str(tmp_path / "ckpt")
+    flags = ["--codec", "model/embed/*=zstd:3", "--codec", "zstd:1"]
+    flags += ["--cast", "lm_head/*=float8_e4m3fn"]
+    assert main(["import-safetensors", str(folder), dst, "--no-progress", *flags]) == 0
+    capsys.readouterr()
+    assert main(["info", dst, "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)["stored"]["state"]
+    assert stored["model/embed/weight"]["codec"] == "zstd:3"
+    assert stored["model/norm/scale"]["codec"] == "zstd:1"
+    leaves = ckptstore.read_manifest_sync(dst).items["state"].leaves
+    assert (leaves["lm_head/weight"].dtype, leaves["lm_head/weight"].cast_from) == (
+        "float8_e4m3fn",
+        "float16",
+    )
+    restored = ckptstore.restore_sync(dst)
+    assert_bit_exact(restored["model"]["embed"]["weight"], tensors["model.embed.weight"])
+    for bad in (["--codec", "lz4"], ["--codec", "=zstd"], ["--cast", "*=int8"]):
+        assert main(["import-safetensors", str(folder), str(tmp_path / "x"), *bad]) == 2
+        assert "--c" in capsys.readouterr().err
+    twice = ["--codec", "a=zstd", "--codec", "a=none"]
+    assert main(["import-safetensors", str(folder), str(tmp_path / "x"), *twice]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 MEMORY_PROBE = textwrap.dedent(

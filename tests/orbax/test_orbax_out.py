@@ -313,6 +313,33 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_import_orbax_stores_leaves_as_codecs_and_casts_say(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptstore.cli import main
+
+    tree = {"w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16) / 7, "k": np.arange(6)}
+    orbax_save(tmp_path / "orbax", tree)
+    casts = {"w": "bfloat16"}
+    asyncio.run(
+        ckptstore.import_orbax(tmp_path / "orbax", tmp_path / "cs", codecs="zstd:3", casts=casts)
+    )
+    leaves = ckptstore.read_manifest_sync(tmp_path / "cs").items["state"].leaves
+    assert [str(leaves[n].codec) for n in ("w", "k")] == ["zstd:3", "zstd:3"]
+    assert (leaves["w"].dtype, leaves["w"].cast_from) == ("bfloat16", "float32")
+    got = ckptstore.restore_sync(tmp_path / "cs")
+    assert got["w"].tobytes() == tree["w"].astype(ml_dtypes.bfloat16).astype(np.float32).tobytes()
+    assert got["k"].tobytes() == tree["k"].tobytes()
+    flags = ["--codec", "k=none", "--codec", "zstd:1", "--no-progress"]
+    assert main(["import-orbax", str(tmp_path / "orbax"), str(tmp_path / "cli"), *flags]) == 0
+    leaves = ckptstore.read_manifest_sync(tmp_path / "cli").items["state"].leaves
+    assert (str(leaves["w"].codec), leaves["k"].codec) == ("zstd:1", None)
+    capsys.readouterr()
+    bad = ["import-orbax", str(tmp_path / "orbax"), str(tmp_path / "bad"), "--codec", "zip"]
+    assert main(bad) == 2 and "--codec" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_cli_on_orbax_checkpoints_and_both_directions(tmp_path: Path) -> None:
     root = tmp_path / "run"
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": 7}
