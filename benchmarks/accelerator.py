@@ -9,15 +9,19 @@ On the accelerators JAX finds, with a state sharded over all of them (float32 le
    - the manager's pause with ``staging="device"`` (an on-device copy) and its time to
      durable (the call to the commit: `SaveHandle.wait`), with the write and the commit
      (merge, manifest, marker) that it includes (`SaveStats`);
-   - Orbax's async `CheckpointManager.save` (its pause) and `wait_until_finished`;
+   - Orbax's async `CheckpointManager.save` (its pause) and `wait_until_finished`, with its
+     default compression (zstd level 1) and with it off (``orbax_off``: a
+     ``PyTreeCheckpointHandler(use_compression=False)`` in the manager's handler registry,
+     the raw bytes ckptstore writes);
    - ``jax.device_get`` of the state (the device-to-host path) and ``dd`` with
      ``oflag=direct conv=fsync`` of as many bytes (the disk's own durable write);
    - peak host RSS added during each save, sampled every 2 ms, for both libraries.
    The device-staging manager's first save is timed apart (after one call its policy
    declined, as a loop's first step: then the copy is compiled in the background).
 2. **restores** (`restores`): ``ckptstore.restore_sync`` with ``like=`` the state's
-   shardings against Orbax's ``StandardCheckpointer().restore`` onto the same shardings,
-   files evicted from the page cache first, with peak added host RSS.
+   shardings against Orbax's ``StandardCheckpointer().restore`` onto the same shardings of
+   its default save and of its save with compression off, files evicted from the page
+   cache first, with peak added host RSS.
 3. **fallback** (`fallback`): a state larger than half of the device memory: ``staging=
    "auto"`` must fall back to host staging by itself; its pause against ``device_get``.
 
@@ -150,6 +154,20 @@ def manager(root: Path, staging: str) -> ckptstore.CheckpointManager:
     )
 
 
+def orbax_manager(root: Path, compress: bool) -> Any:
+    """Orbax's async `CheckpointManager` keeping one step; ``compress=False``: its
+    `PyTreeCheckpointHandler` with ``use_compression=False`` (saved with ``PyTreeSave``)."""
+    import orbax.checkpoint as ocp
+
+    registry: dict[str, Any] = {}
+    if not compress:
+        handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        handlers.add(None, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False))
+        registry["handler_registry"] = handlers
+    options = ocp.CheckpointManagerOptions(max_to_keep=1)
+    return ocp.CheckpointManager(root, options=options, **registry)
+
+
 def saves(state: dict[str, Any], root: Path, reps: int) -> dict[str, Any]:
     """Pauses, times to durable and peak added RSS of each way to save (module docstring)."""
     import orbax.checkpoint as ocp
@@ -162,9 +180,8 @@ def saves(state: dict[str, Any], root: Path, reps: int) -> dict[str, Any]:
     state = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), state))  # ours to donate
     runs: dict[str, list[float]] = {}
     modes: list[str] = []
-    orbax_mgr = ocp.CheckpointManager(
-        root / "orbax", options=ocp.CheckpointManagerOptions(max_to_keep=1)
-    )
+    orbax_mgrs = {"orbax": orbax_manager(root / "orbax", True)}
+    orbax_mgrs["orbax_off"] = orbax_manager(root / "orbax_off", False)
     mgrs = {s: manager(root / s, s) for s in ("device",)}
     # A loop's first step, which the policy declines (step 0 it would save): the copy
     # compiles meanwhile.
@@ -195,14 +212,19 @@ def saves(state: dict[str, Any], root: Path, reps: int) -> dict[str, Any]:
 
         return run
 
-    def orbax(step: int) -> None:
-        with peak_rss() as peak:
-            t = time.perf_counter()
-            orbax_mgr.save(step, args=ocp.args.StandardSave(state))
-            runs.setdefault("pause_orbax", []).append(time.perf_counter() - t)
-            orbax_mgr.wait_until_finished()
-        runs.setdefault("durable_orbax", []).append(time.perf_counter() - t)
-        runs.setdefault("rss_orbax", []).append(peak["added"])
+    def orbax(who: str, step: int) -> Callable[[], None]:
+        def run() -> None:
+            mgr = orbax_mgrs[who]
+            args = ocp.args.StandardSave(state) if who == "orbax" else ocp.args.PyTreeSave(state)
+            with peak_rss() as peak:
+                t = time.perf_counter()
+                mgr.save(step, args=args)
+                runs.setdefault(f"pause_{who}", []).append(time.perf_counter() - t)
+                mgr.wait_until_finished()
+            runs.setdefault(f"durable_{who}", []).append(time.perf_counter() - t)
+            runs.setdefault(f"rss_{who}", []).append(peak["added"])
+
+        return run
 
     def device_get() -> None:
         t = time.perf_counter()
@@ -213,38 +235,44 @@ def saves(state: dict[str, Any], root: Path, reps: int) -> dict[str, Any]:
     for step in range(3, reps + 3):
         order: list[Callable[[], None]] = [
             ours("device", step),
-            lambda step=step: orbax(step),  # type: ignore[misc]
+            orbax("orbax", step),
+            orbax("orbax_off", step),
             device_get,
             lambda: runs.setdefault("dd_direct", []).append(dd_direct(src, root / "dd.out")),
         ]
-        order = order[step % 4 :] + order[: step % 4]
+        turn = step % len(order)
+        order = order[turn:] + order[:turn]
         for op in order:
             state = jax.block_until_ready(STEP(state))  # new arrays: none has a host copy
             op()
         progress(f"saves, round {step - 2}", runs)
     for mgr in mgrs.values():
         mgr.close()
-    orbax_mgr.close()
+    for orbax_mgr in orbax_mgrs.values():
+        orbax_mgr.close()
     src.unlink()
     return {"bytes": size, "first_pause_s": first, "modes": sorted(set(modes)), "runs": runs}
 
 
 def restores(state: dict[str, Any], root: Path, reps: int) -> dict[str, Any]:
     """`restore_sync` onto the devices vs Orbax's restore onto the same shardings, cold."""
-    ours, theirs = root / "restore-ckptstore", root / "restore-orbax"
-    ckptstore.save_sync(str(ours), state, step=1)
-    orbax_save(state, theirs)
+    where = {who: root / f"restore-{who}" for who in ("ckptstore", "orbax", "orbax_off")}
+    ckptstore.save_sync(str(where["ckptstore"]), state, step=1)
+    orbax_save(state, where["orbax"])
+    orbax_save(state, where["orbax_off"], compress=False)
     like = abstract(state)
     runs: dict[str, list[float]] = {}
     for rep in range(reps):
-        for who in ["ckptstore", "orbax"] if rep % 2 == 0 else ["orbax", "ckptstore"]:
-            evict_tree(theirs if who == "orbax" else ours)
+        order = list(where)[rep % 3 :] + list(where)[: rep % 3]
+        for who in order:
+            evict_tree(where[who])
             with peak_rss() as peak:
                 t = time.perf_counter()
                 if who == "ckptstore":
-                    got = jax.block_until_ready(ckptstore.restore_sync(str(ours), 1, like))
+                    got = ckptstore.restore_sync(str(where[who]), 1, like)
+                    got = jax.block_until_ready(got)
                 else:
-                    got = orbax_restore(theirs, like)
+                    got = orbax_restore(where[who], like)
                 runs.setdefault(f"restore_{who}", []).append(time.perf_counter() - t)
             runs.setdefault(f"rss_{who}", []).append(peak["added"])
             if rep == 0:
@@ -299,6 +327,11 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
         out["pause_device_vs_orbax"] = median(s["pause_device"]) / median(s["pause_orbax"])
         out["durable_vs_hardware"] = median(s["durable_device"]) / hardware
         out["durable_orbax_vs_hardware"] = median(s["durable_orbax"]) / hardware
+        if "pause_orbax_off" in s:  # runs before the contender with compression off lack it
+            out["pause_device_vs_orbax_off"] = median(s["pause_device"]) / median(
+                s["pause_orbax_off"]
+            )
+            out["durable_orbax_off_vs_hardware"] = median(s["durable_orbax_off"]) / hardware
         # The disk's speed varies several-fold within a run (a cloud disk's burst credit):
         # the same ratio per round, against that round's own device_get and dd, is steadier.
         rounds = zip(s["durable_device"], s["device_get"], s["dd_direct"], strict=True)
@@ -310,6 +343,9 @@ def figures(result: dict[str, Any]) -> dict[str, float]:
     if "restores" in result:
         r = result["restores"]["runs"]
         out["restore_vs_orbax"] = median(r["restore_orbax"]) / median(r["restore_ckptstore"])
+        if "restore_orbax_off" in r:
+            ours = median(r["restore_ckptstore"])
+            out["restore_vs_orbax_off"] = median(r["restore_orbax_off"]) / ours
         out["restore_rss_added_gib"] = max(r["rss_ckptstore"]) / (1 << 30)
         out["orbax_restore_rss_added_gib"] = max(r["rss_orbax"]) / (1 << 30)
     if "fallback" in result:
