@@ -30,11 +30,12 @@ subset of another partition of the same array is that partition.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import blake3
@@ -55,6 +56,7 @@ WHOLE_PIECES = "blake3-128"
 #: What a manifest item with digests but no ``digest`` field holds (earlier versions).
 LEGACY = "blake2b-128"
 _HEX = re.compile(r"[0-9a-f]{32}")
+_HEXES = re.compile(r"[0-9a-f]+")
 _KEY = re.compile(r"(?:[0-9]+:[0-9]+(?:,[0-9]+:[0-9]+)*)?")
 
 
@@ -148,19 +150,19 @@ def chunk_region(linear: int, shape: Sequence[int], chunk_shape: Sequence[int]) 
 
 
 def chunks_size(linears: Iterable[int], shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
-    """The number of elements in the chunks ``linears`` names (each once, as given)."""
+    """The number of elements in the chunks ``linears`` names (each once, as given);
+    ValueError if the grid has no such chunk. Vectorized: a table has thousands."""
     grid = chunk_grid(shape, chunk_shape)
-    extents = [
-        [min((k + 1) * c, n) - k * c for k in range(g)]
-        for g, c, n in zip(grid, chunk_shape, shape, strict=True)
-    ]
-    total = 0
-    for linear in linears:
-        size = 1
-        for axis, k in enumerate(_grid_coord(linear, grid)):
-            size *= extents[axis][k]
-        total += size
-    return total
+    found = np.fromiter(linears, dtype=np.int64)
+    if found.size and (found.min() < 0 or found.max() >= math.prod(grid)):
+        bad = int(found.min() if found.min() < 0 else found.max())
+        raise ValueError(f"chunk {bad} is outside a chunk grid of {tuple(grid)}")
+    if not grid or not found.size:  # a 0-d leaf's one chunk holds one element
+        return int(found.size)
+    sizes = np.ones(found.size, np.int64)
+    for k, c, n in zip(np.unravel_index(found, grid), chunk_shape, shape, strict=True):
+        sizes *= np.minimum((k + 1) * c, n) - k * c
+    return int(sizes.sum())
 
 
 def _grid_coord(linear: int, grid: Sequence[int]) -> list[int]:
@@ -180,12 +182,22 @@ def piece_chunks(
 ) -> list[tuple[int, Index]] | None:
     """The chunks the piece ``index`` covers, in C order: each one's linear index and its
     region relative to the piece. None if the piece's bounds are not on chunk boundaries
-    (then it holds parts of chunks)."""
+    (then it holds parts of chunks). Cached: a save asks for each piece's chunks while it
+    digests the piece and again while it writes it (a shared list: do not change it)."""
+    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+    return _piece_chunks(bounds, tuple(shape), tuple(chunk_shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _piece_chunks(
+    bounds: tuple[tuple[int, int], ...], shape: tuple[int, ...], chunk_shape: tuple[int, ...]
+) -> list[tuple[int, Index]] | None:
     grid = chunk_grid(shape, chunk_shape)
     axes = []  # per axis: (the chunk's linear offset on that axis, its region in the piece)
     stride = 1
-    for s, n, c, g in reversed(list(zip(index, shape, chunk_shape, grid, strict=True))):
-        start, stop = s.indices(n)[:2]
+    for (start, stop), n, c, g in reversed(
+        list(zip(bounds, shape, chunk_shape, grid, strict=True))
+    ):
         if start % c or (stop % c and stop != n) or stop <= start:
             return None
         ks = range(start // c, -(-stop // c))
@@ -258,6 +270,14 @@ def check_table(leaf: str, table: Any) -> PieceTable:
 def is_digest(value: Any) -> bool:
     """Whether ``value`` is a digest as this module writes them (32 lowercase hex digits)."""
     return isinstance(value, str) and _HEX.fullmatch(value) is not None
+
+
+def are_digests(values: Collection[Any]) -> bool:
+    """Whether every one of ``values`` `is_digest`: one match over them all (a chunk
+    table has thousands)."""
+    if not all(isinstance(v, str) and len(v) == 2 * DIGEST_BYTES for v in values):
+        return False
+    return not values or _HEXES.fullmatch("".join(values)) is not None
 
 
 def piece_size(index: Index, shape: Sequence[int]) -> int:

@@ -306,3 +306,28 @@ async def test_compressed_leaves_are_written_in_part_too(local: Backend, tmp_pat
         local, {**tree, "emb": later}, step=3, base=2, chunk_bytes=CHUNK, codecs=None
     )
     assert written.bytes_written >= later.nbytes  # another codec: the leaf is written whole
+
+
+@pytest.mark.parametrize(
+    ("digests", "named"),
+    [
+        ({"0": "a" * 32, "1": "A" * 32}, "'1'"),
+        ({"0": "a" * 32, "x": "b" * 32}, "'x'"),
+        ({"0": "a" * 31}, "'0'"),
+        ({"0": 5}, "'0'"),
+    ],
+)
+async def test_a_bad_chunk_record_is_an_error_naming_the_chunk(
+    tmp_path: Path, digests: dict[str, Any], named: str
+) -> None:
+    from ckptstore.checkpoint.chunklevel import RECORDS, read_records
+    from ckptstore.errors import CkptStoreError
+
+    async with LocalBackend(str(tmp_path)) as b:
+        good = {"0": "a" * 32, "1": "b" * 32}
+        await b.write(f"s0/{RECORDS}", json.dumps({"t": {"digests": good, "held": [1]}}).encode())
+        records = await read_records(b, ["s0"])
+        assert records.digests == {"t": {0: "a" * 32, 1: "b" * 32}} and records.held == {"t": {1}}
+        await b.write(f"s1/{RECORDS}", json.dumps({"t": {"digests": digests, "held": []}}).encode())
+        with pytest.raises(CkptStoreError, match=f"s1/{RECORDS}.*bad chunk digest {named}"):
+            await read_records(b, ["s0", "s1"])

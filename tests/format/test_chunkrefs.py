@@ -110,3 +110,39 @@ def test_an_older_reader_refuses_by_version() -> None:
     doc["format_version"] = 6
     with pytest.raises(CorruptCheckpointError, match="newer"):
         Manifest.from_bytes(json.dumps(doc).encode(), where="future")
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunk_shape"),
+    [((64, 1024), (8, 256)), ((10, 7, 3), (4, 3, 2)), ((9,), (4,)), ((), ()), ((0, 4), (1, 2))],
+)
+def test_chunks_size_counts_edge_chunks_as_the_regions_they_cover(
+    shape: tuple[int, ...], chunk_shape: tuple[int, ...]
+) -> None:
+    import math
+    import random
+
+    from ckptstore.format.digests import chunk_count, chunk_region, chunks_size
+
+    n = chunk_count(shape, chunk_shape)
+    picks = random.Random(0).sample(range(n), n // 2) if math.prod(shape) else []
+    want = sum(
+        math.prod(
+            len(range(*s.indices(d)))
+            for s, d in zip(chunk_region(k, shape, chunk_shape), shape, strict=True)
+        )
+        for k in picks
+    )
+    assert chunks_size(picks, shape, chunk_shape) == want
+    assert chunks_size(range(n) if math.prod(shape) else [], shape, chunk_shape) == math.prod(shape)
+    with pytest.raises(ValueError, match="outside a chunk grid"):
+        chunks_size([n], shape, chunk_shape)
+
+
+def test_are_digests_checks_every_value() -> None:
+    from ckptstore.format.digests import are_digests
+
+    good = ["0123456789abcdef" * 2, "f" * 32]
+    assert are_digests(good) and are_digests([])
+    for bad in ("F" * 32, "0" * 31, "0" * 33, "g" * 32, 7, None):
+        assert not are_digests([*good, bad]), bad
