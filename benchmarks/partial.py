@@ -13,7 +13,9 @@ added to one step with `ckptstore.partial_save`, then finalized. Measured in one
   validated by a real run (``shutil.copytree`` + fsync) at the same K with small parts.
 - wall time vs Orbax 0.12.8 (``ocp.partial.save`` K times, ``ocp.partial.finalize``) on
   the same arrays, interleaved repetitions, medians; Orbax as-is and at equal durability
-  (plus fsync of every file and directory it wrote: ckptstore fsyncs by default).
+  (plus fsync of every file and directory it wrote: ckptstore fsyncs by default), with its
+  default compression (zarr3, zstd level 3) and with it off (``orbax-nocomp``:
+  ``ocp.Context`` with ``array.saving.use_compression = False``; ckptstore writes raw).
   Floor: Orbax-at-equal-durability median / ckptstore median >= 1.25.
 
     python benchmarks/partial.py            # K=50, 1 GiB local; S3 K=20 x 5 MiB; 5 reps
@@ -179,18 +181,23 @@ async def ckptstore_run(parts: list[Tree], root: Path) -> Run:
     return Run(seconds, cumulative_payload(parts), curve, written, size, alloc, cancelled)
 
 
-def orbax_run(parts: list[Tree], root: Path) -> Run:
-    """K ``ocp.partial.save`` + ``ocp.partial.finalize``, then (timed apart) fsync of it all."""
+def orbax_run(parts: list[Tree], root: Path, compress: bool = True) -> Run:
+    """K ``ocp.partial.save`` + ``ocp.partial.finalize``, then (timed apart) fsync of it all;
+    ``compress=False``: in a context with ``array.saving.use_compression = False``."""
+    from orbax.checkpoint import v1 as ocp
     from orbax.checkpoint.experimental.v1 import partial
 
     path = root / "ckpt"
     root.mkdir(parents=True, exist_ok=True)
+    context = ocp.Context()
+    context.array_options.saving.use_compression = compress
     meter, curve = WriteMeter(), []
     start = time.perf_counter()
-    for part in parts:
-        partial.save(path, part)
-        curve.append(meter())
-    partial.finalize(path)
+    with context:
+        for part in parts:
+            partial.save(path, part)
+            curve.append(meter())
+        partial.finalize(path)
     seconds = time.perf_counter() - start
     fsync_tree(path)
     synced = time.perf_counter() - start - seconds
@@ -271,7 +278,7 @@ async def bench(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     parts = make_parts(args.parts, int(args.total_mib * MiB / args.parts), args.seed)
     total = cumulative_payload(parts)[-1]
     print(f"local: K={args.parts}, {total / MiB:.0f} MiB, {args.reps} reps (interleaved) ...")
-    runs: dict[str, list[Run]] = {"ckptstore": [], "orbax": []}
+    runs: dict[str, list[Run]] = {"ckptstore": [], "orbax": [], "orbax-nocomp": []}
 
     def runner(name: str, fn: Callable[[list[Tree], Path], Awaitable[Run]]) -> Any:
         async def run() -> float:
@@ -287,7 +294,10 @@ async def bench(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     async def orbax(parts: list[Tree], root: Path) -> Run:
         return await asyncio.to_thread(orbax_run, parts, root)
 
-    contenders = {"ckptstore": ckptstore_run, "orbax": orbax}
+    async def orbax_nocomp(parts: list[Tree], root: Path) -> Run:
+        return await asyncio.to_thread(orbax_run, parts, root, False)
+
+    contenders = {"ckptstore": ckptstore_run, "orbax": orbax, "orbax-nocomp": orbax_nocomp}
     for name, fn in contenders.items():  # untimed warm-up: imports, first-call set-up
         await fn(parts[:2], scratch / f"warmup-{name}")
         shutil.rmtree(scratch / f"warmup-{name}")
@@ -310,6 +320,7 @@ async def bench(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 def summarize(runs: dict[str, Any]) -> tuple[Measurement, dict[str, Any]]:
     """The timing comparison and every derived figure (ratios, fits, analytic curves)."""
     ck, ob, snap, s3 = runs["ckptstore"], runs["orbax"], runs["snapshot"], runs["s3"]
+    off = runs["orbax-nocomp"]
     payload = ck[0].payload
     op, synced = (
         f"{len(payload)} partial saves + finalize",
@@ -319,6 +330,7 @@ def summarize(runs: dict[str, Any]) -> tuple[Measurement, dict[str, Any]]:
     timing.baselines = [
         Baseline("Orbax + fsync", Stats(synced), SPEED_FLOOR),
         Baseline("Orbax as-is", Stats([r.seconds for r in ob])),
+        Baseline("Orbax uncompressed + fsync", Stats([r.seconds + r.sync_seconds for r in off])),
     ]
     per_part = np.diff([0, *ck[0].curve]).tolist()  # ckptstore's own bytes for each part
     analytic = snapshot_copy_curve(per_part)
@@ -338,6 +350,7 @@ def summarize(runs: dict[str, Any]) -> tuple[Measurement, dict[str, Any]]:
         "orbax_write_ratio": median([r.ratio for r in ob]),
         "orbax_files_ratio": median([r.stored / payload[-1] for r in ob]),
         "orbax_fsync_s_median": median([r.sync_seconds for r in ob]),
+        "orbax_nocomp_write_ratio": median([r.ratio for r in off]),
         "snapshot_copy_analytic_curve": analytic,
         "snapshot_copy_analytic_ratio": analytic[-1] / payload[-1],
         "snapshot_copy_real_predicted_curve": predicted,
@@ -373,6 +386,7 @@ def table(timing: Measurement, fig: dict[str, Any], s3: Run) -> list[list[str]]:
     row("local max over k of bytes(k)/payload(k)", f"{fig['ckptstore_max_ratio_over_k']:.4f}x")
     row("local allocated blocks / payload", f"{fig['ckptstore_allocated_ratio']:.4f}x")
     row("Orbax write_bytes / payload (zstd)", f"{fig['orbax_write_ratio']:.4f}x")
+    row("Orbax uncompressed write_bytes / payload", f"{fig['orbax_nocomp_write_ratio']:.4f}x")
     row("snapshot-copy / payload (analytic)", f"{fig['snapshot_copy_analytic_ratio']:.2f}x")
     check = fig["snapshot_copy_real_measured_over_predicted"]
     row("snapshot-copy real run: measured/predicted", f"{check:.4f}")
@@ -420,7 +434,7 @@ def results_json(
             "leaves_per_part": LEAVES,
             "floors": {"bytes_max": BYTES_FLOOR, "r2_min": R2_FLOOR, "speed_min": SPEED_FLOOR},
             "speed_floor_against": "Orbax + fsync of all it wrote (equal durability)",
-            "order": "ckptstore and Orbax interleaved, first one rotating per rep",
+            "order": "ckptstore, Orbax and Orbax uncompressed interleaved, first one rotating",
             "snapshot_copy": "analytic at full scale from ckptstore's per-part write_bytes; "
             "validated by a real copytree run with small parts",
         },
@@ -429,7 +443,7 @@ def results_json(
         "timing": measurements_json([timing]),
         "figures": fig,
         "runs": {
-            k: [asdict(r) for r in v] if k in ("ckptstore", "orbax") else asdict(v)
+            k: [asdict(r) for r in v] if k in ("ckptstore", "orbax", "orbax-nocomp") else asdict(v)
             for k, v in runs.items()
         },
         "all_floors_pass": all(r[3] != "FAIL" for r in rows),
