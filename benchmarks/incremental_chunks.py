@@ -10,9 +10,11 @@ what bounds the incremental save on this machine (`LIMITS`): the chunk digests o
 as a save computes them (its `piece_table` of the pieces this process owns), one BLAKE3
 pass over the table's bytes (its own threads), and the commit of a step that writes nothing
 new (the previous step's very arrays saved again with ``base=`` it, vouched the same
-objects as the manager does: nothing hashed, nothing written; deleted again, untimed). The
-limit of a step is its digests plus that commit: a save that finds the changed chunks by
-hashing cannot take less.
+objects as the manager does: nothing hashed, nothing written; deleted again, untimed), and a
+full save of only the changed chunks' bytes (each changed chunk a leaf of its own, copied
+out untimed, into a root of its own: what any save of this step must write and commit, with
+its change detection free). The limit of a step is its digests plus that commit: a save
+that finds the changed chunks by hashing cannot take less.
 
 Reported, over the later steps: bytes written per incremental save against the table's, the
 median (and spread) of both saves' times, of each limit and of the limit; each incremental
@@ -48,8 +50,9 @@ CHUNK_BYTES = 128 << 10
 FRACTION = 0.02
 FLOORS = {"bytes": 0.03, "durable": 0.1}
 #: What is timed beside the two saves: the table's chunk digests as a save computes them,
-#: one BLAKE3 pass over its bytes, and the commit of a step that writes nothing new.
-LIMITS = ("digests", "blake3", "nothing_new")
+#: one BLAKE3 pass over its bytes, the commit of a step that writes nothing new, and a save of
+#: only the changed chunks' bytes.
+LIMITS = ("digests", "blake3", "nothing_new", "changed_only")
 NOTHING_NEW = 10_000  # the nothing-new commits' steps: this plus the step they repeat
 save_items_sync = blocking(save_items)
 
@@ -59,13 +62,20 @@ def _sharded(host: np.ndarray[Any, Any]) -> jax.Array:
     return jax.device_put(host, NamedSharding(mesh, P("x", None)))
 
 
-def _touch(host: np.ndarray[Any, Any], rng: np.random.Generator, chunk: tuple[int, ...]) -> None:
-    """Change one element in each of `FRACTION` of the table's chunks, in place."""
+def _touch(
+    host: np.ndarray[Any, Any], rng: np.random.Generator, chunk: tuple[int, ...]
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Change one element in each of `FRACTION` of the table's chunks, in place; the changed
+    chunks' new values, one leaf each (copies)."""
     grid = [-(-n // c) for n, c in zip(host.shape, chunk, strict=True)]
     count = max(1, int(FRACTION * grid[0] * grid[1]))
+    changed = {}
     for linear in rng.choice(grid[0] * grid[1], size=count, replace=False):
         r, c = divmod(int(linear), grid[1])
         host[r * chunk[0], c * chunk[1]] += 1.0
+        region = host[r * chunk[0] : (r + 1) * chunk[0], c * chunk[1] : (c + 1) * chunk[1]]
+        changed[f"chunk_{int(linear)}"] = region.copy()
+    return changed
 
 
 def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
@@ -85,7 +95,7 @@ def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
     written: list[int] = []
     kept: dict[int, str] = {}  # each step's table, as its digest (copies would cost GiBs)
     for step in range(2, steps + 2):
-        _touch(host, rng, chunk)
+        changed = _touch(host, rng, chunk)
         tree = {"t": _sharded(host)}
         jax.block_until_ready(tree)
         pair = ("incremental", "full") if step % 2 == 0 else ("full", "incremental")
@@ -107,12 +117,16 @@ def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
                 run_on_loop(piece_table(pieces, host.shape, chunk, host.itemsize, {}))
             elif who == "blake3":
                 blake3.blake3(host.reshape(-1).view(np.uint8), max_threads=blake3.blake3.AUTO)
+            elif who == "changed_only":  # what this step must write, in a root of its own
+                ckptstore.save_sync(str(root / "changed_only"), changed, step=step)
             else:  # the previous step again, with it as the base: nothing hashed or written
                 again = _nothing_new(roots["incremental"], previous, step - 1)
             limits[who].append(time.perf_counter() - start)
             if who == "nothing_new":
                 assert again.bytes_written == 0, again.bytes_written
                 ckptstore.delete_step_sync(roots["incremental"], NOTHING_NEW + step - 1)
+            if who == "changed_only":
+                ckptstore.delete_step_sync(str(root / "changed_only"), step)
         kept[step] = digest(host)
         previous = tree
         del tree
@@ -130,6 +144,7 @@ def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in durable.items()}
     bound = [d + c for d, c in zip(limits["digests"], limits["nothing_new"], strict=True)]
     limit = statistics.median(bound)
+    changed_only = statistics.median(limits["changed_only"])
     ratio_bytes = max(written) / host.nbytes
     ratio_durable = med["incremental"] / med["full"]
     return {
@@ -154,6 +169,7 @@ def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
             "bytes_written_vs_table": round(ratio_bytes, 4),
             "durable_vs_full": round(ratio_durable, 4),
             "limit_vs_full": round(limit / med["full"], 4),
+            "changed_only_vs_full": round(changed_only / med["full"], 4),
             "durable_vs_limit": round(med["incremental"] / limit, 4),
         },
         "restored_bit_exact": exact,
@@ -218,6 +234,13 @@ def rows_of(r: dict[str, Any]) -> list[list[str]]:
             "info",
         ],
         ["chunks", "time to durable / limit", f"{q['durable_vs_limit']}x", "-", "info"],
+        [
+            "chunks",
+            f"a save of only the changed chunks / full save ({lm['changed_only']} s)",
+            f"{q['changed_only_vs_full']}x",
+            "-",
+            "info",
+        ],
         [
             "chunks",
             "bit-exact restores, also after base deleted + gc",
