@@ -30,7 +30,6 @@ subset of another partition of the same array is that partition.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import math
 import os
@@ -182,22 +181,12 @@ def piece_chunks(
 ) -> list[tuple[int, Index]] | None:
     """The chunks the piece ``index`` covers, in C order: each one's linear index and its
     region relative to the piece. None if the piece's bounds are not on chunk boundaries
-    (then it holds parts of chunks). Cached: a save asks for each piece's chunks while it
-    digests the piece and again while it writes it (a shared list: do not change it)."""
-    bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-    return _piece_chunks(bounds, tuple(shape), tuple(chunk_shape))
-
-
-@functools.lru_cache(maxsize=1024)
-def _piece_chunks(
-    bounds: tuple[tuple[int, int], ...], shape: tuple[int, ...], chunk_shape: tuple[int, ...]
-) -> list[tuple[int, Index]] | None:
+    (then it holds parts of chunks)."""
     grid = chunk_grid(shape, chunk_shape)
     axes = []  # per axis: (the chunk's linear offset on that axis, its region in the piece)
     stride = 1
-    for (start, stop), n, c, g in reversed(
-        list(zip(bounds, shape, chunk_shape, grid, strict=True))
-    ):
+    for s, n, c, g in reversed(list(zip(index, shape, chunk_shape, grid, strict=True))):
+        start, stop = s.indices(n)[:2]
         if start % c or (stop % c and stop != n) or stop <= start:
             return None
         ks = range(start // c, -(-stop // c))
