@@ -18,7 +18,7 @@ referenced it (no chains). The model and its safety argument: docs/incremental.m
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,6 @@ from ckptstore.format.digests import (
     is_digest,
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
-from ckptstore.format.manifest import Reference
 from ckptstore.runtime.gcpause import gc_paused
 
 if TYPE_CHECKING:  # `incremental` uses this module: its types only, not an import cycle
@@ -69,22 +68,6 @@ def plan_chunks(plan: ChunkPlan, base: Base, item: str, info: LeafInfo, table: C
     recorded = base_chunk_digests(base, item, info)
     if recorded is not None:
         plan.held[info.name] = held_chunks(recorded, table)
-
-
-def chunk_holders(base: Base, item: str, leaf: str, linears: Iterable[int]) -> dict[int, Reference]:
-    """The attempt holding each chunk of ``linears`` (of ``leaf``) as the base stored it:
-    the base's own, or the one the base referenced for the leaf or for that chunk (no
-    chains). One pass over the base's chunk references, not a search per chunk: a table
-    has thousands."""
-    manifest = base.manifest
-    whole = manifest.holder(item, leaf)
-    out = dict.fromkeys(sorted(linears), whole or base.ref)
-    held = manifest.items[item].chunk_refs.get(leaf)
-    if whole is None and held is not None:
-        for linear, k in held.chunks():
-            if linear in out:
-                out[linear] = manifest.references[k]
-    return out
 
 
 @dataclass
@@ -171,7 +154,7 @@ def item_chunks(
             if text is not None:
                 out.digests[info.name] = text
             if info.name in base.in_part(item):  # every chunk held, as the base's were
-                every = chunk_holders(base, item, info.name, range(n))
+                every = base.chunk_holders(item, info.name, range(n))
                 out.refs[info.name] = ChunkRefs.of(
                     {k: references.index(ref) for k, ref in every.items()}
                 )
@@ -184,7 +167,7 @@ def item_chunks(
             continue
         if base is None or text is None:  # a process left chunks out it had no digests of
             raise CkptStoreError(f"leaf {info.name!r}: chunks left out without a base's record")
-        holders = chunk_holders(base, item, info.name, held)
+        holders = base.chunk_holders(item, info.name, held)
         out.refs[info.name] = ChunkRefs.of({k: references.index(r) for k, r in holders.items()})
         out.regions[info.name] = [
             chunk_region(k, info.shape, info.chunk_shape) for k in range(n) if k not in held

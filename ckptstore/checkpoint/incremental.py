@@ -19,7 +19,7 @@ recorded chunk digests (`ckptstore.checkpoint.chunklevel`): a decision of its ow
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,12 @@ class Base:
     def holder(self, item: str, leaf: str) -> Reference:
         """The attempt holding the bytes of ``leaf`` as the base stored it."""
         return self.manifest.holder(item, leaf) or self.ref
+
+    def chunk_holders(self, item: str, leaf: str, linears: Iterable[int]) -> dict[int, Reference]:
+        """The attempt holding each chunk of ``linears`` of ``leaf`` as the base stored it:
+        the base's own, or the one the base referenced for the leaf or for that chunk."""
+        found = self.manifest.chunk_holders(item, leaf, linears)
+        return {k: ref or self.ref for k, ref in found.items()}
 
     def packed(self, item: str, leaf: str) -> PackRef | None:
         """Where in its holder's item the leaf is packed, if it is."""

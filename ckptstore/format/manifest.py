@@ -12,7 +12,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,15 +157,21 @@ class Manifest:
         k = self.items[item].refs.get(leaf)
         return None if k is None else self.references[k]
 
-    def chunk_holder(self, item: str, leaf: str, linear: int) -> Reference | None:
-        """The other attempt holding chunk ``linear`` (C order) of ``leaf``: the leaf's
-        `holder`, or the chunk's (`chunk_refs`); None: this attempt holds it."""
+    def chunk_holders(
+        self, item: str, leaf: str, linears: Iterable[int]
+    ) -> dict[int, Reference | None]:
+        """The other attempt holding each chunk of ``linears`` (C order) of ``leaf``: the
+        leaf's `holder`, or the chunk's (`chunk_refs`); None: this attempt holds it. One
+        pass over the leaf's chunk references, not a search per chunk: a table has
+        thousands."""
         whole = self.holder(item, leaf)
-        if whole is not None:
-            return whole
+        out: dict[int, Reference | None] = dict.fromkeys(sorted(linears), whole)
         held = self.items[item].chunk_refs.get(leaf)
-        k = None if held is None else held.holder(linear)
-        return None if k is None else self.references[k]
+        if whole is None and held is not None:
+            for linear, k in held.chunks():
+                if linear in out:
+                    out[linear] = self.references[k]
+        return out
 
     def held(self, item: str) -> dict[Reference, frozenset[str]]:
         """Each other attempt holding leaves of ``item`` whole, with those leaves, in the

@@ -122,7 +122,7 @@ def test_a_manifest_naming_its_own_attempt_is_refused() -> None:
 
 
 def test_the_manifest_says_which_attempt_holds_each_leaf() -> None:
-    """`Manifest.holder`/`held`/`chunk_holder`: the one way to ask where bytes live."""
+    """`Manifest.holder`/`held`/`chunk_holders`: the one way to ask where bytes live."""
     manifest = incremental()
     assert manifest.holder("state", "w") == Reference(1, A1)
     assert manifest.holder("state", "v") == Reference(2, A2)
@@ -131,7 +131,7 @@ def test_the_manifest_says_which_attempt_holds_each_leaf() -> None:
         Reference(1, A1): frozenset({"w"}),
     }
     assert list(manifest.held("state")) == manifest.references  # in their order
-    assert manifest.chunk_holder("state", "w", 0) == Reference(1, A1)
+    assert manifest.chunk_holders("state", "w", [0]) == {0: Reference(1, A1)}
     own = Manifest(
         step=3,
         attempt=A3,
