@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from benchmarks import common
-from benchmarks.save_restore import evict_tree, orbax_restore, orbax_save
+from benchmarks.save_restore import evict_tree, orbax_manager, orbax_restore, orbax_save
 
 MiB = 1 << 20
 RESULTS = Path(__file__).parent / "results"
@@ -152,20 +152,6 @@ def manager(root: Path, staging: str) -> ckptstore.CheckpointManager:
     return ckptstore.CheckpointManager(
         root, save_policy=never, keep_policy=ckptstore.policies.KeepLatest(1), options=options
     )
-
-
-def orbax_manager(root: Path, compress: bool) -> Any:
-    """Orbax's async `CheckpointManager` keeping one step; ``compress=False``: its
-    `PyTreeCheckpointHandler` with ``use_compression=False`` (saved with ``PyTreeSave``)."""
-    import orbax.checkpoint as ocp
-
-    registry: dict[str, Any] = {}
-    if not compress:
-        handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        handlers.add(None, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False))
-        registry["handler_registry"] = handlers
-    options = ocp.CheckpointManagerOptions(max_to_keep=1)
-    return ocp.CheckpointManager(root, options=options, **registry)
 
 
 def saves(state: dict[str, Any], root: Path, reps: int) -> dict[str, Any]:

@@ -251,6 +251,21 @@ def orbax_save(tree: Any, path: Path, fsync: bool = False, compress: bool = True
         fsync_tree(path)
 
 
+def orbax_manager(root: Path, compress: bool = True) -> Any:
+    """Orbax's async `CheckpointManager` keeping one step; ``compress=False``: its
+    `PyTreeCheckpointHandler` with ``use_compression=False`` in the handler registry, for
+    ``args.PyTreeSave`` (`StandardCheckpointHandler` takes no such option)."""
+    import orbax.checkpoint as ocp
+
+    registry: dict[str, Any] = {}
+    if not compress:
+        handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        handlers.add(None, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False))
+        registry["handler_registry"] = handlers
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(root, options=options, **registry)
+
+
 def orbax_compressor(path: Path) -> Any:
     """The zarr compressor Orbax wrote for the first leaf of the checkpoint at ``path``."""
     leaves = json.loads((path / "_METADATA").read_text())["tree_metadata"].values()

@@ -127,20 +127,10 @@ class Contender:
         else:
             import orbax.checkpoint as ocp
 
+            from benchmarks.save_restore import orbax_manager  # its module sets JAX's flags
+
             self.ocp = ocp
-            registry: dict[str, Any] = {}
-            if name == "orbax-nocomp":
-                handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
-                handler = ocp.PyTreeCheckpointHandler(use_compression=False)
-                handlers.add(None, ocp.args.PyTreeSave, handler)
-                registry["handler_registry"] = handlers
-            self.mgr = ocp.CheckpointManager(
-                root,
-                options=ocp.CheckpointManagerOptions(
-                    max_to_keep=1, enable_async_checkpointing=True
-                ),
-                **registry,
-            )
+            self.mgr = orbax_manager(root, compress=name != "orbax-nocomp")
             # A measuring probe only: Orbax commits the step, then (same thread) deletes the
             # steps max_to_keep drops; the time between the two is when the step is durable.
             finalize = self.mgr._finalize_checkpoint
