@@ -18,6 +18,7 @@ from ckptstore.checkpoint import save as plain_save
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
 from ckptstore.checkpoint.commit import committed_steps, latest_manifest, resolve_step
+from ckptstore.checkpoint.declared import declared_rows
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.parts import Part
@@ -58,7 +59,8 @@ async def save(
     item: str = layout.DEFAULT_ITEM,
     metadata: dict[str, Any] | None = None,
     timeout: float = distributed.DEFAULT_TIMEOUT,
-    base: int | None = None,
+    base: int | SaveResult | None = None,
+    changed: Mapping[str, Any] | None = None,
     codecs: Any = None,
     casts: Any = None,
     chunk_bytes: int | None = None,
@@ -82,6 +84,14 @@ async def save(
     nothing is committed). Host-local fast tiers of a multi-host job refuse it
     (`UnsupportedOperationError`). A leaf of several chunks that changed in some of them
     is written in part: only its changed chunks (docs/incremental.md, "Chunk references").
+    ``base`` may be the `SaveResult` of the save that made it: then that attempt must
+    still be the one committed (`BaseStepGoneError` if the step was saved again since).
+
+    ``changed`` (with ``base``): ``{leaf name: row indices}``, the only rows (first axis)
+    of those leaves that may differ from ``base``, as a sparse optimizer knows them: only
+    the chunks holding them are read and hashed, the rest referenced unread. Trusted: an
+    undeclared change is not saved (docs/incremental.md, "Declared changes"). Leaves not
+    named are compared as ever; a bad declaration is `ConfigError` before any write.
 
     ``chunk_bytes``: the largest chunk of a big leaf (default 64 MiB; chunks divide each
     shard). Smaller chunks let incremental saves of sparsely updated leaves (embedding
@@ -99,6 +109,7 @@ async def save(
         metadata=metadata,
         timeout=timeout,
         base=base,
+        changed=None if changed is None else {item: changed},
         codecs=codecs,
         casts=casts,
         chunk_bytes=chunk_bytes,
@@ -116,7 +127,8 @@ async def save_items(
     metadata: dict[str, Any] | None = None,
     timeout: float = distributed.DEFAULT_TIMEOUT,
     timings: dict[str, float] | None = None,
-    base: int | None = None,
+    base: int | SaveResult | None = None,
+    changed: Mapping[str, Mapping[str, Any]] | None = None,
     same_objects: SameObjects | None = None,
     digests: bool = True,
     codecs: Any = None,
@@ -132,10 +144,13 @@ async def save_items(
     ``base`` committed since as another attempt is `BaseStepGoneError`). ``digests`` false
     (a manager that does not save incrementally): no piece digests are recorded, so an
     incremental save on this step later writes every leaf; with ``base`` they always are.
-    ``codecs``, ``casts``, ``chunk_bytes``: as `save`'s, for every item."""
+    ``codecs``, ``casts``, ``chunk_bytes``, ``base``: as `save`'s, for every item;
+    ``changed``: as `save`'s, per item (``{item: {leaf: rows}}``)."""
     step, prepared, configs = plain_save.prepare(step, items, codecs, casts, chunk_bytes)
+    base, attempt = (base.step, base.attempt) if isinstance(base, SaveResult) else (base, None)
     if base is not None:
         base = layout.check_step(base)
+    declared = declared_rows({n: p.leaves for n, p in prepared.items()}, changed, base)
 
     def request(
         backend: Backend, hooks: plain_save.SaveHooks = plain_save.PLAIN
@@ -152,6 +167,8 @@ async def save_items(
             base=base,
             same_objects=same_objects,
             digests=digests,
+            base_attempt=attempt,
+            changed=declared,
         )
 
     tiers = as_tiered(target)

@@ -296,3 +296,9 @@ def test_codecs_example_runs_and_its_profile_is_valid(tmp_path: Path) -> None:
     kernel = ckptstore.Zstd(3)
     rules = options.codecs.rules
     assert rules == (("params/*", kernel), ("opt/*", ckptstore.Zstd(1)), ("*", None))
+
+
+def test_declared_changes_example_runs_as_written(tmp_path: Path) -> None:
+    (example,) = [b for b in blocks("incremental.md", "python") if "changed=" in b]
+    got, said = run_block(example, tmp_path)
+    assert got == said

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.chunklevel import plan_chunks
+from ckptstore.checkpoint.chunklevel import base_chunk_digests, plan_chunks
 from ckptstore.checkpoint.commit import load_committed
+from ckptstore.checkpoint.declared import Declared, declared_table
 from ckptstore.datapath.arrays import owned_slices
 from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError, CkptStoreError
@@ -159,6 +160,7 @@ async def unchanged(
     same_objects: SameObjects | None = None,
     attempt: str | None = None,
     whole_only: bool = False,
+    declared: Declared | None = None,
 ) -> Unchanged:
     """Every process: read base ``step``, digest its pieces of each leaf the base stored
     in the same form, compare with the base's digests, and agree with the others on the
@@ -172,7 +174,9 @@ async def unchanged(
     was saved from (a `jax.Array` never changes): compared by form, not digested again;
     the base must then still be that attempt. ``attempt``: the base must still be that
     attempt (`open_base`). ``whole_only`` (a partial save's part, which references leaves
-    whole): a leaf the base holds in part (chunk references) is never unchanged."""
+    whole): a leaf the base holds in part (chunk references) is never unchanged.
+    ``declared``: per item, the rows of leaves that may differ from the base, all others
+    equal: only the chunks holding them are hashed (`ckptstore.checkpoint.declared`)."""
     digested: dict[str, dict[str, PieceTable]] = {}
     plans = {name: ChunkPlan({}, {}) for name in items}
     opened: list[Base] = []
@@ -196,11 +200,17 @@ async def unchanged(
                     same.setdefault(name, []).append(k)
                     continue
                 pieces = owned_slices(value, handoff.me)
-                itemsize = dtype_of(info.dtype).itemsize
                 chunk_table: ChunkTable = {}
-                table = await piece_table(
-                    pieces, info.shape, info.chunk_shape, itemsize, chunk_table
-                )
+                rows = (declared or {}).get(name, {}).get(info.name)
+                table = None
+                if rows is not None:
+                    recorded_chunks = base_chunk_digests(base, name, info)
+                    table = await declared_table(pieces, info, recorded_chunks, rows, chunk_table)
+                if table is None:
+                    itemsize = dtype_of(info.dtype).itemsize
+                    table = await piece_table(
+                        pieces, info.shape, info.chunk_shape, itemsize, chunk_table
+                    )
                 if table:  # none where this process owns no piece (a replica elsewhere)
                     tables[info.name] = table
                 if matches(table, recorded):

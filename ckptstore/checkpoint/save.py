@@ -39,6 +39,7 @@ from ckptstore.checkpoint.commit import (
     ensure_uncommitted,
     new_owner,
 )
+from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.discard import discard, root_missing
 from ckptstore.checkpoint.incremental import (
     References,
@@ -248,7 +249,8 @@ class SaveRequest:
 
     ``hooks``: what the kind of storage adds, phase by phase (`SaveHooks`). With ``base``
     (a committed step), leaves unchanged since it are referenced, not written
-    (`ckptstore.checkpoint.incremental`; ``same_objects``: see `unchanged`).
+    (`ckptstore.checkpoint.incremental`; ``same_objects``, ``base_attempt`` and
+    ``changed``: see `unchanged`).
     ``digests`` false: no piece digests are recorded (they cost a hash of every byte
     written), so a later incremental save on this step finds no equal pieces and writes
     every leaf. An incremental save (``base``) always records them."""
@@ -264,6 +266,10 @@ class SaveRequest:
     base: int | None = None
     same_objects: SameObjects | None = None
     digests: bool = True
+    #: The attempt ``base`` must still be committed as (None: whichever it is).
+    base_attempt: str | None = None
+    #: Per item, rows of leaves that may differ from ``base`` (`checkpoint.declared`).
+    changed: Declared | None = None
 
 
 @dataclass(frozen=True)
@@ -378,7 +384,15 @@ async def _references(request: SaveRequest, handoff: Handoff) -> Unchanged:
     if request.base is None:
         return Unchanged({name: set() for name in request.items}, {})
     pairs = {n: (i.leaves, [v for _, v in i.named]) for n, i in request.items.items()}
-    return await unchanged(request.backend, request.base, pairs, handoff, request.same_objects)
+    return await unchanged(
+        request.backend,
+        request.base,
+        pairs,
+        handoff,
+        request.same_objects,
+        attempt=request.base_attempt,
+        declared=request.changed,
+    )
 
 
 async def _write_mine(

@@ -182,14 +182,13 @@ def piece_chunks(
     """The chunks the piece ``index`` covers, in C order: each one's linear index and its
     region relative to the piece. None if the piece's bounds are not on chunk boundaries
     (then it holds parts of chunks)."""
+    spans = _chunk_spans(index, shape, chunk_shape)
+    if spans is None:
+        return None
     grid = chunk_grid(shape, chunk_shape)
     axes = []  # per axis: (the chunk's linear offset on that axis, its region in the piece)
     stride = 1
-    for s, n, c, g in reversed(list(zip(index, shape, chunk_shape, grid, strict=True))):
-        start, stop = s.indices(n)[:2]
-        if start % c or (stop % c and stop != n) or stop <= start:
-            return None
-        ks = range(start // c, -(-stop // c))
+    for (start, ks), n, c, g in reversed(list(zip(spans, shape, chunk_shape, grid, strict=True))):
         axes.append([(k * stride, slice(k * c - start, min((k + 1) * c, n) - start)) for k in ks])
         stride *= g
     axes.reverse()
@@ -197,6 +196,35 @@ def piece_chunks(
         (sum(offset for offset, _ in combo), tuple(rel for _, rel in combo))
         for combo in itertools.product(*axes)
     ]
+
+
+def piece_linears(
+    index: Index, shape: Sequence[int], chunk_shape: Sequence[int]
+) -> np.ndarray[Any, np.dtype[np.int64]] | None:
+    """The linear indices of the chunks the piece ``index`` covers, in C order (as
+    `piece_chunks` lists them), vectorized; None where `piece_chunks` is None."""
+    spans = _chunk_spans(index, shape, chunk_shape)
+    if spans is None:
+        return None
+    if not spans:  # a 0-d leaf: its one chunk
+        return np.zeros(1, np.int64)
+    mesh = np.ix_(*(np.arange(ks.start, ks.stop) for _, ks in spans))
+    grid = chunk_grid(shape, chunk_shape)
+    return np.ravel_multi_index(mesh, grid).reshape(-1).astype(np.int64)
+
+
+def _chunk_spans(
+    index: Index, shape: Sequence[int], chunk_shape: Sequence[int]
+) -> list[tuple[int, range]] | None:
+    """Per axis, the piece's start and the range of chunk coordinates it covers; None if
+    its bounds are not on chunk boundaries."""
+    out = []
+    for s, n, c in zip(index, shape, chunk_shape, strict=True):
+        start, stop = s.indices(n)[:2]
+        if start % c or (stop % c and stop != n) or stop <= start:
+            return None
+        out.append((start, range(start // c, -(-stop // c))))
+    return out
 
 
 def piece_digests(

@@ -146,3 +146,27 @@ def test_are_digests_checks_every_value() -> None:
     assert are_digests(good) and are_digests([])
     for bad in ("F" * 32, "0" * 31, "0" * 33, "g" * 32, 7, None):
         assert not are_digests([*good, bad]), bad
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunk_shape", "index"),
+    [
+        ((64, 1024), (8, 256), (slice(16, 48), slice(0, 1024))),
+        ((10, 7, 3), (4, 3, 2), (slice(4, 10), slice(3, 7), slice(0, 3))),
+        ((9,), (4,), (slice(0, 9),)),
+        ((), (), ()),
+        ((64, 1024), (8, 256), (slice(4, 48), slice(0, 1024))),  # not on a boundary
+        ((9,), (4,), (slice(0, 6),)),  # ends inside a chunk
+    ],
+)
+def test_piece_linears_lists_what_piece_chunks_lists(
+    shape: tuple[int, ...], chunk_shape: tuple[int, ...], index: tuple[slice, ...]
+) -> None:
+    from ckptstore.format.digests import piece_chunks, piece_linears
+
+    chunks = piece_chunks(index, shape, chunk_shape) if shape else [(0, ())]
+    linears = piece_linears(index, shape, chunk_shape)
+    if chunks is None:
+        assert linears is None
+    else:
+        assert linears is not None and linears.tolist() == [k for k, _ in chunks]

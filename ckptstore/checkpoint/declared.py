@@ -1,0 +1,174 @@
+"""Changes a caller declares: the rows of a leaf that may differ from the base step.
+
+An incremental save finds the changed chunks of a big leaf by hashing every chunk
+(`ckptstore.checkpoint.chunklevel`): of a 256 MiB embedding table of which 2% changed, it
+reads all 256 MiB. A training loop often knows better: its sparse optimizer touched some
+rows (Check-N-Run, NSDI '22, tracks exactly these). With ``save(..., base=B,
+changed={leaf: rows})`` only the chunks holding a declared row are read and hashed (and
+written where they differ from B's); every other chunk of the leaf takes B's recorded
+digest, is referenced and is never read.
+
+The declaration is trusted, as a `SameObjects` vouching is: a row that changed but is not
+declared keeps B's value in the new step, and nothing can tell afterwards (its recorded
+digest is B's, of B's bytes). So it is relative to one committed attempt of B: given B as
+the `SaveResult` of the save that made it, the save refuses a B committed again since
+(`BaseStepGoneError`, as for the manager's base). Leaves not named are compared by their
+digests as ever; a named leaf the base did not store in the same form, with chunk digests,
+or whose pieces do not lie on chunk boundaries, is hashed whole (the declaration cannot
+help there, and is not needed to be right).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import blake3
+import numpy as np
+
+from ckptstore.errors import ConfigError
+from ckptstore.format.digests import (
+    DIGEST_BYTES,
+    ChunkTable,
+    PieceTable,
+    chunk_digests,
+    chunk_grid,
+    chunk_region,
+    piece_key,
+    piece_linears,
+)
+from ckptstore.format.leaves import Index, LeafInfo, dtype_of
+from ckptstore.runtime.futures import gather_first_error, off_loop
+
+#: Per item, per leaf: the sorted distinct rows (indices on its first axis) that may differ.
+Declared = dict[str, dict[str, np.ndarray[Any, np.dtype[np.int64]]]]
+
+
+def declared_rows(
+    leaves: Mapping[str, Sequence[LeafInfo]], changed: Any, base: int | None
+) -> Declared | None:
+    """``changed`` (per item, ``{leaf name: row indices}``; None: nothing declared)
+    checked against the items' ``leaves``, its rows as sorted distinct int64 arrays;
+    `ConfigError` naming what is wrong (no ``base`` to be relative to, an unknown item or
+    leaf, a 0-d leaf, rows that are not integers or lie outside the leaf's first axis)."""
+    if changed is None:
+        return None
+    if base is None:
+        raise ConfigError("changed= declares rows changed since a base step: give base= too")
+    if not isinstance(changed, Mapping):
+        raise ConfigError(f"changed must map items to {{leaf: rows}}, not {type(changed).__name__}")
+    out: Declared = {}
+    for item, per_leaf in changed.items():
+        if item not in leaves:
+            raise ConfigError(f"changed names item {item!r}, which is not saved")
+        if not isinstance(per_leaf, Mapping):
+            raise ConfigError(f"changed[{item!r}] must map leaf names to rows")
+        infos = {info.name: info for info in leaves[item]}
+        out[item] = {
+            leaf: _rows(leaf, infos.get(leaf) if isinstance(leaf, str) else None, rows, infos)
+            for leaf, rows in per_leaf.items()
+        }
+    return out
+
+
+def _rows(
+    leaf: Any, info: LeafInfo | None, rows: Any, infos: Mapping[str, LeafInfo]
+) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """One leaf's declared rows, checked (see `declared_rows`)."""
+    if info is None:
+        some = ", ".join(sorted(infos)[:8]) + (", ..." if len(infos) > 8 else "")
+        raise ConfigError(f"changed names leaf {leaf!r}, which the tree does not have ({some})")
+    if not info.shape:
+        raise ConfigError(f"changed names leaf {leaf!r}, a scalar: it has no rows")
+    found = np.asarray(rows)
+    if found.size == 0:
+        return np.zeros(0, np.int64)
+    if found.ndim != 1 or found.dtype.kind not in "iu":
+        raise ConfigError(
+            f"changed[{leaf!r}] must be a 1-d sequence of integer row indices, not "
+            f"{found.dtype} of shape {found.shape}"
+        )
+    low, high = int(found.min()), int(found.max())
+    if low < 0 or high >= info.shape[0]:
+        bad = low if low < 0 else high
+        raise ConfigError(f"changed[{leaf!r}]: row {bad} is outside 0..{info.shape[0] - 1}")
+    return np.unique(found.astype(np.int64))
+
+
+async def declared_table(
+    pieces: Sequence[tuple[Index, Any, bool]],
+    info: LeafInfo,
+    recorded: str | None,
+    rows: np.ndarray[Any, np.dtype[np.int64]],
+    chunk_table: ChunkTable,
+) -> PieceTable | None:
+    """The piece digests of ``pieces`` (as `ckptstore.format.digests.piece_table` makes
+    them) where only the chunks holding one of ``rows`` are hashed, the others taking the
+    base's digests (``recorded``: its `encode_digests` string); their chunk digests go
+    into ``chunk_table``. None (hash the leaf as ever) without the base's chunk digests or
+    where a piece does not lie on chunk boundaries. The chunks to hash are split over the
+    cores; the rest is vectorized (a table has thousands of chunks)."""
+    if recorded is None or len(info.chunk_shape) == 0:
+        return None
+    shape, chunk_shape = info.shape, info.chunk_shape
+    covered = [piece_linears(index, shape, chunk_shape) for index, _, _ in pieces]
+    if any(linears is None for linears in covered):
+        return None
+    per_band = math.prod(chunk_grid(shape, chunk_shape)[1:])  # a band: one chunk tall
+    bands = np.unique(rows // chunk_shape[0])
+    jobs = [  # per piece: the chunks to hash (linear index, region in the piece)
+        [
+            (k, _relative(chunk_region(k, shape, chunk_shape), index, shape))
+            for k in linears[np.isin(linears // per_band, bands)].tolist()
+        ]
+        for (index, _, _), linears in zip(pieces, covered, strict=True)
+        if linears is not None
+    ]
+
+    def hash_some(which: Sequence[int]) -> dict[int, bytes]:
+        found: dict[int, bytes] = {}
+        for p in which:
+            if jobs[p]:
+                hashed = chunk_digests(np.asarray(pieces[p][1]), [rel for _, rel in jobs[p]])
+                found.update(zip((k for k, _ in jobs[p]), hashed, strict=True))
+        return found
+
+    cores = os.cpu_count() or 2
+    batches = [range(len(jobs))[i::cores] for i in range(cores)]
+    itemsize = dtype_of(info.dtype).itemsize
+    fresh: dict[int, bytes] = {}
+    for found in await gather_first_error(
+        [off_loop(functools.partial(hash_some, b), _nbytes(jobs, b, itemsize)) for b in batches]
+    ):
+        fresh.update(found)
+    base = np.frombuffer(bytes.fromhex(recorded), np.uint8).reshape(-1, DIGEST_BYTES)
+    out: PieceTable = {}
+    for (index, _, _), linears in zip(pieces, covered, strict=True):
+        assert linears is not None
+        mine = base[linears]  # a copy: the piece's chunk digests, the base's for now
+        for row, k in enumerate(linears.tolist()):
+            if k in fresh:
+                mine[row] = np.frombuffer(fresh[k], np.uint8)
+        raw = mine.tobytes()
+        hexed = raw.hex()
+        step = 2 * DIGEST_BYTES
+        chunk_table.update(
+            (k, hexed[i * step : (i + 1) * step]) for i, k in enumerate(linears.tolist())
+        )
+        out[piece_key(index, shape)] = blake3.blake3(raw).hexdigest(length=DIGEST_BYTES)
+    return out
+
+
+def _relative(region: Index, index: Index, shape: Sequence[int]) -> Index:
+    """``region`` (of the leaf) relative to the piece ``index`` that holds it."""
+    starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
+    return tuple(slice(r.start - a, r.stop - a) for r, a in zip(region, starts, strict=True))
+
+
+def _nbytes(jobs: Sequence[Sequence[tuple[int, Index]]], which: Sequence[int], size: int) -> int:
+    """The bytes the pieces ``which`` of `declared_table`'s jobs hash."""
+    regions = (rel for p in which for _, rel in jobs[p])
+    return size * sum(int(math.prod(r.stop - r.start for r in rel)) for rel in regions)
