@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import os
@@ -134,6 +135,35 @@ def wait_here(futures: Sequence[ts.Future[Any]], limit: float | None = None) -> 
     if error is not None:
         raise error
     return results
+
+
+def write_keys(
+    kv: ts.KvStore,
+    items: Iterable[tuple[str, bytes]],
+    limit: float | None,
+    *,
+    one_commit: bool = False,
+) -> None:
+    """Write each (key, value) of ``items`` into ``kv``, all issued before any is waited for,
+    on the calling thread (a worker thread: this blocks); if making an item fails, the
+    writes already issued end first, then the error is raised. ``one_commit``: in one
+    transaction, committed at the end (an OCDBT store then takes them in one commit, where
+    separate writes take one per batch that arrives while the previous commits)."""
+    txn = ts.Transaction() if one_commit else None
+    target = kv if txn is None else kv.with_transaction(txn)
+    writes: list[ts.Future[Any]] = []
+    try:
+        for key, value in items:
+            writes.append(target.write(key, value))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            wait_here(writes, limit)
+        if txn is not None:
+            txn.abort()
+        raise
+    wait_here(writes, limit)
+    if txn is not None:
+        wait_here([txn.commit_async()], limit)
 
 
 async def gather_first_error(coros: Iterable[Awaitable[T]]) -> list[T]:

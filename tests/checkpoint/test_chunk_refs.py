@@ -331,3 +331,38 @@ async def test_a_bad_chunk_record_is_an_error_naming_the_chunk(
         await b.write(f"s1/{RECORDS}", json.dumps({"t": {"digests": digests, "held": []}}).encode())
         with pytest.raises(CkptStoreError, match=f"s1/{RECORDS}.*bad chunk digest {named}"):
             await read_records(b, ["s0", "s1"])
+
+
+async def test_chunks_written_in_part_are_read_back_by_plain_tensorstore(
+    tmp_path: Path,
+) -> None:
+    """Chunks written in part go as raw OCDBT keys (no TensorStore open), encoded as zarr3
+    stores them, so TensorStore itself reads the written chunks of the step's own store,
+    and ckptstore restores the whole leaf. (Edge chunks: tests/datapath.)"""
+    import tensorstore as ts
+
+    root = tmp_path / "ckpt"
+    rng = np.random.default_rng(3)
+    first = rng.standard_normal((1000, 70), dtype=np.float32)  # chunks of 25 x 35
+    await ckptstore.save(str(root), {"t": first}, step=1, chunk_bytes=4096)
+    later = first.copy()
+    later[999, 69] += 1.0  # the last chunk
+    later[30, 40] -= 1.0  # and one inside
+    got = await ckptstore.save(str(root), {"t": later}, step=2, base=1, chunk_bytes=4096)
+    assert got.bytes_written == 2 * 25 * 35 * 4
+    manifest = ckptstore.read_manifest_sync(str(root), 2)
+    assert "t" in manifest.items["state"].chunk_refs
+    arr = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": {
+                "driver": "ocdbt",
+                "base": f"file://{root}/2/{manifest.attempt}/state/",
+                "path": "t/",
+            },
+        }
+    ).result()
+    np.testing.assert_array_equal(arr[975:1000, 35:70].read().result(), later[975:1000, 35:70])
+    np.testing.assert_array_equal(arr[25:50, 35:70].read().result(), later[25:50, 35:70])
+    assert_same((await ckptstore.restore(str(root), 2))["t"], later)
+    assert (await ckptstore.verify(str(root), 2)).ok
