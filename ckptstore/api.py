@@ -150,7 +150,8 @@ async def save_items(
     base, attempt = (base.step, base.attempt) if isinstance(base, SaveResult) else (base, None)
     if base is not None:
         base = layout.check_step(base)
-    declared = declared_rows({n: p.leaves for n, p in prepared.items()}, changed, base)
+    shapes = {n: {i.name: i.shape for i in p.leaves} for n, p in prepared.items()}
+    declared = declared_rows(shapes, changed, base)
 
     def request(
         backend: Backend, hooks: plain_save.SaveHooks = plain_save.PLAIN

@@ -48,41 +48,54 @@ Declared = dict[str, dict[str, np.ndarray[Any, np.dtype[np.int64]]]]
 
 
 def declared_rows(
-    leaves: Mapping[str, Sequence[LeafInfo]], changed: Any, base: int | None
+    shapes: Mapping[str, Mapping[str, tuple[int, ...]]], changed: Any, base: int | None
 ) -> Declared | None:
     """``changed`` (per item, ``{leaf name: row indices}``; None: nothing declared)
-    checked against the items' ``leaves``, its rows as sorted distinct int64 arrays;
-    `ConfigError` naming what is wrong (no ``base`` to be relative to, an unknown item or
-    leaf, a 0-d leaf, rows that are not integers or lie outside the leaf's first axis)."""
+    checked against the items' leaf ``shapes`` (per item, per leaf name), its rows as
+    sorted distinct int64 arrays; `ConfigError` naming what is wrong (no ``base`` to be
+    relative to, an unknown item or leaf, a 0-d leaf, rows that are not integers or lie
+    outside the leaf's first axis)."""
     if changed is None:
         return None
     if base is None:
         raise ConfigError("changed= declares rows changed since a base step: give base= too")
+    return checked_rows(shapes, changed)
+
+
+def checked_rows(shapes: Mapping[str, Mapping[str, tuple[int, ...]]], changed: Any) -> Declared:
+    """`declared_rows` of a declaration ``changed``, whatever its base."""
     if not isinstance(changed, Mapping):
         raise ConfigError(f"changed must map items to {{leaf: rows}}, not {type(changed).__name__}")
     out: Declared = {}
     for item, per_leaf in changed.items():
-        if item not in leaves:
+        if item not in shapes:
             raise ConfigError(f"changed names item {item!r}, which is not saved")
         if not isinstance(per_leaf, Mapping):
             raise ConfigError(f"changed[{item!r}] must map leaf names to rows")
-        infos = {info.name: info for info in leaves[item]}
-        out[item] = {
-            leaf: _rows(leaf, infos.get(leaf) if isinstance(leaf, str) else None, rows, infos)
-            for leaf, rows in per_leaf.items()
-        }
+        out[item] = {leaf: _rows(leaf, shapes[item], rows) for leaf, rows in per_leaf.items()}
     return out
 
 
 def _rows(
-    leaf: Any, info: LeafInfo | None, rows: Any, infos: Mapping[str, LeafInfo]
+    leaf: Any, shapes: Mapping[str, tuple[int, ...]], rows: Any
 ) -> np.ndarray[Any, np.dtype[np.int64]]:
     """One leaf's declared rows, checked (see `declared_rows`)."""
-    if info is None:
-        some = ", ".join(sorted(infos)[:8]) + (", ..." if len(infos) > 8 else "")
+    shape = shapes.get(leaf) if isinstance(leaf, str) else None
+    if shape is None:
+        some = ", ".join(sorted(shapes)[:8]) + (", ..." if len(shapes) > 8 else "")
         raise ConfigError(f"changed names leaf {leaf!r}, which the tree does not have ({some})")
-    if not info.shape:
+    if not shape:
         raise ConfigError(f"changed names leaf {leaf!r}, a scalar: it has no rows")
+    found = as_rows(leaf, rows)
+    if found.size and (found[0] < 0 or found[-1] >= shape[0]):
+        bad = found[0] if found[0] < 0 else found[-1]
+        raise ConfigError(f"changed[{leaf!r}]: row {bad} is outside 0..{shape[0] - 1}")
+    return found
+
+
+def as_rows(leaf: Any, rows: Any) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """``rows`` as sorted distinct int64 row indices; `ConfigError` unless they are a 1-d
+    sequence of integers (empty: none)."""
     found = np.asarray(rows)
     if found.size == 0:
         return np.zeros(0, np.int64)
@@ -91,10 +104,6 @@ def _rows(
             f"changed[{leaf!r}] must be a 1-d sequence of integer row indices, not "
             f"{found.dtype} of shape {found.shape}"
         )
-    low, high = int(found.min()), int(found.max())
-    if low < 0 or high >= info.shape[0]:
-        bad = low if low < 0 else high
-        raise ConfigError(f"changed[{leaf!r}]: row {bad} is outside 0..{info.shape[0] - 1}")
     return np.unique(found.astype(np.int64))
 
 

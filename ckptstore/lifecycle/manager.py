@@ -41,6 +41,7 @@ from ckptstore.format import layout
 from ckptstore.format.jsonitems import as_json_item, is_array_tree
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
+from ckptstore.lifecycle.changes import ChangedRows
 from ckptstore.lifecycle.handles import SaveHandle, SaveStats
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
@@ -99,6 +100,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         self._loop = background_loop()  # the `_sync` twins' loop thread (`runtime.blocking`)
         self._open = True
         self._stager = Stager(max_bytes=options.max_staging_bytes)
+        self._changes = ChangedRows()  # rows declared changed, call by call (`changed=`)
         self._warmed = False  # whether the stager was given a state to compile for
         self._inflight: SaveHandle | None = None
         self._retention: concurrent.futures.Future[None] | None = None  # after the last save
@@ -185,6 +187,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         force: bool = False,
+        changed: Mapping[str, Any] | None = None,
     ) -> SaveHandle | None:
         """Save ``state`` (or several named ``items``) as ``step`` if the save policy says so.
 
@@ -192,11 +195,19 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         the caller may then donate, delete or change the arrays. ``metrics`` are kept with
         the step (for `KeepBest`). Raises an earlier background failure nobody waited for,
         and `AlreadyExistsError` (before staging anything) when ``step`` is committed.
+
+        ``changed`` (incremental managers): ``{leaf: rows}`` (with ``items``: ``{item:
+        {leaf: rows}}``), the rows this step's update touched, given on every call, saving
+        or not: a save hashes only the chunks holding the rows named since its base
+        (`ckptstore.lifecycle.changes`; docs/incremental.md, "Declared changes").
         """
         step = layout.check_step(step)
         self._refuse_orbax_root()  # whatever the policy would say: the job learns it now
-        self._raise_unobserved()
         trees = _items(state, items, self.options.item)
+        if changed is not None and not self.options.incremental:
+            raise ConfigError("changed= needs an incremental manager (incremental=True)")
+        self._changes.add(changed, None if items is not None else self.options.item, trees)
+        self._raise_unobserved()
         start = time.perf_counter()
         if not self._decide(step, force):
             if not self.stats and not self._warmed:  # once, before the first save: then
@@ -228,14 +239,17 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         configs = {n: as_json_item(n, v) for n, v in trees.items() if not is_array_tree(v)}
         arrays = {n: v for n, v in trees.items() if n not in configs}
         same, objects = self._same_objects(arrays) if self.options.incremental else ({}, {})
+        base = self._base if self.options.incremental else None
+        pinned = self._base_attempt is not None  # the base is a step this manager saved
+        declared = self._changes.for_save(step, base, pinned)
         # An incremental save reads its pieces twice (digests, then the write): device
         # copies stay until the save ends instead of going as each piece is written.
         staged = self._stager.stage(
             arrays, self.options.staging, host_view=host_view, drain=not self.options.incremental
         )
         self._last_step, self._last_time = step, time.monotonic()
-        base = self._base if self.options.incremental else None
-        vouched = SameObjects(self._base_attempt, same) if self._base_attempt and same else None
+        pin = self._base_attempt if same or declared else None  # what both are relative to
+        vouched = SameObjects(pin, same) if pin else None
         future = asyncio.run_coroutine_threadsafe(
             self._write(
                 step,
@@ -248,6 +262,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
                 base,
                 vouched,
                 objects,
+                declared,
             ),
             self._loop,
         )

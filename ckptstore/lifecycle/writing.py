@@ -19,6 +19,7 @@ import jax
 
 from ckptstore.api import save_items
 from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.save import SaveResult
 from ckptstore.errors import BaseStepGoneError
@@ -63,6 +64,7 @@ class Writing:
         base: int | None,
         same: SameObjects | None,
         objects: dict[tuple[str, str], weakref.ref[Any]],
+        changed: Declared | None = None,
     ) -> SaveStats:
         target = self._target()  # on tiers: room is checked on the fast tier
 
@@ -76,6 +78,7 @@ class Writing:
                 timings={"staging": staged.seconds},
                 base=base,
                 same_objects=same if base is not None else None,
+                changed=changed if base is not None else None,
                 # Digests serve incremental saves only: a hash of every byte, skipped
                 # where no save of this manager will compare them.
                 digests=self.options.incremental,
