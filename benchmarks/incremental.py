@@ -37,6 +37,7 @@ side), whose figures go to ``benchmarks/results/incremental_chunks.json``.
     python benchmarks/incremental.py            # 1 GiB base, 10 steps; table 256 MiB, 7 steps
     python benchmarks/incremental.py --quick    # 32 MiB, 4 steps (smoke test)
     python benchmarks/incremental.py --chunks-only   # the chunk-level scenario alone
+    python benchmarks/incremental.py --chunks-only --chunks-storage s3   # ... on moto S3
 """
 
 from __future__ import annotations
@@ -255,6 +256,8 @@ def main() -> int:
     parser.add_argument("--chunks-mib", type=int, help="the chunk scenario's table (256)")
     parser.add_argument("--chunks-steps", type=int, help="its later saves (7; >= 5 timed)")
     parser.add_argument("--chunks-only", action="store_true")
+    parser.add_argument("--chunks-storage", choices=("local", "s3"), default="local")
+    parser.add_argument("--chunks-out", type=Path, help="its results file")
     args = parser.parse_args()
     mib = args.mib or (32 if args.quick else 1024)
     steps = args.steps or (4 if args.quick else 10)
@@ -270,7 +273,12 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
         chunk_mib = args.chunks_mib or (8 if args.quick else 256)
         chunk_steps = args.chunks_steps or (3 if args.quick else 7)
-        chunked = incremental_chunks.run(chunk_mib, chunk_steps, scratch / "chunks")
+        if args.chunks_storage == "local":
+            storage = incremental_chunks.Storage(scratch / "chunks")
+            chunked = incremental_chunks.run(chunk_mib, chunk_steps, storage)
+        else:
+            with incremental_chunks.moto_storage(scratch / "chunks") as storage:
+                chunked = incremental_chunks.run(chunk_mib, chunk_steps, storage)
     rows = []
     for r in results:
         q = r["ratios"]
@@ -319,9 +327,10 @@ def main() -> int:
     failed = [f"{r['tree']}.{k}" for r in results for k, ok in r["floors"].items() if not ok]
     failed += [f"chunks.{k}" for k, ok in chunked["floors"].items() if not ok]
     print("floors:", "all pass" if not failed else "FAILED: " + ", ".join(failed))
+    chunks_suffix = "" if args.chunks_storage == "local" else f"_{args.chunks_storage}"
     if not args.no_write_results:
         write_results(
-            RESULTS / "incremental_chunks.json",
+            args.chunks_out or RESULTS / f"incremental_chunks{chunks_suffix}.json",
             {
                 "benchmark": "incremental_chunks",
                 "when": utc_timestamp(),

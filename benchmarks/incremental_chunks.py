@@ -22,6 +22,10 @@ fsynced and renamed into place and its directory fsynced (``raw_changed``). The 
 step is its digests plus that commit: a save that finds the changed chunks by hashing
 cannot take less.
 
+The saves go to local disk, or (``--chunks-storage s3`` of `benchmarks/incremental.py`)
+to moto's S3 server in a child process, the same names as prefixes of one bucket; there
+the raw limit is one object of the new bytes, then a small commit object.
+
 Reported, over the later steps: bytes written per incremental save against the table's, the
 median (and spread) of both saves' times, of each limit and of the limit; each incremental
 step restores bit-exact; then the base (step 1) and every step but the last are deleted,
@@ -37,7 +41,9 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +99,63 @@ def _touch(
     return changed, sorted(rows)
 
 
-def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
-    """The scenario (module docstring) below ``root``; its figures and floors."""
+@dataclass(frozen=True)
+class Storage:
+    """Where the scenario's saves go: directories below ``root`` (local disk), or with
+    ``bucket`` the same names as prefixes of a moto S3 bucket (``$AWS_ENDPOINT_URL``
+    names the server)."""
+
+    root: Path
+    bucket: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "local" if self.bucket is None else "s3"
+
+    def url(self, who: str) -> str:
+        return str(self.root / who) if self.bucket is None else f"s3://{self.bucket}/{who}"
+
+    def raw_commit(self, step: int, chunks: Iterable[np.ndarray[Any, Any]]) -> None:
+        """The step's new bytes stored raw, then committed (`_raw_commit`; on S3: one
+        object of the bytes, then a small commit object)."""
+        if self.bucket is None:
+            _raw_commit(self.root / "raw_changed", step, chunks)
+            return
+        data = b"".join(np.ascontiguousarray(c).tobytes() for c in chunks)
+        run_on_loop(_s3_raw_commit(self.bucket, step, data))
+
+    def raw_clean(self) -> None:
+        if self.bucket is None:
+            shutil.rmtree(self.root / "raw_changed")
+
+
+async def _s3_raw_commit(bucket: str, step: int, data: bytes) -> None:
+    from ckptstore.backends.s3 import S3Backend
+
+    async with S3Backend(bucket, "raw_changed", credentials="env") as backend:
+        await backend.write(f"{step}.bin", data)
+        await backend.write(f"{step}.commit", f'{{"step": {step}}}'.encode())
+
+
+@contextmanager
+def moto_storage(scratch: Path) -> Iterator[Storage]:
+    """moto S3 in a child process (objects spooled below ``scratch``), a bucket, and the
+    environment pointing at it, for the scenario's saves."""
+    from benchmarks.common import MotoProcess
+    from benchmarks.storage import moto_environment
+    from ckptstore.testing.servers import create_moto_bucket, unique_bucket_name
+
+    with MotoProcess(scratch / "moto-tmp") as moto, moto_environment():
+        os.environ["AWS_ENDPOINT_URL"] = moto.endpoint  # restored with the environment
+        yield Storage(scratch, create_moto_bucket(moto.endpoint, unique_bucket_name("chunks")))
+
+
+def run(mib: int, steps: int, storage: Storage) -> dict[str, Any]:
+    """The scenario (module docstring) on ``storage``; its figures and floors."""
     rows = max(64, mib * MiB // 4 // 1024 // 64 * 64)
     rng = np.random.default_rng(0)
     host = rng.standard_normal((rows, 1024), dtype=np.float32)
-    roots = {who: str(root / who) for who in SAVES}
+    roots = {who: storage.url(who) for who in SAVES}
     previous = {"t": _sharded(host)}  # the arrays of the step before: see `_nothing_new`
     last: dict[str, ckptstore.SaveResult] = {}
     for who in SAVES:
@@ -138,9 +195,9 @@ def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
             elif who == "blake3":
                 blake3.blake3(host.reshape(-1).view(np.uint8), max_threads=blake3.blake3.AUTO)
             elif who == "changed_only":  # what this step must write, in a root of its own
-                ckptstore.save_sync(str(root / "changed_only"), changed, step=step)
+                ckptstore.save_sync(storage.url("changed_only"), changed, step=step)
             elif who == "raw_changed":
-                _raw_commit(root / "raw_changed", step, changed.values())
+                storage.raw_commit(step, changed.values())
             else:  # the previous step again, with it as the base: nothing hashed or written
                 again = _nothing_new(roots["incremental"], previous, step - 1)
             limits[who].append(time.perf_counter() - start)
@@ -148,13 +205,14 @@ def run(mib: int, steps: int, root: Path) -> dict[str, Any]:
                 assert again.bytes_written == 0, again.bytes_written
                 ckptstore.delete_step_sync(roots["incremental"], NOTHING_NEW + step - 1)
             if who == "changed_only":
-                ckptstore.delete_step_sync(str(root / "changed_only"), step)
+                ckptstore.delete_step_sync(storage.url("changed_only"), step)
             if who == "raw_changed":
-                shutil.rmtree(root / "raw_changed")
+                storage.raw_clean()
         kept[step] = digest(host)
         previous = tree
         del tree
-    return _figures(host.nbytes, chunk, rows, durable, limits, written, kept, roots, steps)
+    out = _figures(host.nbytes, chunk, rows, durable, limits, written, kept, roots, steps)
+    return {"storage": storage.name, **out}
 
 
 def _raw_commit(where: Path, step: int, chunks: Iterable[np.ndarray[Any, Any]]) -> None:
@@ -280,6 +338,7 @@ def rows_of(r: dict[str, Any]) -> list[list[str]]:
     """The scenario's lines of the benchmark's table."""
     q, f, m, s = r["ratios"], r["floors"], r["medians_s"], r["spread_s"]
     verdict = {k: "PASS" if ok else "FAIL" for k, ok in f.items()}
+    tree = "chunks" if r["storage"] == "local" else f"chunks {r['storage']}"
 
     def spread(who: str) -> str:
         return f"{who} {m[who]} s [{s[who][0]}-{s[who][1]}]"
@@ -292,63 +351,63 @@ def rows_of(r: dict[str, Any]) -> list[list[str]]:
     bytes_ratio = f"{q['bytes_written_vs_table']}x / {q['declared_bytes_written_vs_table']}x"
     return [
         [
-            "chunks",
+            tree,
             "bytes written / table (later saves: hashed / declared)",
             bytes_ratio,
             f"<= {FLOORS['bytes']}x",
             verdict["bytes"],
         ],
         [
-            "chunks",
+            tree,
             f"time to durable / full save, hashed ({spread('incremental')}, {spread('full')})",
             f"{q['durable_vs_full']}x",
             f"<= {FLOORS['durable']}x",
             verdict["durable"],
         ],
         [
-            "chunks",
+            tree,
             f"time to durable / full save, declared rows ({spread('declared')})",
             f"{q['declared_durable_vs_full']}x",
             f"<= {FLOORS['durable']}x",
             verdict["durable_declared"],
         ],
         [
-            "chunks",
+            tree,
             f"hashing limit / full save (limit {lim['limit_median_s']} s: {parts})",
             f"{q['limit_vs_full']}x",
             "-",
             "info",
         ],
         [
-            "chunks",
+            tree,
             "time to durable, hashed / hashing limit",
             f"{q['durable_vs_limit']}x",
             "-",
             "info",
         ],
         [
-            "chunks",
+            tree,
             f"a save of only the changed chunks / full save ({lm['changed_only']} s)",
             f"{q['changed_only_vs_full']}x",
             "-",
             "info",
         ],
         [
-            "chunks",
-            f"the changed bytes raw + fsync + commit file / full save ({lm['raw_changed']} s)",
+            tree,
+            f"the changed bytes stored raw, then a commit file / full save ({lm['raw_changed']} s)",
             f"{q['raw_changed_vs_full']}x",
             "-",
             "info",
         ],
         [
-            "chunks",
+            tree,
             "declared save / a save of only the changed chunks",
             f"{q['declared_vs_changed_only']}x",
             "-",
             "info",
         ],
         [
-            "chunks",
+            tree,
             "bit-exact restores, also after base deleted + gc",
             "-",
             "all",

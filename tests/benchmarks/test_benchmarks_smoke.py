@@ -129,6 +129,6 @@ def test_incremental_benchmark_quick_run() -> None:
     for saved in ("hashed", "declared rows"):
         assert re.search(rf"^\| chunks +\| time to durable / full save, {saved} ", out, re.M), out
     assert re.search(r"^\| chunks +\| a save of only the changed chunks / full ", out, re.M), out
-    assert re.search(r"^\| chunks +\| the changed bytes raw \+ fsync", out, re.M), out
+    assert re.search(r"^\| chunks +\| the changed bytes stored raw, then", out, re.M), out
     scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
