@@ -4,13 +4,15 @@ jax.distributed.
 
 Usage: incremental_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT
 
-Saves `tree` four times: step 1 in full; step 2 with ``base=1`` and the same values
+Saves `tree` five times: step 1 in full; step 2 with ``base=1`` and the same values
 (every leaf unchanged); step 3 with ``base=2`` where one element of the LAST process's
 shard of "w" changed, on that process only (the others build the very same values as
 before: "w" is written in part, by that process alone); step 4 as a partial save with
 ``base=3``, one part per leaf, where one element of process 0's shard of "m" changed, on
-process 0 only. Prints one JSON line per save: its step, the bytes this process wrote,
-and the bytes referenced (and for step 4, the leaves each part referenced).
+process 0 only; step 5 with ``base=3`` and ``changed={"w": [DECLARED row]}``, where "w"
+changed in the declared row (the last process's shard) and, undeclared, in process 0's.
+Prints one JSON line per save: its step, the bytes this process wrote, and the bytes
+referenced (and for step 4, the leaves each part referenced).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ HOST = np.arange(30, dtype=np.int64).reshape(5, 6) * 7
 CHANGED = (47, 3)
 #: The element of "m" step 4 changes: in the first column, which process 0 holds.
 CHANGED_M = (2, 0)
+#: The elements of "w" step 5 changes: one in a row it declares (the last process's shard),
+#: one in a row it does not (process 0's), which step 5 therefore keeps as step 3 saved it.
+DECLARED, UNDECLARED = (46, 4), (0, 0)
 
 
 def expected(name: str, step: int) -> np.ndarray:
@@ -43,6 +48,8 @@ def expected(name: str, step: int) -> np.ndarray:
         value[CHANGED] = np.float32(-1.5)
     if name == "m" and step >= 4:
         value[CHANGED_M] = np.float32(2.5)
+    if name == "w" and step >= 5:
+        value[DECLARED], value[UNDECLARED] = np.float32(4.5), np.float32(5.5)
     return value
 
 
@@ -99,8 +106,15 @@ def main() -> None:
         report = {"written": result.bytes_written, "referenced": result.bytes_referenced}
         print(json.dumps({"step": 4, **report, "bytes": result.bytes, "parts": parts}))
 
+    async def declared() -> None:
+        changed = {"w": [DECLARED[0]]}
+        result = await ckptstore.save(root, tree(5), step=5, base=3, changed=changed, timeout=120)
+        report = {"written": result.bytes_written, "referenced": result.bytes_referenced}
+        print(json.dumps({"step": 5, **report, "bytes": result.bytes}), flush=True)
+
     asyncio.run(run())
     asyncio.run(partial())
+    asyncio.run(declared())
     sys.stdout.flush()
     jax.distributed.shutdown()
 

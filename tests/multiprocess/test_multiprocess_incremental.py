@@ -21,7 +21,14 @@ from jax.sharding import PartitionSpec as P
 
 import ckptstore
 from ckptstore.testing.servers import free_port
-from tests.multiprocess.incremental_worker import CHANGED, CHANGED_M, DTYPES, SHAPES, expected
+from tests.multiprocess.incremental_worker import (
+    CHANGED,
+    CHANGED_M,
+    DTYPES,
+    SHAPES,
+    UNDECLARED,
+    expected,
+)
 
 WORKER = "tests.multiprocess.incremental_worker"
 REPO = Path(__file__).parents[2]
@@ -78,7 +85,7 @@ def test_processes_reference_unchanged_leaves_and_write_a_leaf_changed_on_one_wh
 ) -> None:
     root = tmp_path / "ckpt"
     reports = run_job(root, num)
-    assert [[r["step"] for r in mine] for mine in reports] == [[1, 2, 3, 4]] * num
+    assert [[r["step"] for r in mine] for mine in reports] == [[1, 2, 3, 4, 5]] * num
     payload = sum(expected(k, 1).nbytes for k in LEAVES)
     w_bytes = expected("w", 1).nbytes
 
@@ -138,6 +145,22 @@ def test_processes_reference_unchanged_leaves_and_write_a_leaf_changed_on_one_wh
     old, new = first["items"]["state"]["digests"]["m"], fourth["items"]["state"]["digests"]["m"]
     assert [bounds for bounds in new if new[bounds] != old[bounds]] == [f"0:6,0:{96 // num}"]
     assert CHANGED_M[1] < 96 // num
+
+    # Step 5 (base=3, "w" declared changed in a row of the last process's shard): only
+    # that process reads and writes its chunk of "w"; the others take step 3's digests
+    # for theirs unread, so process 0's undeclared change is not saved (the declaration is
+    # trusted: docs/incremental.md, "Declared changes"). "m" changed since step 3 and is
+    # written whole by its owners, as ever.
+    fifth = manifest(root, 5)
+    assert fifth["items"]["state"]["chunk_refs"]["w"] == {"0": [[0, num - 1]]}
+    m_chunk = int(np.prod(fifth["items"]["state"]["leaves"]["m"]["chunk_shape"])) * 4
+    assert [mine[4]["written"] for mine in reports] == [m_chunk] + [0] * (num - 2) + [shard]
+    saved_w = expected("w", 5)
+    saved_w[UNDECLARED] = expected("w", 3)[UNDECLARED]
+    got = ckptstore.restore_sync(str(root), 5)
+    assert got["w"].tobytes() == saved_w.tobytes()
+    assert got["m"].tobytes() == expected("m", 5).tobytes()
+    assert ckptstore.verify_sync(str(root), 5).ok
 
     # Another process count restores bit for bit: one process, whole numpy values, and
     # the sharded leaves onto this process's 8 devices.
