@@ -36,9 +36,9 @@ from ckptstore.format.digests import (
     PieceTable,
     chunk_digests,
     chunk_grid,
-    chunk_region,
     piece_key,
     piece_linears,
+    region_in_piece,
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.runtime.futures import gather_first_error, off_loop
@@ -130,7 +130,7 @@ async def declared_table(
     bands = np.unique(rows // chunk_shape[0])
     jobs = [  # per piece: the chunks to hash (linear index, region in the piece)
         [
-            (k, _relative(chunk_region(k, shape, chunk_shape), index, shape))
+            (k, region_in_piece(k, index, shape, chunk_shape))
             for k in linears[np.isin(linears // per_band, bands)].tolist()
         ]
         for (index, _, _), linears in zip(pieces, covered, strict=True)
@@ -169,12 +169,6 @@ async def declared_table(
         )
         out[piece_key(index, shape)] = blake3.blake3(raw).hexdigest(length=DIGEST_BYTES)
     return out
-
-
-def _relative(region: Index, index: Index, shape: Sequence[int]) -> Index:
-    """``region`` (of the leaf) relative to the piece ``index`` that holds it."""
-    starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
-    return tuple(slice(r.start - a, r.stop - a) for r, a in zip(region, starts, strict=True))
 
 
 def _nbytes(jobs: Sequence[Sequence[tuple[int, Index]]], which: Sequence[int], size: int) -> int:

@@ -148,6 +148,15 @@ def chunk_region(linear: int, shape: Sequence[int], chunk_shape: Sequence[int]) 
     )
 
 
+def region_in_piece(
+    linear: int, index: Index, shape: Sequence[int], chunk_shape: Sequence[int]
+) -> Index:
+    """The region of chunk ``linear`` relative to the piece ``index`` that holds it."""
+    starts = [s.indices(n)[0] for s, n in zip(index, shape, strict=True)]
+    region = chunk_region(linear, shape, chunk_shape)
+    return tuple(slice(r.start - a, r.stop - a) for r, a in zip(region, starts, strict=True))
+
+
 def chunks_size(linears: Iterable[int], shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
     """The number of elements in the chunks ``linears`` names (each once, as given);
     ValueError if the grid has no such chunk. Vectorized: a table has thousands."""
