@@ -391,6 +391,47 @@ def chunk_actor(step: int, base: int, value: float, fallback: bool = False) -> A
     return act
 
 
+def declared_actor(step: int, value: float) -> Actor:
+    """A save of ``step`` on base step 1 as the set-up saved it (its `SaveResult`, which
+    pins the attempt), declaring the table's row 0 the only one changed
+    (docs/incremental.md, "Declared changes"): the other chunks take step 1's digests
+    unread. A base gone, or saved again by another writer, is a full save, once."""
+
+    async def act(world: World) -> None:
+        from ckptstore.checkpoint.save import SaveResult
+
+        want = chunk_tree(value)
+        world.candidates.setdefault(step, []).append(want)
+        base = SaveResult(STEP, world.base_attempt, 0, 0, 0.0, 0.0)
+        try:
+            await ckptstore.save(
+                world.fast,
+                want,
+                step=step,
+                base=base,
+                changed={"table": [0]},
+                chunk_bytes=CHUNK_BYTES,
+            )
+        except ckptstore.BaseStepGoneError:
+            await ckptstore.save(world.fast, want, step=step, chunk_bytes=CHUNK_BYTES)
+        world.told.append((_name(), step, want))
+
+    return act
+
+
+def replace_chunk_base_actor(value: float) -> Actor:
+    """Another writer replaces base step 1 with a table that differs in every chunk."""
+
+    async def act(world: World) -> None:
+        await deleted(world, world.fast, STEP)
+        other = {"table": np.arange(32, dtype=np.float32) + value, "w": np.full(4, value)}
+        world.candidates.setdefault(STEP, []).append(other)
+        await ckptstore.save(world.fast, other, step=STEP, chunk_bytes=CHUNK_BYTES)
+        world.told.append((_name(), STEP, other))
+
+    return act
+
+
 def _name() -> str:
     return str(_actor.get())
 
@@ -484,6 +525,14 @@ async def chunk_based(world: World) -> None:
     want = chunk_tree(1.0)
     world.candidates[STEP] = [want]
     await ckptstore.save(world.fast, want, step=STEP, chunk_bytes=CHUNK_BYTES)
+
+
+async def chunk_pinned(world: World) -> None:
+    """`chunk_based`, step 1's attempt kept: what a declared save's base pins."""
+    want = chunk_tree(1.0)
+    world.candidates[STEP] = [want]
+    saved = await ckptstore.save(world.fast, want, step=STEP, chunk_bytes=CHUNK_BYTES)
+    world.base_attempt = saved.attempt
 
 
 async def chunk_chained(world: World) -> None:
@@ -825,6 +874,12 @@ INCREMENTAL += [
         "delete_step of a step whose chunks another references races gc",
         chunk_chained,
         {"delete": delete_actor(), "gc": gc_actor()},
+        check=survives_gc,
+    ),
+    Scenario(
+        "a declared-rows chunk save races another writer replacing its base",
+        chunk_pinned,
+        {"save": declared_actor(2, 2.0), "replace": replace_chunk_base_actor(5.0)},
         check=survives_gc,
     ),
 ]
