@@ -86,23 +86,32 @@ def _rows(
         raise ConfigError(f"changed names leaf {leaf!r}, which the tree does not have ({some})")
     if not shape:
         raise ConfigError(f"changed names leaf {leaf!r}, a scalar: it has no rows")
-    found = as_rows(leaf, rows)
+    found = _as_rows(leaf, rows, shape[0])
     if found.size and (found[0] < 0 or found[-1] >= shape[0]):
         bad = found[0] if found[0] < 0 else found[-1]
         raise ConfigError(f"changed[{leaf!r}]: row {bad} is outside 0..{shape[0] - 1}")
     return found
 
 
-def as_rows(leaf: Any, rows: Any) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """``rows`` as sorted distinct int64 row indices; `ConfigError` unless they are a 1-d
-    sequence of integers (empty: none)."""
+def _as_rows(leaf: Any, rows: Any, count: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """``rows`` as sorted distinct int64 row indices: a 1-d sequence or set of integers
+    (empty: none), or a boolean mask of the ``count`` rows; `ConfigError` otherwise."""
+    if isinstance(rows, (set, frozenset)):
+        rows = sorted(rows)
     found = np.asarray(rows)
+    if found.dtype == np.bool_ and found.ndim == 1:
+        if found.shape[0] != count:
+            raise ConfigError(
+                f"changed[{leaf!r}]: a boolean mask needs one entry per row ({count}), "
+                f"not {found.shape[0]}"
+            )
+        return np.flatnonzero(found).astype(np.int64)
     if found.size == 0:
         return np.zeros(0, np.int64)
     if found.ndim != 1 or found.dtype.kind not in "iu":
         raise ConfigError(
-            f"changed[{leaf!r}] must be a 1-d sequence of integer row indices, not "
-            f"{found.dtype} of shape {found.shape}"
+            f"changed[{leaf!r}] must be a 1-d sequence of integer row indices, a set of "
+            f"them or a boolean mask of the rows, not {found.dtype} of shape {found.shape}"
         )
     return np.unique(found.astype(np.int64))
 

@@ -67,8 +67,9 @@ class ChangedRows:
         """One call of the manager's ``save`` (saving or not) and its declaration (None:
         nothing declared): ``{leaf: rows}`` of ``item``, or with ``item`` None ``{item:
         {leaf: rows}}``, checked against ``trees`` (per item) first: `ConfigError` naming
-        a leaf or item they lack, rows that are not 1-d integers or lie outside the leaf's
-        first axis (then nothing of the call is kept)."""
+        a leaf or item they lack, or rows that are not indices (a list, an array, a set)
+        or a mask of the leaf's first axis, or lie outside it (then nothing of the call
+        is kept)."""
         if changed is not None and item is not None:
             changed = {item: changed}
         found: Declared = {}

@@ -80,6 +80,21 @@ async def test_declared_rows_store_what_hashing_everything_stores(backend: Backe
     assert (await ckptstore.verify(backend, 12)).ok
 
 
+@pytest.mark.parametrize("form", ["set", "mask", "jax"])
+async def test_rows_as_a_set_a_boolean_mask_or_a_jax_array(local: Backend, form: str) -> None:
+    """The forms a training loop has at hand: a set of touched rows, a mask of them, or
+    the indices as a jax array, each taken as the list of those rows."""
+    first = table()
+    r1 = await save(local, first, 1)
+    later = touched(first, 3, 700)
+    mask = np.zeros(ROWS, bool)
+    mask[[3, 700]] = True
+    rows = {"set": {700, 3}, "mask": mask, "jax": jax.numpy.array([700, 3])}[form]
+    got = await save(local, later, 2, base=r1, changed={"emb": rows})
+    assert got.bytes_written == 4 * CHUNK_BYTES + 32
+    assert_same((await ckptstore.restore(local, 2))["emb"], later)
+
+
 async def test_declared_rows_that_did_not_change_are_referenced(local: Backend) -> None:
     """A declared row whose values are the base's is hashed, found equal and referenced."""
     first = table()
@@ -163,6 +178,7 @@ async def test_a_base_committed_again_since_the_result_named_is_refused(local: B
         ({"base": 1, "changed": {"emb": [-1]}}, "row -1 is outside"),
         ({"base": 1, "changed": {"emb": [1.5]}}, "integer row indices"),
         ({"base": 1, "changed": {"emb": [[1, 2]]}}, "1-d sequence"),
+        ({"base": 1, "changed": {"emb": np.ones(3, bool)}}, r"one entry per row \(1024\), not 3"),
         ({"base": 1, "changed": {"s": [0]}}, "a scalar: it has no rows"),
         ({"base": 1, "changed": [3]}, "must map"),
     ],
