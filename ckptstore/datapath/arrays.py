@@ -10,11 +10,10 @@ looks like (`LeafInfo`, chunking) is the schema in `ckptstore.format.leaves`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -30,13 +29,7 @@ from ckptstore.datapath.packs import PackTarget, write_pack
 from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import chunks
-from ckptstore.format.digests import (
-    ChunkTable,
-    PieceTable,
-    digest,
-    piece_digests,
-    piece_key,
-)
+from ckptstore.format.digests import ChunkTable, PieceTable, digest, piece_digests, piece_key
 from ckptstore.format.leaves import HostShards, Index, LeafInfo, host_array, zarr_spec
 from ckptstore.format.packs import PackRef
 from ckptstore.runtime.bytebudget import ByteBudget
@@ -45,7 +38,7 @@ from ckptstore.runtime.futures import (
     gather_first_error,
     off_loop,
     on_thread,
-    wait_here,
+    write_keys,
 )
 
 
@@ -359,29 +352,23 @@ class LeafWriter:
         policy = policy_of(self.context)
         limit = None if policy is None else policy.limit(nbytes)
 
+        def encoded() -> Iterator[tuple[str, bytes]]:
+            for info, pieces in owned:
+                if self.write_metadata:
+                    yield chunks.metadata_key(info), chunks.encode_metadata(info)
+                table = self.table_for(info) if pieces else None  # no empty tables
+                for index, data, _ in pieces:
+                    host = np.asarray(data)
+                    yield chunks.chunk_key(info), chunks.encode_chunk(info, host)
+                    if table is not None:  # digested while its write runs
+                        table[piece_key(index, info.shape)] = digest(host)
+
         def encode_and_write() -> None:
             # Shards, copies, checksums and TensorStore's copy of each value, all off the
-            # loop; every write issued is waited for here, so a cancelled save (which waits
-            # for this thread) leaves none running behind it.
+            # loop; every write issued is waited for here (`write_keys`), so a cancelled
+            # save (which waits for this thread) leaves none running behind it.
             owned.extend((info, self.pieces_of(value)) for info, value in group)
-            writes = []
-            try:
-                for info, pieces in owned:
-                    if self.write_metadata:
-                        key = chunks.metadata_key(info)
-                        writes.append(self.kv.write(key, chunks.encode_metadata(info)))
-                    table = self.table_for(info) if pieces else None  # no empty tables
-                    for index, data, _ in pieces:
-                        host = np.asarray(data)
-                        chunk = chunks.encode_chunk(info, host)
-                        writes.append(self.kv.write(chunks.chunk_key(info), chunk))
-                        if table is not None:
-                            table[piece_key(index, info.shape)] = digest(host)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    wait_here(writes, limit)  # the ones already issued end first
-                raise
-            wait_here(writes, limit)
+            write_keys(self.kv, encoded(), limit)
 
         async with self.budget.hold(nbytes):  # the encoded copies live until written
             await on_thread(None, encode_and_write)
