@@ -26,7 +26,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import blake3
 import numpy as np
 
 from ckptstore.errors import ConfigError
@@ -36,6 +35,7 @@ from ckptstore.format.digests import (
     PieceTable,
     chunk_digests,
     chunk_grid,
+    digest_of_chunks,
     piece_key,
     piece_linears,
     region_in_piece,
@@ -176,7 +176,7 @@ async def declared_table(
         chunk_table.update(
             (k, hexed[i * step : (i + 1) * step]) for i, k in enumerate(linears.tolist())
         )
-        out[piece_key(index, shape)] = blake3.blake3(raw).hexdigest(length=DIGEST_BYTES)
+        out[piece_key(index, shape)] = digest_of_chunks(raw)
     return out
 
 

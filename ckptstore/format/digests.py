@@ -250,7 +250,13 @@ def piece_digests(
         return digest(data), {}
     hashes = chunk_digests(np.asarray(data), [rel for _, rel in covered])
     table = {linear: hashed.hex() for (linear, _), hashed in zip(covered, hashes, strict=True)}
-    return str(blake3.blake3(b"".join(hashes)).hexdigest(length=DIGEST_BYTES)), table
+    return digest_of_chunks(b"".join(hashes)), table
+
+
+def digest_of_chunks(joined: bytes) -> str:
+    """A piece's digest (`ALGORITHM`) from its chunks' digests, 16 bytes each, joined in C
+    order of their grid coordinates: BLAKE3-128 of them."""
+    return str(blake3.blake3(joined).hexdigest(length=DIGEST_BYTES))
 
 
 def chunk_digests(arr: np.ndarray[Any, Any], regions: Sequence[Index]) -> list[bytes]:
