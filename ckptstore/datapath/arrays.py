@@ -24,7 +24,12 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import policy_of, within
 from ckptstore.backends.tserrors import write_error
-from ckptstore.datapath.chunkwrites import ChunkPlan, on_chunks, unheld_pieces, write_in_part
+from ckptstore.datapath.chunkwrites import (
+    ChunkPlan,
+    unheld_batches,
+    unheld_pieces,
+    write_in_part,
+)
 from ckptstore.datapath.packs import PackTarget, write_pack
 from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.errors import CkptStoreError
@@ -255,11 +260,14 @@ class LeafWriter:
             return
         held = self.chunk_plan.held.get(info.name)
         digested = self.digests is None or info.name in self.digests  # nothing to hash here
-        if held and digested and chunks.known(info) and on_chunks(pieces, info):
+        batches = None
+        if held and digested and chunks.known(info):  # None: a piece off the chunk grid
+            batches = unheld_batches(pieces, info, held, self.budget.limit)
+        if batches is not None:
             if pieces:
                 self.stats.leaves.append(info.name)
             shards, nbytes = await write_in_part(
-                self.kv, self.context, info, pieces, held, self.budget, self.write_metadata
+                self.kv, self.context, info, batches, self.budget, self.write_metadata
             )
             self.stats.shards += shards
             self.stats.bytes += nbytes

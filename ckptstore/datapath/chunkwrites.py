@@ -68,19 +68,47 @@ def unheld_pieces(
     return out
 
 
+#: A piece to write in part, with the linear indices of the chunks of it to write.
+Unheld = tuple[tuple[Index, Any, bool], np.ndarray[Any, np.dtype[np.int64]]]
+
+
+def unheld_batches(
+    pieces: Sequence[tuple[Index, Any, bool]], info: LeafInfo, held: Set[int], limit: int
+) -> list[tuple[list[Unheld], int]] | None:
+    """``pieces`` with the chunks of each not in ``held``, in batches of at most ``limit``
+    bytes of those chunks (a piece larger alone is a batch of its own), each with those
+    bytes; pieces with none such are left out, and with no batch at all one empty batch
+    remains (process 0 still writes the leaf's zarr.json). None if a piece is not on the
+    chunk grid (then the leaf is written through TensorStore, `unheld_pieces`)."""
+    taken = np.fromiter(held, np.int64, len(held))
+    size = math.prod(info.chunk_shape) * dtype_of(info.dtype).itemsize
+    out: list[tuple[list[Unheld], int]] = []
+    batch: list[Unheld] = []
+    total = 0
+    for piece in pieces:
+        linears = piece_linears(piece[0], info.shape, info.chunk_shape)
+        if linears is None:
+            return None
+        todo = linears[~np.isin(linears, taken)]
+        if not todo.size:
+            continue
+        nbytes = int(todo.size) * size
+        if batch and total + nbytes > limit:
+            out.append((batch, total))
+            batch, total = [], 0
+        batch.append((piece, todo))
+        total += nbytes
+    if batch or not out:
+        out.append((batch, total))
+    return out
+
+
 def unheld_chunks(
-    index: Index, data: Any, info: LeafInfo, held: Set[int]
-) -> list[tuple[tuple[int, ...], np.ndarray[Any, Any], int]] | None:
-    """The chunks of one piece not in ``held``: each one's grid coordinates, its data (an
-    edge chunk padded with zeros to the chunk shape, as zarr3 stores it) and its own
-    element count; None if the piece is not on chunk boundaries. Vectorized over the
-    piece's chunks (thousands), regions made for the unheld ones only."""
-    linears = piece_linears(index, info.shape, info.chunk_shape)
-    if linears is None:
-        return None
-    todo = linears[~np.isin(linears, np.fromiter(held, np.int64, len(held)))]
-    if not todo.size:
-        return []
+    index: Index, data: Any, info: LeafInfo, todo: np.ndarray[Any, np.dtype[np.int64]]
+) -> list[tuple[tuple[int, ...], np.ndarray[Any, Any], int]]:
+    """The chunks ``todo`` (linear indices, as `unheld_batches` gives them) of the piece
+    ``index`` holding ``data``: each one's grid coordinates, its data (an edge chunk padded
+    with zeros to the chunk shape, as zarr3 stores it) and its own element count."""
     host = data if isinstance(data, np.ndarray) else np.asarray(data)
     grid = chunk_grid(info.shape, info.chunk_shape)
     out = []
@@ -96,69 +124,32 @@ def unheld_chunks(
     return out
 
 
-def on_chunks(pieces: Sequence[tuple[Index, Any, bool]], info: LeafInfo) -> bool:
-    """Whether every piece lies on ``info``'s chunk boundaries (`unheld_chunks` takes it)."""
-    shape, chunk_shape = info.shape, info.chunk_shape
-    return all(piece_linears(index, shape, chunk_shape) is not None for index, _, _ in pieces)
-
-
-def unheld_batches(
-    pieces: Sequence[tuple[Index, Any, bool]], info: LeafInfo, held: Set[int], limit: int
-) -> list[tuple[list[tuple[Index, Any, bool]], int]]:
-    """``pieces`` (on the chunk grid) in batches of at most ``limit`` bytes of chunks not in
-    ``held`` (a piece larger alone is a batch of its own), each with those bytes; pieces
-    with none such are left out, and with no batch at all one empty batch remains (process
-    0 still writes the leaf's zarr.json)."""
-    taken = np.fromiter(held, np.int64, len(held))
-    size = math.prod(info.chunk_shape) * dtype_of(info.dtype).itemsize
-    out: list[tuple[list[tuple[Index, Any, bool]], int]] = []
-    batch: list[tuple[Index, Any, bool]] = []
-    total = 0
-    for piece in pieces:
-        linears = piece_linears(piece[0], info.shape, info.chunk_shape)
-        assert linears is not None, "unheld_batches of a piece off the chunk grid"
-        nbytes = int(np.count_nonzero(~np.isin(linears, taken))) * size
-        if not nbytes:
-            continue
-        if batch and total + nbytes > limit:
-            out.append((batch, total))
-            batch, total = [], 0
-        batch.append(piece)
-        total += nbytes
-    if batch or not out:
-        out.append((batch, total))
-    return out
-
-
 async def write_in_part(
     kv: ts.KvStore,
     context: ts.Context,
     info: LeafInfo,
-    pieces: Sequence[tuple[Index, Any, bool]],
-    held: Set[int],
+    batches: Sequence[tuple[Sequence[Unheld], int]],
     budget: ByteBudget,
     write_metadata: bool,
 ) -> tuple[int, int]:
-    """A leaf held in part, in a stored form this version writes itself (`chunks.known`;
-    its pieces `on_chunks`): its zarr.json (``write_metadata``: process 0) and the chunks
-    ``held`` does not name as raw OCDBT keys into ``kv``, no TensorStore open. Pieces go
-    in batches of at most the budget's bytes, each batch one OCDBT commit
-    (`unheld_batches`, `write_keys`). How many chunks it wrote, and their payload bytes."""
+    """A leaf held in part, in a stored form this version writes itself (`chunks.known`):
+    its zarr.json (``write_metadata``: process 0) and the chunks ``batches`` names
+    (`unheld_batches`, of at most the budget's bytes each) as raw OCDBT keys into ``kv``,
+    no TensorStore open, each batch one OCDBT commit (`write_keys`). How many chunks it
+    wrote, and their payload bytes."""
     itemsize = dtype_of(info.dtype).itemsize
     policy = policy_of(context)
     written = [0, 0]
 
-    async def one(batch: Sequence[tuple[Index, Any, bool]], nbytes: int, meta: bool) -> None:
+    async def one(batch: Sequence[Unheld], nbytes: int, meta: bool) -> None:
         limit = None if policy is None else policy.limit(nbytes)
         sizes: list[int] = []
 
         def encoded() -> Iterator[tuple[str, bytes]]:
             if meta:
                 yield chunks.metadata_key(info), chunks.encode_metadata(info)
-            for index, data, _ in batch:
-                todo = unheld_chunks(index, data, info, held)
-                assert todo is not None, "write_in_part of a piece off the chunk grid"
-                for coord, chunk, n in todo:
+            for (index, data, _), todo in batch:
+                for coord, chunk, n in unheld_chunks(index, data, info, todo):
                     sizes.append(n)
                     yield chunks.chunk_key(info, coord), chunks.encode_chunk(info, chunk)
 
@@ -170,7 +161,6 @@ async def write_in_part(
         written[0] += len(sizes)
         written[1] += sum(sizes) * itemsize
 
-    batches = unheld_batches(pieces, info, held, budget.limit)
     await gather_first_error(
         [one(batch, n, write_metadata and k == 0) for k, (batch, n) in enumerate(batches)]
     )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from ckptstore.datapath.chunkwrites import on_chunks, unheld_batches, unheld_chunks
+from ckptstore.datapath.chunkwrites import unheld_batches, unheld_chunks
 from ckptstore.format import chunks
 from ckptstore.format.leaves import LeafInfo, zarr_spec
 
@@ -43,8 +43,10 @@ def test_chunks_encoded_here_are_tensorstores_own(
     values = (np.arange(np.prod(shape)) % 251).astype(dtype).reshape(shape)
     theirs = tensorstore_chunks(info, values)
     whole = tuple(slice(0, n) for n in shape)
-    mine = unheld_chunks(whole, values, info, held={0})
-    assert mine is not None
+    batches = unheld_batches([(whole, values, True)], info, {0}, limit=1 << 30)
+    assert batches is not None and len(batches) == 1
+    ((piece, todo),) = batches[0][0]
+    mine = unheld_chunks(piece[0], piece[1], info, todo)
     encoded = {chunks.chunk_key(info, coord): chunks.encode_chunk(info, c) for coord, c, _ in mine}
     assert len(encoded) == len(theirs) - 2  # all but zarr.json and the held chunk 0
     for key, data in encoded.items():
@@ -64,14 +66,16 @@ def test_batches_keep_to_the_budget_and_skip_pieces_with_nothing_to_write() -> N
         ((slice(k * 16, (k + 1) * 16), slice(0, 8)), values[k * 16 : (k + 1) * 16], True)
         for k in range(4)
     ]  # two chunks each
-    assert on_chunks(pieces, info)
     held = {0, 1, 4}  # piece 0 all held, piece 2 half
     batches = unheld_batches(pieces, info, held, limit=800)
-    assert [[p[0][0].start for p in b] for b, _ in batches] == [[16, 32], [48]]
+    assert batches is not None
+    assert [[p[0][0].start for p, _ in b] for b, _ in batches] == [[16, 32], [48]]
+    assert [[todo.tolist() for _, todo in b] for b, _ in batches] == [[[2, 3], [5]], [[6, 7]]]
     assert [n for _, n in batches] == [512 + 256, 512]
     alone = unheld_batches(pieces, info, held, limit=300)  # a piece over the limit: alone
-    assert [[p[0][0].start for p in b] for b, _ in alone] == [[16], [32], [48]]
+    assert alone is not None
+    assert [[p[0][0].start for p, _ in b] for b, _ in alone] == [[16], [32], [48]]
     everything = unheld_batches(pieces, info, set(range(8)), limit=800)
     assert everything == [([], 0)]  # one empty batch: process 0 still writes the zarr.json
     off = [((slice(4, 20), slice(0, 8)), values[4:20], True)]
-    assert not on_chunks(off, info)
+    assert unheld_batches(off, info, held, limit=800) is None  # off the grid: TensorStore's
