@@ -150,8 +150,10 @@ async def save_items(
     base, attempt = (base.step, base.attempt) if isinstance(base, SaveResult) else (base, None)
     if base is not None:
         base = layout.check_step(base)
-    shapes = {n: {i.name: i.shape for i in p.leaves} for n, p in prepared.items()}
-    declared = declared_rows(shapes, changed, base)
+    declared = None
+    if changed is not None:  # checked against the leaves before anything is opened
+        shapes = {n: {i.name: i.shape for i in p.leaves} for n, p in prepared.items()}
+        declared = declared_rows(shapes, changed, base)
 
     def request(
         backend: Backend, hooks: plain_save.SaveHooks = plain_save.PLAIN

@@ -49,14 +49,11 @@ Declared = dict[str, dict[str, np.ndarray[Any, np.dtype[np.int64]]]]
 
 def declared_rows(
     shapes: Mapping[str, Mapping[str, tuple[int, ...]]], changed: Any, base: int | None
-) -> Declared | None:
-    """``changed`` (per item, ``{leaf name: row indices}``; None: nothing declared)
-    checked against the items' leaf ``shapes`` (per item, per leaf name), its rows as
-    sorted distinct int64 arrays; `ConfigError` naming what is wrong (no ``base`` to be
-    relative to, an unknown item or leaf, a 0-d leaf, rows that are not integers or lie
-    outside the leaf's first axis)."""
-    if changed is None:
-        return None
+) -> Declared:
+    """``changed`` (per item, ``{leaf name: row indices}``) checked against the items'
+    leaf ``shapes`` (per item, per leaf name), its rows as sorted distinct int64 arrays;
+    `ConfigError` naming what is wrong (no ``base`` to be relative to, an unknown item or
+    leaf, a 0-d leaf, rows that are not integers or lie outside the leaf's first axis)."""
     if base is None:
         raise ConfigError("changed= declares rows changed since a base step: give base= too")
     return checked_rows(shapes, changed)
