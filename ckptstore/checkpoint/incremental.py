@@ -256,12 +256,13 @@ class References:
 
     holders: list[Reference]
     #: Each holder's place in ``holders`` (asked once per chunk: thousands per leaf).
-    _places: dict[Reference, int] = field(default_factory=dict, init=False, repr=False)
+    _places: dict[Reference, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._places = {ref: k for k, ref in enumerate(self.holders)}
 
     def index(self, holder: Reference) -> int:
         """``holder``'s place in ``holders``, appended if it is not there yet."""
-        if not self._places and self.holders:
-            self._places.update((ref, k) for k, ref in enumerate(self.holders))
         place = self._places.get(holder)
         if place is None:
             place = self._places[holder] = len(self.holders)
