@@ -130,3 +130,17 @@ def test_periods_join_when_a_save_does_not_commit_and_drop_when_it_does() -> Non
             rows.add({"t": bad}, "s", trees)
     rows.add({"t": [2]}, "s", trees)
     assert rows.take(8, 7)["s"]["t"].tolist() == [2]  # the refused calls count for nothing
+
+
+def test_leaf_names_follow_a_tree_whose_structure_changes() -> None:
+    """Leaf names are made once per tree structure: a leaf added or removed between calls
+    is found, or refused, by its new structure."""
+    rows = ChangedRows()
+    rows.add({"t": [1]}, "s", {"s": {"t": np.zeros((4, 2))}})
+    rows.add({"v": [3]}, "s", {"s": {"t": np.zeros((4, 2)), "v": np.zeros(5)}})
+    with pytest.raises(ckptstore.ConfigError, match="which the tree does not have"):
+        rows.add({"t": [0]}, "s", {"s": {"v": np.zeros(5)}})
+    with pytest.raises(ckptstore.ConfigError, match=r"row 4 is outside 0\.\.3"):
+        rows.add({"t": [4]}, "s", {"s": {"t": np.zeros((4, 2)), "v": np.zeros(5)}})
+    with pytest.raises(ckptstore.ConfigError, match=r"row 4 is outside 0\.\.1"):  # same names
+        rows.add({"t": [4]}, "s", {"s": {"t": np.zeros((2, 2)), "v": np.zeros(5)}})
