@@ -2,7 +2,10 @@
 
 Both speak real HTTP on 127.0.0.1, so the backends and TensorStore's C++
 drivers are exercised exactly as against the cloud (minus the emulators'
-documented gaps: fake-gcs-server ignores preconditions).
+documented gaps: fake-gcs-server ignores preconditions). moto's own gap, a
+conditional write that checks for the key and then writes it in two steps, so that two
+racing ``If-None-Match: *`` writes can both succeed, is closed here (`_atomic_moto_writes`):
+S3 itself guarantees one winner.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import platform
 import random
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from functools import wraps
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -91,6 +96,41 @@ class _Server:
         self.stop()
 
 
+_MOTO_WRITES = threading.Lock()
+
+
+def _atomic_moto_writes() -> None:
+    """Serialize moto's object writes (PUT, POST, DELETE of a key; a bulk delete) in this
+    process, so that a conditional write's check and write are one step, as S3 makes them.
+
+    moto answers ``If-None-Match: *`` by looking the key up and then storing the object, in a
+    server thread per request; two racing creators can both pass the lookup and both be told
+    they won (seen in CI: two of 16). Reads stay concurrent. Idempotent.
+    """
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response, "_ckptstore_atomic", False):
+        return
+    key_response = S3Response._key_response
+    delete_keys = S3Response._bucket_response_delete_keys
+
+    @wraps(key_response)
+    def locked_key_response(self: Any, request: Any, full_url: str) -> Any:
+        if request.method in ("GET", "HEAD", "OPTIONS"):
+            return key_response(self, request, full_url)
+        with _MOTO_WRITES:
+            return key_response(self, request, full_url)
+
+    @wraps(delete_keys)
+    def locked_delete_keys(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _MOTO_WRITES:
+            return delete_keys(self, *args, **kwargs)
+
+    S3Response._key_response = locked_key_response  # type: ignore[method-assign]
+    S3Response._bucket_response_delete_keys = locked_delete_keys  # type: ignore[method-assign]
+    S3Response._ckptstore_atomic = True  # type: ignore[attr-defined]
+
+
 class MotoS3Server(_Server):
     """moto's S3 server in a daemon thread of this process, on a free port."""
 
@@ -110,6 +150,7 @@ class MotoS3Server(_Server):
             return
         from moto.server import ThreadedMotoServer
 
+        _atomic_moto_writes()
         # werkzeug logs every request at INFO to stderr; keep test output readable.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

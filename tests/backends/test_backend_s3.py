@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -178,6 +179,28 @@ async def test_create_race_has_one_winner_repeatedly(s3: S3Backend) -> None:
         assert len(winners) == 1, results
         assert all(isinstance(r, AlreadyExistsError) for r in results if r is not None), results
         assert await s3.read(f"race-{round_}") == f"w{winners[0]}".encode()
+
+
+async def test_create_race_stays_atomic_when_moto_stores_slowly(
+    s3: S3Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto looks a conditional write's key up, then stores it; the test server makes the two
+    one step. Widened here by a slow store, 8 racers would otherwise all be told they won."""
+    from moto.s3.models import S3Backend as MotoBackend
+
+    real_put = MotoBackend.put_object
+
+    def slow_put(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(MotoBackend, "put_object", slow_put)
+    results = await asyncio.gather(
+        *(s3.create("slow-race", f"w{i}".encode()) for i in range(8)), return_exceptions=True
+    )
+    winners = [i for i, r in enumerate(results) if r is None]
+    assert len(winners) == 1, results
+    assert await s3.read("slow-race") == f"w{winners[0]}".encode()
 
 
 # ---- credential sources -------------------------------------------------------------------
