@@ -8,7 +8,8 @@ and leaves out the equal ones (`ckptstore.datapath.chunkwrites`). A chunk has ex
 owner process, so that decision is the owner's alone; no round is needed for it.
 
 Each process records, beside its store, its chunks' digests and which of them it left out
-(`write_records`, ``chunks.json``); process 0 reads them (`read_records`) and puts into the
+(`write_records`, ``chunks.json``; process 0 keeps its own in memory:
+`ckptstore.checkpoint.beside`); process 0 reads them (`read_records`) and puts into the
 manifest each such leaf's chunk digests and, per holder attempt, the ranges of chunks it
 holds (`item_chunks`): the base's holder of that chunk, never the base when the base itself
 referenced it (no chains). The model and its safety argument: docs/incremental.md,
@@ -78,6 +79,14 @@ class Records:
     digests: dict[str, ChunkTable] = field(default_factory=dict)
     held: dict[str, set[int]] = field(default_factory=dict)
 
+    def add(self, digests: Mapping[str, ChunkTable], held: Mapping[str, Set[int]]) -> None:
+        """Join one writer's records: its chunk digests per leaf and the chunks it left out
+        (the leaves without digests have no record, as `write_records` writes them)."""
+        for leaf, table in digests.items():
+            if table:
+                self.digests.setdefault(leaf, {}).update(table)
+                self.held.setdefault(leaf, set()).update(held.get(leaf, ()))
+
 
 async def write_records(
     backend: Backend, store: str, digests: Mapping[str, ChunkTable], held: Mapping[str, Set[int]]
@@ -112,10 +121,11 @@ async def read_records(backend: Backend, stores: Sequence[str]) -> Records:
                 if not isinstance(doc, dict):
                     raise ValueError("not a JSON object")
                 for leaf, record in doc.items():
-                    out.digests.setdefault(leaf, {}).update(_chunk_table(leaf, record["digests"]))
+                    table = _chunk_table(leaf, record["digests"])
                     held = record["held"]
                     if not isinstance(held, list) or not all(isinstance(k, int) for k in held):
                         raise ValueError(f"leaf {leaf!r}: bad held chunks")
+                    out.digests.setdefault(leaf, {}).update(table)
                     out.held.setdefault(leaf, set()).update(held)
         except (ValueError, KeyError, TypeError) as exc:
             raise CkptStoreError(f"unreadable chunk records {key}: {exc}") from exc

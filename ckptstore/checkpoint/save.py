@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.chunklevel import held_bytes, item_chunks, read_records, write_records
+from ckptstore.checkpoint.beside import Beside, collect, record
+from ckptstore.checkpoint.chunklevel import held_bytes, item_chunks
 from ckptstore.checkpoint.commit import (
     COMMIT,
     Fate,
@@ -41,14 +42,7 @@ from ckptstore.checkpoint.commit import (
 )
 from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.discard import discard, root_missing
-from ckptstore.checkpoint.incremental import (
-    References,
-    SameObjects,
-    Unchanged,
-    read_digests,
-    unchanged,
-    write_digests,
-)
+from ckptstore.checkpoint.incremental import References, SameObjects, Unchanged, unchanged
 from ckptstore.checkpoint.merge import merge
 from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.chunkwrites import ChunkPlan
@@ -57,7 +51,6 @@ from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.casts import CastPolicy
 from ckptstore.format.codecs import CodecPolicy
-from ckptstore.format.digests import PieceTable
 from ckptstore.format.jsonitems import JsonItem, as_json_item, is_array_tree
 from ckptstore.format.leaves import (
     TARGET_CHUNK_BYTES,
@@ -320,9 +313,10 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
 
     where = layout.AttemptDir(step, await handoff.agree(fresh_attempt))
     owner = new_owner()  # process 0's name in the attempt's fate record
+    kept: dict[str, Beside] = {}  # process 0's own records, per item (`checkpoint.beside`)
 
     async def write_mine() -> dict[str, Any]:
-        report = await _write_mine(request, where, same, handoff.me)
+        report = await _write_mine(request, where, same, handoff.me, kept)
         await hooks.after_write(backend, where, request.items, handoff)
         return report.to_json()
 
@@ -346,7 +340,7 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         nonlocal committing
         reports = [ProcessReport.from_json(r) for r in await handoff.reports()]
         fate = await claim(backend, where, COMMIT, owner)  # before the first shared write
-        manifest = await _manifest(request, where, same, reports, written)
+        manifest = await _manifest(request, where, same, reports, written, kept)
         phases["merge"] = manifest.timings["merge"]
         committing = True
         await hooks.finish(backend, where, manifest, fate, handoff)
@@ -396,10 +390,15 @@ async def _references(request: SaveRequest, handoff: Handoff) -> Unchanged:
 
 
 async def _write_mine(
-    request: SaveRequest, where: layout.AttemptDir, same: Unchanged, me: int
+    request: SaveRequest,
+    where: layout.AttemptDir,
+    same: Unchanged,
+    me: int,
+    kept: dict[str, Beside],
 ) -> ProcessReport:
     """Phase 2, every process: its shards of every item into its own store (small leaves
-    into packs where the hooks say so), with piece digests where they are recorded."""
+    into packs where the hooks say so), with piece digests where they are recorded; what
+    it records beside a store, process 0 keeps in ``kept`` instead (`checkpoint.beside`)."""
     backend = request.backend
     record_digests = request.digests or request.base is not None
     total = ProcessReport(process=me)
@@ -425,27 +424,24 @@ async def _write_mine(
             chunk_plan=chunk_plan,
         )
         # What the store's writer records beside it, each its own small object: written at once.
-        beside = [
-            write_index(backend, store, stats.packed) if stats.packed else _none(),
-            write_digests(backend, store, tables) if tables is not None else _none(),
-            write_records(backend, store, chunk_plan.digests, chunk_plan.held),
-        ]
-        _, digested, chunked = await gather_first_error(beside)
+        mine = Beside(tables, chunk_plan)
+        if me == 0:
+            kept[name] = mine
+        writes: list[Awaitable[Any]] = [record(backend, store, mine, keep=me == 0)]
+        if stats.packed:
+            writes.append(write_index(backend, store, stats.packed))
+        digested, chunked = (await gather_first_error(writes))[0]
         total = dataclasses.replace(
             total,
             shards=total.shards + stats.shards,
             bytes=total.bytes + stats.bytes,
             seconds=total.seconds + stats.seconds,
             packed={**total.packed, name: len(stats.packed)},
-            digested={**total.digested, name: digested or 0},
-            chunked={**total.chunked, name: chunked or 0},
+            digested={**total.digested, name: digested},
+            chunked={**total.chunked, name: chunked},
             held_bytes=total.held_bytes + held_bytes(item.leaves, chunk_plan.held),
         )
     return total
-
-
-async def _none() -> int | None:
-    return None
 
 
 async def _manifest(
@@ -454,9 +450,11 @@ async def _manifest(
     same: Unchanged,
     reports: list[ProcessReport],
     written: float,
+    kept: dict[str, Beside],
 ) -> Manifest:
     """Phase 3, process 0: each item's stores merged (where the hooks merge here), its
-    packs checked, and the attempt's manifest with every leaf, digest and reference."""
+    packs checked, and the attempt's manifest with every leaf, digest and reference
+    (process 0's own records: ``kept``)."""
     backend, based = request.backend, same.base
     manifest_items = {}
     references = References([])
@@ -468,9 +466,12 @@ async def _manifest(
         held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
         # A host-local fast tier holds only process 0's store here: the others' digests
         # stay on their hosts, and this step serves as a base for process 0's pieces only.
-        readable = reports if request.hooks.merge else reports[:1]
-        chunked = await read_records(
-            backend, [s for s, r in zip(stores, readable, strict=False) if r.chunked.get(name)]
+        others = (reports if request.hooks.merge else reports[:1])[1:]
+        digests, chunked = await collect(
+            backend,
+            [stores[r.process] for r in others if r.digested.get(name)],
+            [stores[r.process] for r in others if r.chunked.get(name)],
+            kept.get(name),
         )
         # Leaves held in part: the chunks the base's holders have are not in this attempt.
         in_part = item_chunks(based, name, item.leaves, chunked, held, references)
@@ -480,7 +481,6 @@ async def _manifest(
             await check_packs(
                 backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
             )
-        digests = await _digests(backend, where, name, readable)
         refs: dict[str, int] = {}
         for leaf in sorted(held - in_part.refs.keys()):  # held in part by the base: chunks
             assert based is not None
@@ -540,18 +540,6 @@ async def _packed(
     if found:
         raise CkptStoreError(f"packed leaves the tree does not have: {sorted(found)[:5]}")
     return out
-
-
-async def _digests(
-    backend: Backend, where: layout.AttemptDir, item: str, reports: Sequence[ProcessReport]
-) -> dict[str, PieceTable]:
-    """Every process's piece digests of ``item``, joined per leaf."""
-    stores = [
-        where.process_store(item, i)
-        for i, report in enumerate(reports)
-        if report.digested.get(item)
-    ]
-    return await read_digests(backend, stores)
 
 
 def _last(key: str) -> str:
