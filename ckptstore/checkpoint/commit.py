@@ -51,7 +51,7 @@ from ckptstore.errors import (
 from ckptstore.format import layout
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.manifest import Manifest, Reference
-from ckptstore.runtime.futures import THREAD_BYTES, off_loop
+from ckptstore.runtime.futures import THREAD_BYTES, gather_first_error, off_loop
 
 
 def digest(data: bytes) -> str:
@@ -379,16 +379,22 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
         Manifest.from_bytes(data, where=f"{backend.url}/{where.manifest} (not written)")
         return data
 
-    # Milliseconds per few hundred leaves: on a worker thread, never holding the event loop.
-    data = await off_loop(encoded, THREAD_BYTES)
-    await backend.write(where.manifest, data)
-    await backend.sync_dirs(where.root)  # every directory the attempt created, before the marker
-    if manifest.base is not None:  # after the manifest is visible: docs/incremental.md
-        try:
+    async def written() -> bytes | None:
+        # Milliseconds per few hundred leaves: on a worker thread, never holding the loop.
+        data = await off_loop(encoded, THREAD_BYTES)
+        await backend.write(where.manifest, data)
+        if manifest.base is not None:  # after the manifest is visible: docs/incremental.md
             await check_base(backend, manifest.base)
-        except BaseStepGoneError:
-            await _give_up(backend, where, fate)
-            raise
+        return data
+
+    # Every directory the attempt created is made durable before the marker, while the
+    # manifest is encoded, written (its own directory with it) and the base checked.
+    try:
+        data, _ = await gather_first_error([written(), backend.sync_dirs(where.root)])
+    except BaseStepGoneError:
+        await _give_up(backend, where, fate)
+        raise
+    assert data is not None
     fate.check_fresh(where)
     marker = Marker(
         step=manifest.step,
