@@ -29,11 +29,13 @@ carries and name the same step and attempt. Anything else is
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hashlib
 import json
 import math
 import secrets
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -412,6 +414,7 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
             backend=backend.url,
             key=exc.key,
         ) from exc
+    RECENT.add(manifest)
     return dataclasses.replace(marker, index=index)
 
 
@@ -505,11 +508,14 @@ async def read_marker_and_bytes(backend: Backend, step: int) -> tuple[bytes, Mar
     return data, Marker.from_bytes(data, step=step, where=f"{backend.url}/{key}", index=index)
 
 
-async def load_committed(backend: Backend, step: int) -> Manifest:
+async def load_committed(backend: Backend, step: int, *, recent: bool = False) -> Manifest:
     """The verified manifest of committed ``step``.
 
     Raises `CheckpointNotFoundError` if the step is not committed and
     `CorruptCheckpointError` if the marker, the manifest or their agreement fails.
+    ``recent`` (an incremental save reading its base): a manifest this process committed
+    lately (`RecentCommits`) is taken as it is when the marker names its attempt, not
+    read and parsed again; restores and verify always read what is stored.
     """
     marker = await read_marker(backend, step)
     if marker is None:
@@ -518,7 +524,42 @@ async def load_committed(backend: Backend, step: int) -> Manifest:
             backend=backend.url,
             key=layout.commit_key(step),
         )
-    return await load_manifest(backend, marker)
+    known = RECENT.get(step, marker.attempt) if recent else None
+    return known if known is not None else await load_manifest(backend, marker)
+
+
+class RecentCommits:
+    """The last few manifests this process committed, by step and attempt.
+
+    An attempt's manifest is written once, before its marker, and an attempt id is never
+    reused (`layout.new_attempt`), so while a step's marker names that attempt its
+    manifest is the one kept here, on whichever backend or tier it was copied to. The
+    next incremental save's base is nearly always the step saved last: this spares it a
+    read and a parse of a manifest that records every chunk's digest (docs/benchmarks.md).
+    """
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._kept: collections.OrderedDict[tuple[int, str], Manifest] = collections.OrderedDict()
+        self._lock = threading.Lock()  # managers save on threads of their own
+
+    def add(self, manifest: Manifest) -> None:
+        if manifest.attempt is None:
+            return
+        key = (manifest.step, manifest.attempt)
+        with self._lock:
+            self._kept[key] = manifest
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+    def get(self, step: int, attempt: str | None) -> Manifest | None:
+        with self._lock:
+            return None if attempt is None else self._kept.get((step, attempt))
+
+
+#: This process's `RecentCommits` (filled by `commit`).
+RECENT = RecentCommits()
 
 
 async def _what_is_there(backend: Backend) -> str:

@@ -109,7 +109,7 @@ async def open_base(backend: Backend, step: int, attempt: str | None = None) -> 
     ``attempt``, still committed as that attempt: a partial save's session names its base
     once, and every part must reference what that base holds)."""
     try:
-        base = Base(await load_committed(backend, layout.check_step(step)))
+        base = Base(await load_committed(backend, layout.check_step(step), recent=True))
     except BaseStepGoneError:
         raise
     except CheckpointNotFoundError as exc:

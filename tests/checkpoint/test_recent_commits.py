@@ -1,0 +1,94 @@
+"""An incremental save takes its base's manifest from `RecentCommits` when this process
+committed it and the step's marker still names that attempt; everything else reads the
+stored manifest (ckptstore.checkpoint.commit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends.local import LocalBackend
+from ckptstore.checkpoint import commit as commit_module
+from ckptstore.checkpoint.commit import RECENT, RecentCommits, load_committed
+from ckptstore.errors import CorruptCheckpointError
+from ckptstore.format import layout
+from ckptstore.format.manifest import Manifest
+
+
+@pytest.fixture
+def manifest_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys of every manifest this test reads from a local backend."""
+    reads: list[str] = []
+    real = LocalBackend.read
+
+    async def read(self: LocalBackend, key: str, *args: Any, **kwargs: Any) -> bytes:
+        if key.endswith("manifest.json"):
+            reads.append(key)
+        return await real(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "read", read)
+    return reads
+
+
+def tree(value: float) -> dict[str, Any]:
+    return {"w": np.full((64, 64), value, np.float32), "b": np.arange(8.0)}
+
+
+def test_a_base_this_process_committed_is_not_read_again(
+    tmp_path: Path, manifest_reads: list[str]
+) -> None:
+    root = str(tmp_path / "ckpt")
+    first = ckptstore.save_sync(root, tree(1.0), step=1)
+    assert manifest_reads == []
+    second = ckptstore.save_sync(root, tree(1.0), step=2, base=1)
+    assert manifest_reads == [] and second.bytes_written == 0
+    restored = ckptstore.restore_sync(root, 2)  # a restore reads what is stored
+    np.testing.assert_array_equal(restored["w"], tree(1.0)["w"])
+    assert manifest_reads == [layout.AttemptDir(2, second.attempt).manifest]
+    assert first.attempt != second.attempt
+
+
+def test_a_base_saved_again_by_another_writer_is_read(
+    tmp_path: Path, manifest_reads: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = str(tmp_path / "ckpt")
+    ckptstore.save_sync(root, tree(1.0), step=1)
+    ckptstore.delete_step_sync(root, 1)
+    with monkeypatch.context() as patched:  # another process's save: its manifest not kept
+        patched.setattr(commit_module, "RECENT", RecentCommits(size=0))
+        other = ckptstore.save_sync(root, tree(2.0), step=1)
+    saved = ckptstore.save_sync(root, tree(2.0), step=2, base=1)
+    assert layout.AttemptDir(1, other.attempt).manifest in manifest_reads
+    assert saved.bytes_written == 0  # compared with the other writer's digests, all equal
+    np.testing.assert_array_equal(ckptstore.restore_sync(root, 2)["w"], tree(2.0)["w"])
+
+
+async def test_only_an_incremental_base_takes_the_kept_manifest(tmp_path: Path) -> None:
+    """A manifest edited after its commit is what verify and restore see; the base of a
+    save (``recent=True``) is this process's own copy of what it committed."""
+    root = tmp_path / "ckpt"
+    saved = await ckptstore.save(str(root), tree(1.0), step=1)
+    path = root / layout.AttemptDir(1, saved.attempt).manifest
+    edited = path.read_bytes().replace(b'"step":1,', b'"step":1 ,')
+    assert edited != path.read_bytes()
+    path.write_bytes(edited)
+    async with LocalBackend(root) as backend:
+        with pytest.raises(CorruptCheckpointError, match="does not match the digest"):
+            await load_committed(backend, 1)
+        kept = await load_committed(backend, 1, recent=True)
+    assert isinstance(kept, Manifest) and kept.attempt == saved.attempt
+
+
+def test_recent_commits_keeps_the_last_few() -> None:
+    recent = RecentCommits(size=2)
+    manifests = [Manifest(step=s, items={}, attempt=f"a{s}") for s in range(3)]
+    for m in manifests:
+        recent.add(m)
+    assert recent.get(0, "a0") is None
+    assert recent.get(1, "a1") is manifests[1] and recent.get(2, "a2") is manifests[2]
+    assert recent.get(2, "a1") is None and recent.get(2, None) is None
+    assert RECENT.size >= 1
