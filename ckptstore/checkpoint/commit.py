@@ -398,10 +398,11 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
         raise
     assert data is not None
     fate.check_fresh(where)
+    manifest_digest = digest(data)
     marker = Marker(
         step=manifest.step,
         attempt=manifest.attempt,
-        manifest_digest=digest(data),
+        manifest_digest=manifest_digest,
         token=secrets.token_hex(16),
         time=time.time(),
         format_version=manifest.format_version,
@@ -414,7 +415,7 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
             backend=backend.url,
             key=exc.key,
         ) from exc
-    RECENT.add(manifest)
+    RECENT.add(manifest, manifest_digest)
     return dataclasses.replace(marker, index=index)
 
 
@@ -514,8 +515,8 @@ async def load_committed(backend: Backend, step: int, *, recent: bool = False) -
     Raises `CheckpointNotFoundError` if the step is not committed and
     `CorruptCheckpointError` if the marker, the manifest or their agreement fails.
     ``recent`` (an incremental save reading its base): a manifest this process committed
-    lately (`RecentCommits`) is taken as it is when the marker names its attempt, not
-    read and parsed again; restores and verify always read what is stored.
+    lately (`RecentCommits`) is taken as it is when the marker names its attempt and its
+    bytes' digest, not read and parsed again; restores and verify always read what is stored.
     """
     marker = await read_marker(backend, step)
     if marker is None:
@@ -524,38 +525,43 @@ async def load_committed(backend: Backend, step: int, *, recent: bool = False) -
             backend=backend.url,
             key=layout.commit_key(step),
         )
-    known = RECENT.get(step, marker.attempt) if recent else None
+    known = RECENT.get(step, marker.attempt, marker.manifest_digest) if recent else None
     return known if known is not None else await load_manifest(backend, marker)
 
 
 class RecentCommits:
-    """The last few manifests this process committed, by step and attempt.
+    """The last few manifests this process committed, by step, attempt and digest.
 
-    An attempt's manifest is written once, before its marker, and an attempt id is never
-    reused (`layout.new_attempt`), so while a step's marker names that attempt its
-    manifest is the one kept here, on whichever backend or tier it was copied to. The
+    While a step's marker names the attempt and the digest of the manifest kept here, the
+    stored manifest is this one (the marker's digest is checked on every read; a manifest
+    rewritten since, with a marker signed again, has another digest), on whichever backend
+    or tier it was copied to. The
     next incremental save's base is nearly always the step saved last: this spares it a
     read and a parse of a manifest that records every chunk's digest (docs/benchmarks.md).
     """
 
     def __init__(self, size: int = 2) -> None:
         self.size = size
-        self._kept: collections.OrderedDict[tuple[int, str], Manifest] = collections.OrderedDict()
+        self._kept: collections.OrderedDict[tuple[int, str, str], Manifest] = (
+            collections.OrderedDict()
+        )
         self._lock = threading.Lock()  # managers save on threads of their own
 
-    def add(self, manifest: Manifest) -> None:
+    def add(self, manifest: Manifest, manifest_digest: str) -> None:
         if manifest.attempt is None:
             return
-        key = (manifest.step, manifest.attempt)
+        key = (manifest.step, manifest.attempt, manifest_digest)
         with self._lock:
             self._kept[key] = manifest
             self._kept.move_to_end(key)
             while len(self._kept) > self.size:
                 self._kept.popitem(last=False)
 
-    def get(self, step: int, attempt: str | None) -> Manifest | None:
+    def get(self, step: int, attempt: str | None, manifest_digest: str | None) -> Manifest | None:
+        if attempt is None or manifest_digest is None:
+            return None
         with self._lock:
-            return None if attempt is None else self._kept.get((step, attempt))
+            return self._kept.get((step, attempt, manifest_digest))
 
 
 #: This process's `RecentCommits` (filled by `commit`).

@@ -17,6 +17,7 @@ from ckptstore.checkpoint.commit import RECENT, RecentCommits, load_committed
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from tests.checkpoint.helpers import resign
 
 
 @pytest.fixture
@@ -87,8 +88,25 @@ def test_recent_commits_keeps_the_last_few() -> None:
     recent = RecentCommits(size=2)
     manifests = [Manifest(step=s, items={}, attempt=f"a{s}") for s in range(3)]
     for m in manifests:
-        recent.add(m)
-    assert recent.get(0, "a0") is None
-    assert recent.get(1, "a1") is manifests[1] and recent.get(2, "a2") is manifests[2]
-    assert recent.get(2, "a1") is None and recent.get(2, None) is None
+        recent.add(m, f"d{m.step}")
+    assert recent.get(0, "a0", "d0") is None
+    assert recent.get(1, "a1", "d1") is manifests[1] and recent.get(2, "a2", "d2") is manifests[2]
+    assert recent.get(2, "a1", "d2") is None and recent.get(2, None, "d2") is None
+    assert recent.get(2, "a2", "d1") is None and recent.get(2, "a2", None) is None
     assert RECENT.size >= 1
+
+
+async def test_a_manifest_rewritten_with_its_marker_signed_again_is_read(
+    tmp_path: Path, manifest_reads: list[str]
+) -> None:
+    """The marker names the same attempt but the digest of other bytes (a forger's edit,
+    or an older version's manifest a test stands in for): what is stored is read."""
+    root = tmp_path / "ckpt"
+    saved = await ckptstore.save(str(root), tree(1.0), step=1)
+    key = layout.AttemptDir(1, saved.attempt).manifest
+    edited = (root / key).read_bytes().replace(b'"step":1,', b'"step":1 ,')
+    async with LocalBackend(root) as backend:
+        await resign(backend, 1, edited)
+        manifest_reads.clear()
+        reread = await load_committed(backend, 1, recent=True)
+    assert manifest_reads == [key] and reread.attempt == saved.attempt
