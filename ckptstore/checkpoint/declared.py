@@ -21,6 +21,7 @@ help there, and is not needed to be right).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.datapath.arrays import sliced_shape
+from ckptstore.datapath.regions import read_regions
 from ckptstore.errors import ConfigError
 from ckptstore.format.digests import (
     DIGEST_BYTES,
@@ -146,9 +149,15 @@ async def declared_table(
     def hash_some(which: Sequence[int]) -> dict[int, bytes]:
         found: dict[int, bytes] = {}
         for p in which:
-            if jobs[p]:
-                hashed = chunk_digests(np.asarray(pieces[p][1]), [rel for _, rel in jobs[p]])
-                found.update(zip((k for k, _ in jobs[p]), hashed, strict=True))
+            index, data, _ = pieces[p]
+            groups = [list(g) for _, g in itertools.groupby(jobs[p], key=lambda job: job[1][0])]
+            across = [slice(0, n) for n in sliced_shape(shape, index)[1:]]
+            # On an accelerator only these bands are copied to the host, not the piece.
+            bands = read_regions(data, [(group[0][1][0], *across) for group in groups])
+            for rows, group in zip(bands, groups, strict=True):
+                tall = slice(0, rows.shape[0])
+                hashed = chunk_digests(rows, [(tall, *rel[1:]) for _, rel in group])
+                found.update(zip((k for k, _ in group), hashed, strict=True))
         return found
 
     cores = os.cpu_count() or 2

@@ -22,6 +22,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.tsdeadline import policy_of
+from ckptstore.datapath.regions import read_regions
 from ckptstore.format import chunks
 from ckptstore.format.digests import (
     ChunkTable,
@@ -109,12 +110,12 @@ def unheld_chunks(
     """The chunks ``todo`` (linear indices, as `unheld_batches` gives them) of the piece
     ``index`` holding ``data``: each one's grid coordinates, its data (an edge chunk padded
     with zeros to the chunk shape, as zarr3 stores it) and its own element count."""
-    host = data if isinstance(data, np.ndarray) else np.asarray(data)
     grid = chunk_grid(info.shape, info.chunk_shape)
+    linears = todo.tolist()
+    rels = [region_in_piece(k, index, info.shape, info.chunk_shape) for k in linears]
     out = []
-    for linear in todo.tolist():
-        rel = region_in_piece(linear, index, info.shape, info.chunk_shape)
-        part = host[rel]
+    # On an accelerator only these chunks are copied to the host, not the piece.
+    for linear, rel, part in zip(linears, rels, read_regions(data, rels), strict=True):
         if part.shape != tuple(info.chunk_shape):  # an edge chunk
             padded = np.zeros(info.chunk_shape, dtype_of(info.dtype))
             padded[tuple(slice(0, n) for n in part.shape)] = part

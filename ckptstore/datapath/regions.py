@@ -1,0 +1,69 @@
+"""Regions of a piece on the host, without the whole piece.
+
+A piece in host memory (numpy, a staged copy, or a jax array on CPU devices, viewed in place)
+is read in place. A piece on an accelerator would be copied to the host whole by
+`np.asarray`: for a declared-rows save (`ckptstore.checkpoint.declared`) of a 256 MiB
+table on a TPU v5e, 256 MiB over a 2.9 GB/s link (~90 ms, and a host copy of the table) to
+read the 20 MiB its declared rows lie in. There each region is sliced on the device (one
+gather per region shape, their starts a run-time argument) and only they are copied.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ckptstore.format.leaves import Index
+
+
+def read_regions(data: Any, regions: Sequence[Index]) -> list[np.ndarray[Any, Any]]:
+    """``regions`` (step-1 slices relative to the piece ``data``) as numpy arrays: views of
+    it where it is in host memory; where it is a jax array on an accelerator, the regions
+    of each shape gathered on the device in one call and copied to the host together (a
+    call per region took 0.5 ms each on a TPU v5e: 40 of them a third of the whole
+    piece's copy)."""
+    if not (isinstance(data, jax.Array) and on_accelerator(data)):
+        host = data if isinstance(data, np.ndarray) else np.asarray(data)  # a view on CPU
+        return [host[region] for region in regions]
+    bounds = [[r.indices(n)[:2] for r, n in zip(reg, data.shape, strict=True)] for reg in regions]
+    starts = [tuple(a for a, _ in b) for b in bounds]
+    sizes = [tuple(z - a for a, z in b) for b in bounds]
+    out: list[np.ndarray[Any, Any] | None] = [None] * len(regions)
+    for size in dict.fromkeys(sizes):
+        which = [k for k, s in enumerate(sizes) if s == size]
+        gathered = _gather(data, [starts[k] for k in which], size)
+        for k, part in zip(which, gathered, strict=True):
+            out[k] = part
+    return [part for part in out if part is not None]
+
+
+def on_accelerator(data: jax.Array) -> bool:
+    """Whether ``data`` lives outside host memory (any device not a CPU)."""
+    return any(d.platform != "cpu" for d in data.devices())
+
+
+def _gather(
+    data: jax.Array, starts: Sequence[tuple[int, ...]], size: tuple[int, ...]
+) -> list[np.ndarray[Any, Any]]:
+    """The regions of shape ``size`` at ``starts``: one device call, one copy to the host.
+    Their count is padded to a power of two (the last start repeated), so a few compiled
+    calls serve every count."""
+    count = 1 << max(0, len(starts) - 1).bit_length()
+    padded = np.array([*starts, *[starts[-1]] * (count - len(starts))], np.int32)
+    stacked = np.asarray(_gatherer(size)(data, padded))
+    return [stacked[k] for k in range(len(starts))]
+
+
+@functools.lru_cache(maxsize=64)
+def _gatherer(size: tuple[int, ...]) -> Callable[..., jax.Array]:
+    """Regions of ``size`` at an array of starts, stacked (compiled per piece shape and
+    padded count)."""
+
+    def gather(x: jax.Array, starts: jax.Array) -> jax.Array:
+        return jax.vmap(lambda at: jax.lax.dynamic_slice(x, tuple(at), size))(starts)
+
+    return jax.jit(gather)
