@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -132,3 +133,19 @@ def test_incremental_benchmark_quick_run() -> None:
     assert re.search(r"^\| chunks +\| the changed bytes stored raw, then", out, re.M), out
     scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
+
+
+def test_declared_device_benchmark_quick_run(tmp_path: Path) -> None:
+    # Its code paths on CPU devices (where nothing is copied, so its ratios mean nothing
+    # here): each way of saving, each step, the restores of both declared roots.
+    out = tmp_path / "declared_device.json"
+    script = REPO / "benchmarks" / "declared_device.py"
+    cmd = [sys.executable, str(script), "--mib", "8", "--steps", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["restored_bit_exact"] is True
+    assert {k: len(v) for k, v in got["seconds"].items()} == dict.fromkeys(
+        ("bands", "whole", "full", "device_to_host"), 3
+    )
+    assert set(got["ratios"]) == {"bands_vs_whole", "bands_vs_full", "whole_vs_full"}
