@@ -100,34 +100,33 @@ _MOTO_WRITES = threading.Lock()
 
 
 def _atomic_moto_writes() -> None:
-    """Serialize moto's object writes (PUT, POST, DELETE of a key; a bulk delete) in this
-    process, so that a conditional write's check and write are one step, as S3 makes them.
+    """Serialize moto's conditional writes (a PUT or a completed multipart upload with
+    ``If-None-Match`` or ``If-Match``) in this process, so that each one's check and write
+    are one step, as S3 makes them.
 
     moto answers ``If-None-Match: *`` by looking the key up and then storing the object, in a
     server thread per request; two racing creators can both pass the lookup and both be told
-    they won (seen in CI: two of 16). Reads stay concurrent. Idempotent.
+    they won (seen in CI: two of 16). Every other request stays concurrent (serializing all
+    writes made a 256 MiB save of 2,048 chunks 1.4x slower); ckptstore never writes a key
+    unconditionally that it also creates. Idempotent.
     """
     from moto.s3.responses import S3Response
 
     if getattr(S3Response, "_ckptstore_atomic", False):
         return
     key_response = S3Response._key_response
-    delete_keys = S3Response._bucket_response_delete_keys
 
     @wraps(key_response)
     def locked_key_response(self: Any, request: Any, full_url: str) -> Any:
-        if request.method in ("GET", "HEAD", "OPTIONS"):
+        headers = request.headers
+        if request.method in ("GET", "HEAD", "OPTIONS") or not (
+            "If-None-Match" in headers or "If-Match" in headers
+        ):
             return key_response(self, request, full_url)
         with _MOTO_WRITES:
             return key_response(self, request, full_url)
-
-    @wraps(delete_keys)
-    def locked_delete_keys(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _MOTO_WRITES:
-            return delete_keys(self, *args, **kwargs)
 
     S3Response._key_response = locked_key_response  # type: ignore[method-assign]
-    S3Response._bucket_response_delete_keys = locked_delete_keys  # type: ignore[method-assign]
     S3Response._ckptstore_atomic = True  # type: ignore[attr-defined]
 
 
