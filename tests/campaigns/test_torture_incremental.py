@@ -1,5 +1,6 @@
 """SIGKILL inside incremental saves (tests/campaigns/torture.py, `INCREMENTAL_CELLS`): saves
-with ``base=`` killed at random moments and at exact points (after the base is read, after
+with ``base=`` (a table among their leaves changed in two chunks, written as raw keys, the
+rest referenced) killed at random moments and at exact points (after the base is read, after
 the agreement round, after the writes, the merge, the manifest, and the re-check of the
 base before the marker), deletions of a step later steps reference killed midway, and an
 incremental save racing the deletion of its base and a gc with a tiny grace, one of the

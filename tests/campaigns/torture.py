@@ -409,8 +409,10 @@ class Campaign(IncrementalOps):
             elif kind == "inc-sharded":  # by two workers: a base later saves of two match
                 await self.complete(self.jobs(store, "inc", step, 2, kind=kind, base=base))
             else:
-                base = base if kind.startswith("inc") else None
-                await ckptstore.save(backend, value, step=step, base=base)
+                inc = kind.startswith("inc")
+                chunks = worker.CHUNK_BYTES if inc else None
+                base = base if inc else None
+                await ckptstore.save(backend, value, step=step, base=base, chunk_bytes=chunks)
         except (ckptstore.CkptStoreError, RuntimeError) as exc:
             point.problems.append(f"saving step {step} again failed: {exc!r}")
             return

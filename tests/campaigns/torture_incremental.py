@@ -84,7 +84,9 @@ class IncrementalOps:
             return max(mine)
         step = store.fresh_step()
         if kind == "inc":
-            await ckptstore.save(store.backend, worker.inc_tree(step), step=step)
+            await ckptstore.save(
+                store.backend, worker.inc_tree(step), step=step, chunk_bytes=worker.CHUNK_BYTES
+            )
         else:
             await self.complete(self.jobs(store, "save", step, 2, kind=kind))
         store.committed[step] = kind
@@ -101,7 +103,13 @@ class IncrementalOps:
             return self.rng.choice(holders)
         base = await self.base(store, "inc")
         step = store.fresh_step()
-        await ckptstore.save(store.backend, worker.inc_tree(step), step=step, base=base)
+        await ckptstore.save(
+            store.backend,
+            worker.inc_tree(step),
+            step=step,
+            base=base,
+            chunk_bytes=worker.CHUNK_BYTES,
+        )
         store.committed[step] = "inc"
         found = await manifests(store.backend, [base])
         return base if not found[base].references else max(store.committed)

@@ -16,7 +16,10 @@ time, 0)``, for the driver to kill it there.
 
 The trees are pure functions of the step and the kind (`KINDS`), so the driver knows what
 every committed step must restore to, bit for bit. The incremental kinds have frozen
-leaves, the same at every step, beside leaves that change with it.
+leaves, the same at every step, beside leaves that change with it; the single-process one
+also a leaf that changes in one row per step, saved in small chunks (`CHUNK_BYTES`), so
+that an incremental save writes two of its chunks as raw keys and references the rest
+(`ckptstore.datapath.chunkwrites`, docs/incremental.md "Chunk references").
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ SPECS |= {"frozen_w": ("x", "y"), "frozen_v": ("y",), "live_w": ("x",), "count":
 #: plain or with frozen leaves (saved with ``base=`` by the incremental operations).
 KINDS = ("tree", "sharded", "inc", "inc-sharded")
 FROZEN_SEED = 2**31  # the frozen leaves' values: the same whatever the step
+#: The incremental kinds' chunk size, in every save of theirs (a base too: the chunk
+#: shapes must match): "rows" (256 x 64 float32) in 16 chunks of 32 x 32.
+CHUNK_BYTES = 4096
 
 
 def tree(step: int) -> dict[str, Any]:
@@ -73,10 +79,14 @@ def tree(step: int) -> dict[str, Any]:
 
 def inc_tree(step: int) -> dict[str, Any]:
     """The single-process tree of the incremental kind: frozen leaves (two large ones and
-    a small one, which goes into a pack) and leaves that change with ``step``."""
+    a small one, which goes into a pack), leaves that change with ``step``, and a table
+    whose row ``step % 256`` alone is ``step`` (two saves differ in two of its chunks)."""
     frozen = np.random.default_rng(FROZEN_SEED)
     live = np.random.default_rng(step)
+    rows = np.random.default_rng(FROZEN_SEED + 1).standard_normal((256, 64)).astype(np.float32)
+    rows[step % 256] = step
     return {
+        "rows": rows,
         "frozen": {
             "w0": frozen.standard_normal((256, 64)).astype(np.float32),
             "w1": frozen.standard_normal((128, 64)).astype(np.float32),
@@ -163,7 +173,10 @@ async def run_op(job: dict[str, Any], rep: Reporter, value: Callable[[int], Any]
     await asyncio.sleep(float(job.get("delay", 0)))  # a race's actor starting later
     if op in ("save", "merge", "commit", "inc", "inc-at", "race-save"):
         base = job.get("base")
-        work = ckptstore.save(target, value(step), step=step, timeout=timeout, base=base)
+        chunks = CHUNK_BYTES if str(job.get("kind", "")).startswith("inc") else None
+        work = ckptstore.save(
+            target, value(step), step=step, timeout=timeout, base=base, chunk_bytes=chunks
+        )
         await rep.phase("save", work)
     elif op in ("add", "finalize"):
         session = await ckptstore.partial_save(target, step, timeout=timeout)
