@@ -90,3 +90,19 @@ def test_a_declared_save_of_device_arrays_copies_only_declared_bands(
     assert second.bytes_written == 3 * 32 * 32 * 4
     np.testing.assert_array_equal(ckptstore.restore_sync(root, 2)["t"], values)
     assert ckptstore.verify_sync(root, 2).ok
+
+
+def test_one_compiled_gather_serves_any_number_of_regions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regions go `BATCH` to a device call: 1, 9 and 20 regions of one shape reuse the
+    same compiled gather (no compile per count), each region exact."""
+    monkeypatch.setattr(regions, "on_accelerator", lambda data: True)
+    values = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+    on_device = jnp.asarray(values)
+    regions._gatherer.cache_clear()
+    for count in (1, 9, 20):
+        wanted = [(slice(8 * k, 8 * k + 8), slice(16, 48)) for k in range(count)]
+        for region, part in zip(wanted, read_regions(on_device, wanted), strict=True):
+            np.testing.assert_array_equal(part, values[region])
+    gather = regions._gatherer((8, 32))
+    assert regions._gatherer.cache_info().currsize == 1
+    assert gather._cache_size() == 1  # compiled once, for BATCH starts
