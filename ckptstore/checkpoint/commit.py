@@ -535,9 +535,9 @@ class RecentCommits:
     While a step's marker names the attempt and the digest of the manifest kept here, the
     stored manifest is this one (the marker's digest is checked on every read; a manifest
     rewritten since, with a marker signed again, has another digest), on whichever backend
-    or tier it was copied to. The
-    next incremental save's base is nearly always the step saved last: this spares it a
-    read and a parse of a manifest that records every chunk's digest (docs/benchmarks.md).
+    or tier it was copied to. The next incremental save's base is nearly always the step
+    saved last: this spares it a read and a parse of a manifest that records every chunk's
+    digest (docs/benchmarks.md).
     """
 
     def __init__(self, size: int = 2) -> None:

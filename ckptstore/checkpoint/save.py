@@ -466,7 +466,7 @@ async def _manifest(
         held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
         # A host-local fast tier holds only process 0's store here: the others' digests
         # stay on their hosts, and this step serves as a base for process 0's pieces only.
-        others = (reports if request.hooks.merge else reports[:1])[1:]
+        others = reports[1:] if request.hooks.merge else []
         digests, chunked = await collect(
             backend,
             [stores[r.process] for r in others if r.digested.get(name)],

@@ -32,13 +32,13 @@ def read_regions(data: Any, regions: Sequence[Index]) -> list[np.ndarray[Any, An
     bounds = [[r.indices(n)[:2] for r, n in zip(reg, data.shape, strict=True)] for reg in regions]
     starts = [tuple(a for a, _ in b) for b in bounds]
     sizes = [tuple(z - a for a, z in b) for b in bounds]
-    out: list[np.ndarray[Any, Any] | None] = [None] * len(regions)
-    for size in dict.fromkeys(sizes):
-        which = [k for k, s in enumerate(sizes) if s == size]
-        gathered = _gather(data, [starts[k] for k in which], size)
-        for k, part in zip(which, gathered, strict=True):
-            out[k] = part
-    return [part for part in out if part is not None]
+    by_size: dict[tuple[int, ...], list[int]] = {}
+    for k, size in enumerate(sizes):
+        by_size.setdefault(size, []).append(k)
+    out: dict[int, np.ndarray[Any, Any]] = {}
+    for size, which in by_size.items():
+        out.update(zip(which, _gather(data, [starts[k] for k in which], size), strict=True))
+    return [out[k] for k in range(len(regions))]
 
 
 def on_accelerator(data: jax.Array) -> bool:
