@@ -41,7 +41,7 @@ from ckptstore.format.digests import (
     digest_of_chunks,
     piece_key,
     piece_linears,
-    region_in_piece,
+    regions_in_piece,
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.runtime.futures import gather_first_error, off_loop
@@ -137,14 +137,13 @@ async def declared_table(
         return None
     per_band = math.prod(chunk_grid(shape, chunk_shape)[1:])  # a band: one chunk tall
     bands = np.unique(rows // chunk_shape[0])
-    jobs = [  # per piece: the chunks to hash (linear index, region in the piece)
-        [
-            (k, region_in_piece(k, index, shape, chunk_shape))
-            for k in linears[np.isin(linears // per_band, bands)].tolist()
-        ]
-        for (index, _, _), linears in zip(pieces, covered, strict=True)
-        if linears is not None
-    ]
+    jobs = []  # per piece: the chunks to hash (linear index, region in the piece)
+    for (index, _, _), linears in zip(pieces, covered, strict=True):
+        assert linears is not None
+        todo = linears[np.isin(linears // per_band, bands)]
+        jobs.append(
+            list(zip(todo.tolist(), regions_in_piece(todo, index, shape, chunk_shape), strict=True))
+        )
 
     def hash_some(which: Sequence[int]) -> dict[int, bytes]:
         found: dict[int, bytes] = {}
@@ -169,13 +168,15 @@ async def declared_table(
     ):
         fresh.update(found)
     base = np.frombuffer(bytes.fromhex(recorded), np.uint8).reshape(-1, DIGEST_BYTES)
+    hashed = np.fromiter(fresh, np.int64, len(fresh))
+    digests = np.frombuffer(b"".join(fresh.values()), np.uint8).reshape(-1, DIGEST_BYTES)
     out: PieceTable = {}
     for (index, _, _), linears in zip(pieces, covered, strict=True):
         assert linears is not None
         mine = base[linears]  # a copy: the piece's chunk digests, the base's for now
-        for row, k in enumerate(linears.tolist()):
-            if k in fresh:
-                mine[row] = np.frombuffer(fresh[k], np.uint8)
+        at = np.searchsorted(linears, hashed)  # a piece's linears ascend (C order)
+        ours = (at < linears.size) & (linears[np.minimum(at, linears.size - 1)] == hashed)
+        mine[at[ours]] = digests[ours]
         raw = mine.tobytes()
         hexed = raw.hex()
         step = 2 * DIGEST_BYTES

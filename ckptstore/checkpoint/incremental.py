@@ -19,9 +19,11 @@ recorded chunk digests (`ckptstore.checkpoint.chunklevel`): a decision of its ow
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.chunklevel import base_chunk_digests, plan_chunks
@@ -85,11 +87,14 @@ class Base:
         """The attempt holding the bytes of ``leaf`` as the base stored it."""
         return self.manifest.holder(item, leaf) or self.ref
 
-    def chunk_holders(self, item: str, leaf: str, linears: Iterable[int]) -> dict[int, Reference]:
-        """The attempt holding each chunk of ``linears`` of ``leaf`` as the base stored it:
-        the base's own, or the one the base referenced for the leaf or for that chunk."""
+    def chunk_holders(
+        self, item: str, leaf: str, linears: np.ndarray[Any, np.dtype[np.int64]]
+    ) -> list[tuple[Reference, np.ndarray[Any, np.dtype[np.bool_]]]]:
+        """The attempts holding the chunks ``linears`` of ``leaf`` as the base stored them,
+        each with a mask of its chunks: the base's own, or the one the base referenced for
+        the leaf or for a chunk (`Manifest.chunk_holders`)."""
         found = self.manifest.chunk_holders(item, leaf, linears)
-        return {k: ref or self.ref for k, ref in found.items()}
+        return [(ref or self.ref, mask) for ref, mask in found]
 
     def packed(self, item: str, leaf: str) -> PackRef | None:
         """Where in its holder's item the leaf is packed, if it is."""

@@ -29,7 +29,7 @@ from ckptstore.format.digests import (
     chunk_grid,
     piece_chunks,
     piece_linears,
-    region_in_piece,
+    regions_in_piece,
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.runtime.bytebudget import ByteBudget
@@ -112,7 +112,7 @@ def unheld_chunks(
     with zeros to the chunk shape, as zarr3 stores it) and its own element count."""
     grid = chunk_grid(info.shape, info.chunk_shape)
     linears = todo.tolist()
-    rels = [region_in_piece(k, index, info.shape, info.chunk_shape) for k in linears]
+    rels = regions_in_piece(todo, index, info.shape, info.chunk_shape)
     out = []
     # On an accelerator only these chunks are copied to the host, not the piece.
     for linear, rel, part in zip(linears, rels, read_regions(data, rels), strict=True):

@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ckptstore.format.digests import ChunkTable
 
 _HEXES = re.compile(r"[0-9a-f]+")
@@ -41,14 +43,27 @@ class ChunkRefs:
     @classmethod
     def of(cls, holders: Mapping[int, int]) -> ChunkRefs:
         """From ``{linear chunk index: reference index}``."""
-        out: dict[int, list[tuple[int, int]]] = {}
-        for linear in sorted(holders):
-            ranges = out.setdefault(holders[linear], [])
-            if ranges and ranges[-1][1] == linear:
-                ranges[-1] = (ranges[-1][0], linear + 1)
-            else:
-                ranges.append((linear, linear + 1))
-        return cls({k: tuple(v) for k, v in sorted(out.items())})
+        linears = np.fromiter(holders.keys(), np.int64, len(holders))
+        return cls.of_arrays(linears, np.fromiter(holders.values(), np.int64, len(holders)))
+
+    @classmethod
+    def of_arrays(
+        cls,
+        linears: np.ndarray[Any, np.dtype[np.int64]],
+        holders: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> ChunkRefs:
+        """From distinct linear chunk indices and each one's reference index, vectorized
+        (a table's record names thousands of chunks)."""
+        order = np.argsort(linears, kind="stable")
+        linears, holders = linears[order], holders[order]
+        out: dict[int, tuple[tuple[int, int], ...]] = {}
+        for k in np.unique(holders).tolist():
+            mine = linears[holders == k]
+            cuts = np.flatnonzero(np.diff(mine) != 1) + 1  # where a run of chunks breaks
+            starts = mine[np.concatenate(([0], cuts))]
+            stops = mine[np.concatenate((cuts - 1, [mine.size - 1]))] + 1
+            out[k] = tuple(zip(starts.tolist(), stops.tolist(), strict=True))
+        return cls(out)
 
     def chunks(self) -> Iterator[tuple[int, int]]:
         """Every held chunk as (linear index, reference index)."""
@@ -56,6 +71,22 @@ class ChunkRefs:
             for start, stop in ranges:
                 for linear in range(start, stop):
                     yield linear, k
+
+    def owners(
+        self, linears: np.ndarray[Any, np.dtype[np.int64]]
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The reference index holding each chunk of ``linears``, -1 where none does (the
+        step's own attempt): `holder` vectorized, over every range at once."""
+        spans = [(a, b, k) for k, ranges in self.held.items() for a, b in ranges]
+        if not spans or not linears.size:
+            return np.full(linears.size, -1, np.int64)
+        starts, stops, refs = (np.array(column, np.int64) for column in zip(*spans, strict=True))
+        size = max(int(stops.max()), int(linears.max()) + 1)
+        steps = np.zeros(size + 1, np.int64)  # the ranges are disjoint: one step up, one down
+        np.add.at(steps, starts, refs + 1)
+        np.add.at(steps, stops, -(refs + 1))
+        owners: np.ndarray[Any, np.dtype[np.int64]] = np.cumsum(steps)[linears] - 1
+        return owners
 
     def holder(self, linear: int) -> int | None:
         """The reference index holding chunk ``linear``; None: the step's own attempt."""

@@ -12,9 +12,11 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ckptstore.backends.keys import validate_key
 from ckptstore.errors import CorruptCheckpointError
@@ -158,20 +160,22 @@ class Manifest:
         return None if k is None else self.references[k]
 
     def chunk_holders(
-        self, item: str, leaf: str, linears: Iterable[int]
-    ) -> dict[int, Reference | None]:
-        """The other attempt holding each chunk of ``linears`` (C order) of ``leaf``: the
-        leaf's `holder`, or the chunk's (`chunk_refs`); None: this attempt holds it. One
-        pass over the leaf's chunk references, not a search per chunk: a table has
-        thousands."""
+        self, item: str, leaf: str, linears: np.ndarray[Any, np.dtype[np.int64]]
+    ) -> list[tuple[Reference | None, np.ndarray[Any, np.dtype[np.bool_]]]]:
+        """The other attempts holding the chunks ``linears`` (C order) of ``leaf``: the
+        leaf's `holder`, or each chunk's (`chunk_refs`); None: this attempt holds them.
+        Each holder once, with a mask of its chunks in ``linears``, in the order of its
+        first chunk there. Vectorized: a table has thousands of chunks."""
         whole = self.holder(item, leaf)
-        out: dict[int, Reference | None] = dict.fromkeys(sorted(linears), whole)
         held = self.items[item].chunk_refs.get(leaf)
-        if whole is None and held is not None:
-            for linear, k in held.chunks():
-                if linear in out:
-                    out[linear] = self.references[k]
-        return out
+        if whole is not None or held is None:
+            return [(whole, np.ones(linears.size, np.bool_))] if linears.size else []
+        owners = held.owners(linears)
+        kinds, first = np.unique(owners, return_index=True)
+        return [
+            (None if k < 0 else self.references[k], owners == k)
+            for k in kinds[np.argsort(first)].tolist()
+        ]
 
     def held(self, item: str) -> dict[Reference, frozenset[str]]:
         """Each other attempt holding leaves of ``item`` whole, with those leaves, in the

@@ -366,3 +366,16 @@ async def test_chunks_written_in_part_are_read_back_by_plain_tensorstore(
     np.testing.assert_array_equal(arr[25:50, 35:70].read().result(), later[25:50, 35:70])
     assert_same((await ckptstore.restore(str(root), 2))["t"], later)
     assert (await ckptstore.verify(str(root), 2)).ok
+
+
+def test_held_chunks_are_those_whose_digest_is_the_bases() -> None:
+    """`held_chunks` compares every digest at once; a chunk the base's record does not
+    reach (a longer table than the record) is never held."""
+    from ckptstore.checkpoint.chunklevel import held_chunks
+
+    recorded = "".join(f"{k:032x}" for k in range(8))
+    mine = {k: f"{k:032x}" for k in range(8)}
+    mine[3] = "f" * 32  # changed
+    mine[9] = f"{9:032x}"  # beyond the record
+    assert held_chunks(recorded, mine) == {0, 1, 2, 4, 5, 6, 7}
+    assert held_chunks(recorded, {}) == set()

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ckptstore.errors import CorruptCheckpointError
@@ -170,3 +171,74 @@ def test_piece_linears_lists_what_piece_chunks_lists(
         assert linears is None
     else:
         assert linears is not None and linears.tolist() == [k for k, _ in chunks]
+
+
+def _ranges_one_by_one(holders: dict[int, int]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """The ranges a record must hold, built chunk by chunk (the model `ChunkRefs.of`'s
+    vectorized runs are checked against)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for linear in sorted(holders):
+        ranges = out.setdefault(holders[linear], [])
+        if ranges and ranges[-1][1] == linear:
+            ranges[-1] = (ranges[-1][0], linear + 1)
+        else:
+            ranges.append((linear, linear + 1))
+    return {k: tuple(v) for k, v in sorted(out.items())}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ranges_and_owners_match_the_chunk_by_chunk_model(seed: int) -> None:
+    """Random holders (runs, isolated chunks, holders interleaved, chunks left out): the
+    record's ranges are the model's, and `owners` answers as `holder` does per chunk."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 600))
+    present = rng.random(n) < rng.random()
+    runs = np.cumsum(rng.random(n) < 0.1)  # holders change now and then, in runs
+    holders = {k: int(runs[k] % 3) for k in range(n) if present[k]}
+    refs = ChunkRefs.of(holders)
+    assert dict(refs.held) == _ranges_one_by_one(holders)
+    everything = np.arange(n + 5, dtype=np.int64)  # past the last held chunk too
+    assert refs.owners(everything).tolist() == [
+        -1 if refs.holder(k) is None else refs.holder(k) for k in everything.tolist()
+    ]
+    assert ChunkRefs.of({}).held == {} and refs.owners(np.zeros(0, np.int64)).size == 0
+
+
+def test_chunk_holders_groups_chunks_by_holder_in_order_of_first_chunk() -> None:
+    m = manifest()
+    linears = np.array([6, 7, 8, 9, 1007, 1008], np.int64)
+    found = m.chunk_holders("state", "t", linears)
+    assert [(ref, mask.tolist()) for ref, mask in found] == [
+        (Reference(1, A1), [True, False, False, True, False, False]),
+        (Reference(2, A2), [False, True, True, False, True, False]),
+        (None, [False, False, False, False, False, True]),  # 1008: the step's own
+    ]
+    assert m.chunk_holders("state", "t", np.zeros(0, np.int64)) == []
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunk_shape", "index"),
+    [
+        ((64, 1024), (8, 256), (slice(16, 48), slice(0, 1024))),
+        ((10, 7, 3), (4, 3, 2), (slice(4, 10), slice(3, 7), slice(0, 3))),
+        ((9,), (4,), (slice(0, 9),)),
+    ],
+)
+def test_regions_in_piece_are_each_chunks_region_less_the_pieces_start(
+    shape: tuple[int, ...], chunk_shape: tuple[int, ...], index: tuple[slice, ...]
+) -> None:
+    from ckptstore.format.digests import chunk_region, piece_linears, regions_in_piece
+
+    linears = piece_linears(index, shape, chunk_shape)
+    assert linears is not None
+    starts = [s.start for s in index]
+    expected = [
+        tuple(
+            slice(r.start - a, r.stop - a)
+            for r, a in zip(chunk_region(k, shape, chunk_shape), starts, strict=True)
+        )
+        for k in linears.tolist()
+    ]
+    assert regions_in_piece(linears, index, shape, chunk_shape) == expected
+    with pytest.raises(ValueError, match="outside a chunk grid"):
+        regions_in_piece(np.array([10_000], np.int64), index, shape, chunk_shape)

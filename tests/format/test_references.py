@@ -7,6 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ckptstore.errors import CorruptCheckpointError
@@ -131,7 +132,8 @@ def test_the_manifest_says_which_attempt_holds_each_leaf() -> None:
         Reference(1, A1): frozenset({"w"}),
     }
     assert list(manifest.held("state")) == manifest.references  # in their order
-    assert manifest.chunk_holders("state", "w", [0]) == {0: Reference(1, A1)}
+    [(holder, mask)] = manifest.chunk_holders("state", "w", np.array([0, 1]))
+    assert holder == Reference(1, A1) and mask.tolist() == [True, True]
     own = Manifest(
         step=3,
         attempt=A3,
