@@ -44,6 +44,7 @@ async def merge(
     leaves: Sequence[LeafInfo],
     clear_before: Mapping[str, Sequence[str]] | None = None,
     regions: Mapping[str, Sequence[Index] | None] | None = None,
+    fresh: bool = False,
 ) -> MergeStats:
     """Merge the OCDBT stores at ``children`` into the one at ``parent``, then validate.
 
@@ -54,11 +55,13 @@ async def merge(
     part replacing a leaf, maybe with another chunk grid). Raises
     `IncompleteCheckpointError` naming every incomplete leaf; then nothing is
     committed. ``regions`` (a host-local fast tier's own copy): per leaf, the regions
-    whose chunks must be there (None: all of them) instead of every chunk.
+    whose chunks must be there (None: all of them) instead of every chunk. ``fresh``: the
+    parent is new, its configuration assumed (`ocdbt_spec`).
     """
     start = time.perf_counter()
     ctx = backend.ts_context
-    parent_kv = await ts.KvStore.open(ocdbt_spec(backend.kvstore_spec(parent)), context=ctx)
+    parent_spec = ocdbt_spec(backend.kvstore_spec(parent), fresh=fresh)
+    parent_kv = await ts.KvStore.open(parent_spec, context=ctx)
     txn = ts.Transaction(atomic=True)
     view = parent_kv.with_transaction(txn)
     try:

@@ -477,7 +477,9 @@ async def _manifest(
         in_part = item_chunks(based, name, item.leaves, chunked, held, references)
         if request.hooks.merge:
             unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
-            await merge(backend, where.item(name), stores, unpacked, regions=in_part.regions)
+            await merge(
+                backend, where.item(name), stores, unpacked, regions=in_part.regions, fresh=True
+            )
             await check_packs(
                 backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
             )

@@ -141,7 +141,10 @@ async def write_store(
     (`Backend.write_behind`). ``options``: `write_leaves`' keyword arguments."""
     with backend.write_behind(store):
         return await write_leaves(
-            ocdbt_spec(backend.kvstore_spec(store)), backend.ts_context, leaves, **options
+            ocdbt_spec(backend.kvstore_spec(store), fresh=True),
+            backend.ts_context,
+            leaves,
+            **options,
         )
 
 

@@ -17,6 +17,23 @@ MAX_INFLIGHT_BYTES = 256 << 20
 DATA_FILE_BYTES = 16 << 20
 
 
-def ocdbt_spec(base: dict[str, Any]) -> dict[str, Any]:
-    """An OCDBT store on top of a backend's kvstore spec."""
-    return {"driver": "ocdbt", "base": base, "target_data_file_size": DATA_FILE_BYTES}
+#: The OCDBT configuration of every store a save writes: TensorStore's defaults, spelled out
+#: so that a writer can assume it (`ocdbt_spec`'s ``fresh``). A store found with another
+#: configuration fails the write (FAILED_PRECONDITION), never takes it mixed.
+OCDBT_CONFIG: dict[str, Any] = {
+    "compression": {"id": "zstd"},
+    "max_decoded_node_bytes": 8 << 20,
+    "max_inline_value_bytes": 100,
+    "version_tree_arity_log2": 4,
+}
+
+
+def ocdbt_spec(base: dict[str, Any], *, fresh: bool = False) -> dict[str, Any]:
+    """An OCDBT store on top of a backend's kvstore spec. ``fresh``: a store this writer
+    creates (a save's own stores), whose configuration is `OCDBT_CONFIG`, assumed rather
+    than created by a commit of its own (an OCDBT store otherwise writes its manifest once
+    before the first data: a durable write, fsyncs included, per store and save)."""
+    spec = {"driver": "ocdbt", "base": base, "target_data_file_size": DATA_FILE_BYTES}
+    if fresh:
+        spec.update(config=OCDBT_CONFIG, assume_config=True)
+    return spec

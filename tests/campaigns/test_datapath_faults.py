@@ -283,7 +283,7 @@ async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
         async with backend:
             proxy.set_faults(
                 Fault(
-                    "status", status=403, nth=frozenset({5}), methods=frozenset({"PUT"}), agent=TS
+                    "status", status=403, nth=frozenset({3}), methods=frozenset({"PUT"}), agent=TS
                 ),
                 Fault("latency", delay=0.1, rate=1.0, agent=TS),  # keep writes in flight
             )
