@@ -23,15 +23,16 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.beside import Beside, collect, record
-from ckptstore.checkpoint.chunklevel import held_bytes, item_chunks
+from ckptstore.checkpoint.beside import Beside, record
+from ckptstore.checkpoint.chunklevel import held_bytes
 from ckptstore.checkpoint.commit import (
     COMMIT,
     Fate,
@@ -42,11 +43,11 @@ from ckptstore.checkpoint.commit import (
 )
 from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.discard import discard, root_missing
-from ckptstore.checkpoint.incremental import References, SameObjects, Unchanged, unchanged
-from ckptstore.checkpoint.merge import merge
+from ckptstore.checkpoint.incremental import SameObjects, Unchanged, unchanged
+from ckptstore.checkpoint.phase3 import joined, merged, store_name
 from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.chunkwrites import ChunkPlan
-from ckptstore.datapath.packs import PackTarget, check_packs, read_index, write_index
+from ckptstore.datapath.packs import PackTarget, write_index
 from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.casts import CastPolicy
@@ -59,8 +60,7 @@ from ckptstore.format.leaves import (
     describe_leaf,
     storable,
 )
-from ckptstore.format.manifest import ItemManifest, Manifest, needed_version
-from ckptstore.format.packs import PackRef
+from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import describe, flatten
 from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.gcpause import gc_paused
@@ -299,7 +299,7 @@ class ProcessReport:
 async def save_prepared(request: SaveRequest) -> SaveResult:
     """The save ``request`` describes: the module docstring's protocol, with its hooks'
     additions. Phase 1 (`_references`), the attempt agreed; phase 2 (`_write_mine`); phase
-    3 on process 0 (`_manifest`, then the hooks' `finish`); phase 4."""
+    3 on process 0 (`checkpoint.phase3`, then the hooks' `finish`); phase 4."""
     start = time.perf_counter()
     backend, step, hooks = request.backend, request.step, request.hooks
     handoff = Handoff(f"save/{step}", request.timeout)
@@ -339,8 +339,14 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
     async def merge_and_commit() -> None:
         nonlocal committing
         reports = [ProcessReport.from_json(r) for r in await handoff.reports()]
-        fate = await claim(backend, where, COMMIT, owner)  # before the first shared write
-        manifest = await _manifest(request, where, same, reports, written, kept)
+        # The fate is claimed while the writers' records are joined (reads, arithmetic):
+        # it is decided before the first shared write, the merge.
+        claiming = asyncio.ensure_future(claim(backend, where, COMMIT, owner))
+        try:
+            records = await joined(request, where, same, reports, kept)
+        finally:
+            fate = await claiming  # its error first: a fenced attempt is not merged
+        manifest = await merged(request, where, reports, written, records)
         phases["merge"] = manifest.timings["merge"]
         committing = True
         await hooks.finish(backend, where, manifest, fate, handoff)
@@ -404,7 +410,11 @@ async def _write_mine(
     total = ProcessReport(process=me)
     for name, item in request.items.items():
         store = where.process_store(name, me)
-        packs = PackTarget(backend, where.item(name), _last(store)) if request.hooks.packs else None
+        packs = (
+            PackTarget(backend, where.item(name), store_name(store))
+            if request.hooks.packs
+            else None
+        )
         skip = same.leaves.get(name, set())
         tables = dict(same.digested.get(name, {})) if record_digests else None
         plan = same.chunks.get(name) or ChunkPlan()
@@ -442,107 +452,3 @@ async def _write_mine(
             held_bytes=total.held_bytes + held_bytes(item.leaves, chunk_plan.held),
         )
     return total
-
-
-async def _manifest(
-    request: SaveRequest,
-    where: layout.AttemptDir,
-    same: Unchanged,
-    reports: list[ProcessReport],
-    written: float,
-    kept: dict[str, Beside],
-) -> Manifest:
-    """Phase 3, process 0: each item's stores merged (where the hooks merge here), its
-    packs checked, and the attempt's manifest with every leaf, digest and reference
-    (process 0's own records: ``kept``)."""
-    backend, based = request.backend, same.base
-    manifest_items = {}
-    references = References([])
-    any_chunk_refs = False
-    for name, item in request.items.items():
-        stores = [where.process_store(name, i) for i in range(len(reports))]
-        packed = await _packed(backend, where, name, item.leaves, reports)
-        infos = {info.name: info for info in item.leaves}
-        held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
-        # A host-local fast tier holds only process 0's store here: the others' digests
-        # stay on their hosts, and this step serves as a base for process 0's pieces only.
-        others = reports[1:] if request.hooks.merge else []
-        digests, chunked = await collect(
-            backend,
-            [stores[r.process] for r in others if r.digested.get(name)],
-            [stores[r.process] for r in others if r.chunked.get(name)],
-            kept.get(name),
-        )
-        # Leaves held in part: the chunks the base's holders have are not in this attempt.
-        in_part = item_chunks(based, name, item.leaves, chunked, held, references)
-        if request.hooks.merge:
-            unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
-            await merge(
-                backend, where.item(name), stores, unpacked, regions=in_part.regions, fresh=True
-            )
-            await check_packs(
-                backend, where.item(name), [(infos[n], ref) for n, ref in packed.items()]
-            )
-        refs: dict[str, int] = {}
-        for leaf in sorted(held - in_part.refs.keys()):  # held in part by the base: chunks
-            assert based is not None
-            refs[leaf] = references.index(based.holder(name, leaf))
-            digests[leaf] = based.digests(name, leaf)
-            ref = based.packed(name, leaf)
-            if ref is not None:  # in its holder's pack, which the reference names
-                packed[leaf] = ref
-        manifest_items[name] = ItemManifest(
-            structure=item.structure,
-            leaves=infos,
-            parts=[_last(s) for s in stores],
-            packed={info.name: packed[info.name] for info in item.leaves if info.name in packed},
-            digests={info.name: digests[info.name] for info in item.leaves if info.name in digests},
-            refs=refs,
-            chunk_digests=in_part.digests,
-            chunk_refs=in_part.refs,
-        )
-        any_chunk_refs = any_chunk_refs or bool(in_part.refs)
-    return Manifest(
-        step=request.step,
-        attempt=where.attempt,
-        items=manifest_items,
-        processes=[report.written() for report in reports],
-        metadata=request.metadata or {},
-        json_items=request.configs or {},
-        references=references.holders,
-        base=based.ref if based is not None and references.holders else None,
-        format_version=needed_version(manifest_items, bool(references.holders)),
-        timings={
-            **request.timings,
-            "write": max(report.seconds for report in reports),
-            "merge": time.perf_counter() - written,
-        },
-    )
-
-
-async def _packed(
-    backend: Backend,
-    where: layout.AttemptDir,
-    item: str,
-    leaves: Sequence[LeafInfo],
-    reports: Sequence[ProcessReport],
-) -> dict[str, PackRef]:
-    """Every process's packed leaves of ``item`` (from the index each wrote beside its
-    packs), in the saved leaves' order. A leaf two processes packed, or one the tree does
-    not have, is a bug worth stopping the save for."""
-    found: dict[str, PackRef] = {}
-    for i, report in enumerate(reports):
-        if not report.packed.get(item):
-            continue
-        for leaf, ref in (await read_index(backend, where.process_store(item, i))).items():
-            if leaf in found:
-                raise CkptStoreError(f"leaf {leaf!r} was packed by two processes")
-            found[leaf] = ref
-    out = {info.name: found.pop(info.name) for info in leaves if info.name in found}
-    if found:
-        raise CkptStoreError(f"packed leaves the tree does not have: {sorted(found)[:5]}")
-    return out
-
-
-def _last(key: str) -> str:
-    return key.rsplit("/", 1)[1]

@@ -206,11 +206,13 @@ def run(conn: Connection, job: dict[str, Any]) -> None:
         import ckptstore.checkpoint.commit as commit_module
         import ckptstore.checkpoint.incremental as incremental_module
         import ckptstore.checkpoint.partial as partial_module
+        import ckptstore.checkpoint.phase3 as phase3_module
         import ckptstore.checkpoint.save as save_module
         from tests.campaigns.killpoints import install_stop
 
-        for module in (save_module, partial_module):
+        for module in (phase3_module, partial_module):
             rep.wrap(module, "merge")
+        for module in (save_module, partial_module):
             rep.wrap(module, "commit")
         rep.wrap(save_module, "unchanged")
         rep.wrap(incremental_module, "piece_table", "digest")

@@ -309,7 +309,8 @@ async def test_index_roundtrip_and_a_malformed_one_is_corruption(tmp_path: Path)
 async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
     """Process 0 reads the index of each process that reports packed leaves (several
     writers: the coordination service carries counts, not tables)."""
-    from ckptstore.checkpoint.save import ProcessReport, _packed
+    from ckptstore.checkpoint.phase3 import packed_leaves
+    from ckptstore.checkpoint.save import ProcessReport
     from ckptstore.format import layout
 
     backend = LocalBackend(tmp_path)
@@ -318,15 +319,15 @@ async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
     await write_index(backend, where.process_store("state", 0), {"m/t2": PackRef("a/pack-0", 0)})
     await write_index(backend, where.process_store("state", 2), {"m/t0": PackRef("b/pack-0", 8)})
     reports = [ProcessReport(i, packed={"state": n}) for i, n in enumerate((1, 0, 1))]
-    got = await _packed(backend, where, "state", infos, reports)
+    got = await packed_leaves(backend, where, "state", infos, reports)
     assert list(got.items()) == [("m/t0", PackRef("b/pack-0", 8)), ("m/t2", PackRef("a/pack-0", 0))]
     await write_index(backend, where.process_store("state", 1), {"m/t0": PackRef("c/pack-0", 0)})
     reports[1] = ProcessReport(1, packed={"state": 1})
     with pytest.raises(ckptstore.CkptStoreError, match="packed by two processes"):
-        await _packed(backend, where, "state", infos, reports)
+        await packed_leaves(backend, where, "state", infos, reports)
     await write_index(backend, where.process_store("state", 1), {"other": PackRef("c/pack-0", 0)})
     with pytest.raises(ckptstore.CkptStoreError, match="the tree does not have"):
-        await _packed(backend, where, "state", infos, reports)
+        await packed_leaves(backend, where, "state", infos, reports)
 
 
 @pytest.mark.parametrize("after", [False, True])
