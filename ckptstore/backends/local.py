@@ -54,6 +54,7 @@ _TS_FILE_IO_THREADS = 16
 #: into one journal commit: a 1,024-process save's attempt (~2,100 directories) syncs
 #: several times faster with 8-32 at once than one after another.
 _DIR_SYNCS = 16
+_DIR_SYNCERS = concurrent.futures.ThreadPoolExecutor(_DIR_SYNCS, "ckptstore-dirsync")
 
 #: Reads into caller buffers (`read_into`, the restore's data path) run on a few threads of
 #: their own. More at once made the disk slower here, not faster: a 1 GiB cold restore read
@@ -279,12 +280,9 @@ class LocalBackend(Backend):
             if not top.is_dir():
                 raise NotFoundError(f"{top} is not a directory", backend=self.url, key=prefix)
             dirs = [Path(dirpath) for dirpath, _dirs, _files in os.walk(top)]
-            with concurrent.futures.ThreadPoolExecutor(_DIR_SYNCS) as pool:
-                list(pool.map(fsync_dir, dirs))  # the first error, if any, is raised here
-            for parent in top.parents:
-                if not parent.is_relative_to(self.root):
-                    break
-                fsync_dir(parent)
+            dirs += [p for p in top.parents if p.is_relative_to(self.root)]
+            # All at once: the caller needs every one durable, in no order among them.
+            list(_DIR_SYNCERS.map(fsync_dir, dirs))  # the first error, if any, is raised here
 
         await aiofiles.os.wrap(sync)()
 
