@@ -96,6 +96,20 @@ def test_recent_commits_keeps_the_last_few() -> None:
     assert RECENT.size >= 1
 
 
+def test_recent_commits_stay_within_their_byte_budget() -> None:
+    """Beyond ``budget`` encoded bytes the oldest go first; the last one stays, whatever
+    its size."""
+    recent = RecentCommits(size=8, budget=100)
+    manifests = [Manifest(step=s, items={}, attempt=f"a{s}") for s in range(4)]
+    for m in manifests[:3]:
+        recent.add(m, f"d{m.step}", 40)
+    assert recent.get(0, "a0", "d0") is None  # 120 bytes: the oldest dropped
+    assert recent.get(1, "a1", "d1") is manifests[1] and recent.get(2, "a2", "d2") is manifests[2]
+    recent.add(manifests[3], "d3", 500)
+    assert recent.get(3, "a3", "d3") is manifests[3]
+    assert recent.get(1, "a1", "d1") is None and recent.get(2, "a2", "d2") is None
+
+
 async def test_a_manifest_rewritten_with_its_marker_signed_again_is_read(
     tmp_path: Path, manifest_reads: list[str]
 ) -> None:
