@@ -39,6 +39,7 @@ from ckptstore.backends._errors import (
     transport_error,
     transport_errors,
 )
+from ckptstore.backends.awssession import session_for
 from ckptstore.backends.base import Capabilities, ObjectInfo, as_bytes_view
 from ckptstore.backends.endpoints import check_endpoint
 from ckptstore.backends.keys import dir_prefix, join, validate_prefix
@@ -260,7 +261,7 @@ class S3Backend(ObjectStoreBackend):
             if self.credentials == "anonymous":
                 kwargs["anon"] = True
             else:
-                kwargs["session"] = self._session()
+                kwargs["session"] = session_for(self.credentials, self.profile, self.url)
             fs = s3fs.S3FileSystem(
                 asynchronous=True,
                 skip_instance_cache=True,
@@ -279,23 +280,6 @@ class S3Backend(ObjectStoreBackend):
             parts_in_flight = min(self.concurrency, max(1, PART_BYTES_IN_FLIGHT // self.part_size))
             self._fs, self._loop, self._parts = fs, loop, asyncio.Semaphore(parts_in_flight)
         return self._fs
-
-    def _session(self) -> Any:
-        """An aiobotocore session resolving credentials from the configured source only."""
-        from aiobotocore.credentials import AioCredentialResolver, AioEnvProvider
-        from aiobotocore.session import AioSession
-
-        try:
-            if self.credentials == "profile":
-                return AioSession(profile=self.profile)
-            session = AioSession()
-        except ProfileNotFound:
-            raise ConfigError(f"AWS profile {self.profile!r} not found ({self.url})") from None
-        if self.credentials == "env":
-            session.register_component(
-                "credential_provider", AioCredentialResolver([AioEnvProvider()])
-            )
-        return session
 
     async def _check_root(self) -> None:
         try:
