@@ -148,21 +148,15 @@ def chunk_region(linear: int, shape: Sequence[int], chunk_shape: Sequence[int]) 
     )
 
 
-def region_in_piece(
-    linear: int, index: Index, shape: Sequence[int], chunk_shape: Sequence[int]
-) -> Index:
-    """The region of chunk ``linear`` relative to the piece ``index`` that holds it."""
-    return regions_in_piece(np.array([linear], np.int64), index, shape, chunk_shape)[0]
-
-
 def regions_in_piece(
     linears: np.ndarray[Any, np.dtype[np.int64]],
     index: Index,
     shape: Sequence[int],
     chunk_shape: Sequence[int],
 ) -> list[Index]:
-    """`region_in_piece` of each chunk of ``linears``, the arithmetic vectorized (a save
-    of declared rows asks for hundreds); ValueError for a chunk outside the grid."""
+    """The region of each chunk of ``linears`` relative to the piece ``index`` that holds
+    it, the arithmetic vectorized (a save of declared rows asks for hundreds); ValueError
+    for a chunk outside the grid."""
     grid = chunk_grid(shape, chunk_shape)
     if linears.size and (linears.min() < 0 or linears.max() >= math.prod(grid)):
         bad = int(linears.min() if linears.min() < 0 else linears.max())
