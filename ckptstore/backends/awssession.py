@@ -17,10 +17,6 @@ import os
 import threading
 from typing import Any
 
-from botocore.exceptions import ProfileNotFound
-
-from ckptstore.errors import ConfigError
-
 #: Sessions kept at most (the oldest goes first).
 KEPT = 8
 
@@ -28,17 +24,18 @@ _kept: collections.OrderedDict[tuple[str, str | None, int, str], Any] = collecti
 _lock = threading.Lock()
 
 
-def session_for(credentials: str, profile: str | None, where: str) -> Any:
+def session_for(credentials: str, profile: str | None) -> Any:
     """An aiobotocore session resolving credentials from ``credentials`` only ("env":
     the environment; "profile": ``profile``; otherwise botocore's default chain), reused
-    as the module docstring says. `ConfigError` naming ``where`` for a missing profile."""
+    as the module docstring says. A missing profile shows at the first request
+    (`S3Backend` names it in a `ConfigError`), not here."""
     key = (credentials, profile, threading.get_ident(), _environment())
     with _lock:
         found = _kept.get(key)
         if found is not None:
             _kept.move_to_end(key)
             return found
-    session = _new_session(credentials, profile, where)
+    session = _new_session(credentials, profile)
     with _lock:
         _kept[key] = session
         while len(_kept) > KEPT:
@@ -46,16 +43,13 @@ def session_for(credentials: str, profile: str | None, where: str) -> Any:
     return session
 
 
-def _new_session(credentials: str, profile: str | None, where: str) -> Any:
+def _new_session(credentials: str, profile: str | None) -> Any:
     from aiobotocore.credentials import AioCredentialResolver, AioEnvProvider
     from aiobotocore.session import AioSession
 
-    try:
-        if credentials == "profile":
-            return AioSession(profile=profile)
-        session = AioSession()
-    except ProfileNotFound:
-        raise ConfigError(f"AWS profile {profile!r} not found ({where})") from None
+    if credentials == "profile":
+        return AioSession(profile=profile)
+    session = AioSession()
     if credentials == "env":
         session.register_component("credential_provider", AioCredentialResolver([AioEnvProvider()]))
     return session

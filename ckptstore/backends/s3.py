@@ -261,7 +261,7 @@ class S3Backend(ObjectStoreBackend):
             if self.credentials == "anonymous":
                 kwargs["anon"] = True
             else:
-                kwargs["session"] = session_for(self.credentials, self.profile, self.url)
+                kwargs["session"] = session_for(self.credentials, self.profile)
             fs = s3fs.S3FileSystem(
                 asynchronous=True,
                 skip_instance_cache=True,

@@ -21,16 +21,16 @@ def _empty_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_one_session_per_source_thread_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFIRST")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "first-secret")
-    first = session_for("env", None, "s3://b/r")
-    assert session_for("env", None, "s3://b/other") is first  # another backend, same source
-    assert session_for("default", None, "s3://b/r") is not first
+    first = session_for("env", None)
+    assert session_for("env", None) is first  # another backend, same source
+    assert session_for("default", None) is not first
     other: list[Any] = []
-    thread = threading.Thread(target=lambda: other.append(session_for("env", None, "s3://b/r")))
+    thread = threading.Thread(target=lambda: other.append(session_for("env", None)))
     thread.start()
     thread.join()
     assert other[0] is not first  # botocore sessions are not shared between threads
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rotated-secret")
-    rotated = session_for("env", None, "s3://b/r")
+    rotated = session_for("env", None)
     assert rotated is not first
     creds = asyncio.run(rotated.get_credentials())
     assert creds is not None and creds.secret_key == "rotated-secret"
@@ -41,5 +41,5 @@ def test_one_session_per_source_thread_and_environment(monkeypatch: pytest.Monke
 def test_few_sessions_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in range(awssession.KEPT + 3):
         monkeypatch.setenv("AWS_REGION", f"region-{k}")
-        session_for("env", None, "s3://b/r")
+        session_for("env", None)
     assert len(awssession._kept) == awssession.KEPT
