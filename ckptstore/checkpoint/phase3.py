@@ -49,8 +49,9 @@ class ItemRecords:
 
 
 @dataclass
-class Records:
-    """Every item's `ItemRecords`, and the attempts they reference, in order."""
+class Joined:
+    """What `joined` returns: every item's `ItemRecords`, and the attempts they reference,
+    in order (not `chunklevel.Records`, one item's chunk records)."""
 
     items: dict[str, ItemRecords]
     references: References
@@ -63,7 +64,7 @@ async def joined(
     same: Unchanged,
     reports: Sequence[ProcessReport],
     kept: dict[str, Beside],
-) -> Records:
+) -> Joined:
     """Step 1: every item's records (nothing is written)."""
     backend, based = request.backend, same.base
     references = References([])
@@ -95,7 +96,7 @@ async def joined(
                 packed[leaf] = ref
         unpacked = [i for i in item.leaves if i.name not in packed and i.name not in held]
         out[name] = ItemRecords(stores, packed, own_packs, digests, in_part, refs, unpacked)
-    return Records(out, references, based)
+    return Joined(out, references, based)
 
 
 async def merged(
@@ -103,7 +104,7 @@ async def merged(
     where: layout.AttemptDir,
     reports: Sequence[ProcessReport],
     written: float,
-    records: Records,
+    records: Joined,
 ) -> Manifest:
     """Step 2, the fate claimed: each item's stores merged (where the hooks merge here) and
     its packs checked; the attempt's manifest (``written``: when phase 2 ended, by
