@@ -108,18 +108,15 @@ def unheld_chunks(
     index: Index, data: Any, info: LeafInfo, todo: np.ndarray[Any, np.dtype[np.int64]]
 ) -> list[tuple[tuple[int, ...], np.ndarray[Any, Any], int]]:
     """The chunks ``todo`` (linear indices, as `unheld_batches` gives them) of the piece
-    ``index`` holding ``data``: each one's grid coordinates, its data (an edge chunk padded
-    with zeros to the chunk shape, as zarr3 stores it) and its own element count."""
+    ``index`` holding ``data``: each one's grid coordinates, its region of the leaf (an edge
+    chunk's smaller than the chunk shape: `chunks.encode_region` pads it) and its element
+    count."""
     grid = chunk_grid(info.shape, info.chunk_shape)
     linears = todo.tolist()
     rels = regions_in_piece(todo, index, info.shape, info.chunk_shape)
     out = []
     # On an accelerator only these chunks are copied to the host, not the piece.
     for linear, rel, part in zip(linears, rels, read_regions(data, rels), strict=True):
-        if part.shape != tuple(info.chunk_shape):  # an edge chunk
-            padded = np.zeros(info.chunk_shape, dtype_of(info.dtype))
-            padded[tuple(slice(0, n) for n in part.shape)] = part
-            part = padded
         coord = tuple(int(k) for k in np.unravel_index(linear, grid))
         out.append((coord, part, math.prod(r.stop - r.start for r in rel)))
     return out
@@ -152,7 +149,7 @@ async def write_in_part(
             for (index, data, _), todo in batch:
                 for coord, chunk, n in unheld_chunks(index, data, info, todo):
                     sizes.append(n)
-                    yield chunks.chunk_key(info, coord), chunks.encode_chunk(info, chunk)
+                    yield chunks.chunk_key(info, coord), chunks.encode_region(info, chunk)
 
         def write() -> None:
             write_keys(kv, encoded(), limit, one_commit=True)

@@ -133,6 +133,16 @@ def encode_chunk(info: LeafInfo, data: np.ndarray[Any, Any]) -> bytes:
     return b"".join((raw, crc))  # one copy
 
 
+def encode_region(info: LeafInfo, part: np.ndarray[Any, Any]) -> bytes:
+    """`encode_chunk` of ``part``, one chunk's region of the leaf: an edge chunk (smaller
+    than the chunk shape) padded with zeros, the fill value, as zarr3 stores it."""
+    if part.shape != tuple(info.chunk_shape):
+        padded = np.zeros(info.chunk_shape, dtype_of(info.dtype))
+        padded[tuple(slice(0, n) for n in part.shape)] = part
+        part = padded
+    return encode_chunk(info, part)
+
+
 def chunk_parts(info: LeafInfo, data: np.ndarray[Any, Any]) -> tuple[memoryview, bytes]:
     """The stored chunk as its two parts, without copying ``data`` where it already is
     little-endian and C-contiguous and ``info`` has no codec: its (compressed) bytes, and

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ from ckptstore.datapath.stores import ocdbt_spec
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import chunks
 from ckptstore.format.digests import chunk_count, chunk_grid, chunk_region
-from ckptstore.format.leaves import LeafInfo, dtype_of
+from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
 from ckptstore.orbax.metadata import OrbaxEntry
 
@@ -74,14 +73,9 @@ async def _chunk(read: Any, info: LeafInfo, k: int) -> bytes:
     """Chunk ``k`` of the leaf as stored: an edge chunk padded to the chunk shape with the
     fill value (zero), as zarr3 stores it."""
     region = chunk_region(k, info.shape, info.chunk_shape)
-    data = await read(region)
-    shape = tuple(s.stop - s.start for s in region)
-    if shape != info.chunk_shape:
-        full = np.zeros(info.chunk_shape, dtype_of(info.dtype))
-        full[tuple(slice(0, d) for d in shape)] = data
-        data = full
-    assert math.prod(np.shape(data)) == math.prod(info.chunk_shape)
-    return chunks.encode_chunk(info, data)
+    data = np.asarray(await read(region))
+    assert data.shape == tuple(s.stop - s.start for s in region)
+    return chunks.encode_region(info, data)
 
 
 def _coord(k: int, grid: tuple[int, ...]) -> list[int]:

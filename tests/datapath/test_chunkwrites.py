@@ -47,7 +47,7 @@ def test_chunks_encoded_here_are_tensorstores_own(
     assert batches is not None and len(batches) == 1
     ((piece, todo),) = batches[0][0]
     mine = unheld_chunks(piece[0], piece[1], info, todo)
-    encoded = {chunks.chunk_key(info, coord): chunks.encode_chunk(info, c) for coord, c, _ in mine}
+    encoded = {chunks.chunk_key(info, coord): chunks.encode_region(info, c) for coord, c, _ in mine}
     assert len(encoded) == len(theirs) - 2  # all but zarr.json and the held chunk 0
     for key, data in encoded.items():
         if codec is None:
