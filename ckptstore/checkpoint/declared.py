@@ -4,9 +4,10 @@ An incremental save finds the changed chunks of a big leaf by hashing every chun
 (`ckptstore.checkpoint.chunklevel`): of a 256 MiB embedding table of which 2% changed, it
 reads all 256 MiB. A training loop often knows better: its sparse optimizer touched some
 rows (Check-N-Run, NSDI '22, tracks exactly these). With ``save(..., base=B,
-changed={leaf: rows})`` only the chunks holding a declared row are read and hashed (and
-written where they differ from B's); every other chunk of the leaf takes B's recorded
-digest, is referenced and is never read.
+changed={leaf: rows})`` only the chunks holding a declared row are read and hashed, and
+written where they differ from B's, in one pass (`ckptstore.datapath.declaredwrites`);
+every other chunk of the leaf takes B's recorded digest, is referenced and is never read.
+This module checks a declaration (`declared_rows`).
 
 The declaration is trusted, as a `SameObjects` vouching is: a row that changed but is not
 declared keeps B's value in the new step, and nothing can tell afterwards (its recorded
@@ -20,31 +21,12 @@ help there, and is not needed to be right).
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ckptstore.datapath.arrays import sliced_shape
-from ckptstore.datapath.regions import read_regions
 from ckptstore.errors import ConfigError
-from ckptstore.format.digests import (
-    DIGEST_BYTES,
-    ChunkTable,
-    PieceTable,
-    chunk_digests,
-    chunk_grid,
-    digest_of_chunks,
-    piece_key,
-    piece_linears,
-    regions_in_piece,
-)
-from ckptstore.format.leaves import Index, LeafInfo, dtype_of
-from ckptstore.runtime.futures import gather_first_error, off_loop
 
 #: Per item, per leaf: the sorted distinct rows (indices on its first axis) that may differ.
 Declared = dict[str, dict[str, np.ndarray[Any, np.dtype[np.int64]]]]
@@ -114,80 +96,3 @@ def _as_rows(leaf: Any, rows: Any, count: int) -> np.ndarray[Any, np.dtype[np.in
             f"them or a boolean mask of the rows, not {found.dtype} of shape {found.shape}"
         )
     return np.unique(found.astype(np.int64))
-
-
-async def declared_table(
-    pieces: Sequence[tuple[Index, Any, bool]],
-    info: LeafInfo,
-    recorded: str | None,
-    rows: np.ndarray[Any, np.dtype[np.int64]],
-    chunk_table: ChunkTable,
-) -> PieceTable | None:
-    """The piece digests of ``pieces`` (as `ckptstore.format.digests.piece_table` makes
-    them) where only the chunks holding one of ``rows`` are hashed, the others taking the
-    base's digests (``recorded``: its `encode_digests` string); their chunk digests go
-    into ``chunk_table``. None (hash the leaf as ever) without the base's chunk digests or
-    where a piece does not lie on chunk boundaries. The chunks to hash are split over the
-    cores; the rest is vectorized (a table has thousands of chunks)."""
-    if recorded is None or len(info.chunk_shape) == 0:
-        return None
-    shape, chunk_shape = info.shape, info.chunk_shape
-    covered = [piece_linears(index, shape, chunk_shape) for index, _, _ in pieces]
-    if any(linears is None for linears in covered):
-        return None
-    per_band = math.prod(chunk_grid(shape, chunk_shape)[1:])  # a band: one chunk tall
-    bands = np.unique(rows // chunk_shape[0])
-    jobs = []  # per piece: the chunks to hash (linear index, region in the piece)
-    for (index, _, _), linears in zip(pieces, covered, strict=True):
-        assert linears is not None
-        todo = linears[np.isin(linears // per_band, bands)]
-        jobs.append(
-            list(zip(todo.tolist(), regions_in_piece(todo, index, shape, chunk_shape), strict=True))
-        )
-
-    def hash_some(which: Sequence[int]) -> dict[int, bytes]:
-        found: dict[int, bytes] = {}
-        for p in which:
-            index, data, _ = pieces[p]
-            groups = [list(g) for _, g in itertools.groupby(jobs[p], key=lambda job: job[1][0])]
-            across = [slice(0, n) for n in sliced_shape(shape, index)[1:]]
-            # On an accelerator only these bands are copied to the host, not the piece.
-            bands = read_regions(data, [(group[0][1][0], *across) for group in groups])
-            for rows, group in zip(bands, groups, strict=True):
-                tall = slice(0, rows.shape[0])
-                hashed = chunk_digests(rows, [(tall, *rel[1:]) for _, rel in group])
-                found.update(zip((k for k, _ in group), hashed, strict=True))
-        return found
-
-    cores = os.cpu_count() or 2
-    batches = [range(len(jobs))[i::cores] for i in range(cores)]
-    itemsize = dtype_of(info.dtype).itemsize
-    fresh: dict[int, bytes] = {}
-    for found in await gather_first_error(
-        [off_loop(functools.partial(hash_some, b), _nbytes(jobs, b, itemsize)) for b in batches]
-    ):
-        fresh.update(found)
-    base = np.frombuffer(bytes.fromhex(recorded), np.uint8).reshape(-1, DIGEST_BYTES)
-    hashed = np.fromiter(fresh, np.int64, len(fresh))
-    digests = np.frombuffer(b"".join(fresh.values()), np.uint8).reshape(-1, DIGEST_BYTES)
-    out: PieceTable = {}
-    for (index, _, _), linears in zip(pieces, covered, strict=True):
-        assert linears is not None
-        mine = base[linears]  # a copy: the piece's chunk digests, the base's for now
-        at = np.searchsorted(linears, hashed)  # a piece's linears ascend (C order)
-        ours = (at < linears.size) & (linears[np.minimum(at, linears.size - 1)] == hashed)
-        mine[at[ours]] = digests[ours]
-        raw = mine.tobytes()
-        hexed = raw.hex()
-        step = 2 * DIGEST_BYTES
-        chunk_table.update(
-            (k, hexed[i * step : (i + 1) * step]) for i, k in enumerate(linears.tolist())
-        )
-        out[piece_key(index, shape)] = digest_of_chunks(raw)
-    return out
-
-
-def _nbytes(jobs: Sequence[Sequence[tuple[int, Index]]], which: Sequence[int], size: int) -> int:
-    """The bytes the pieces ``which`` of `declared_table`'s jobs hash."""
-    regions = (rel for p in which for _, rel in jobs[p])
-    return size * sum(int(math.prod(r.stop - r.start for r in rel)) for rel in regions)

@@ -28,9 +28,10 @@ import numpy as np
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.chunklevel import base_chunk_digests, plan_chunks
 from ckptstore.checkpoint.commit import load_committed
-from ckptstore.checkpoint.declared import Declared, declared_table
+from ckptstore.checkpoint.declared import Declared
 from ckptstore.datapath.arrays import owned_slices
 from ckptstore.datapath.chunkwrites import ChunkPlan
+from ckptstore.datapath.declaredwrites import DeclaredLeaf, folded
 from ckptstore.errors import BaseStepGoneError, CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout
 from ckptstore.format.digests import (
@@ -181,7 +182,10 @@ async def unchanged(
     attempt (`open_base`). ``whole_only`` (a partial save's part, which references leaves
     whole): a leaf the base holds in part (chunk references) is never unchanged.
     ``declared``: per item, the rows of leaves that may differ from the base, all others
-    equal: only the chunks holding them are hashed (`ckptstore.checkpoint.declared`)."""
+    equal (`ckptstore.checkpoint.declared`). Where this process owns a chunk holding a
+    declared row, the leaf is not unchanged here: the write hashes those chunks and
+    writes the changed ones (`ChunkPlan.declared`); where it owns none, its pieces take
+    the base's digests, unread."""
     digested: dict[str, dict[str, PieceTable]] = {}
     plans = {name: ChunkPlan({}, {}) for name in items}
     opened: list[Base] = []
@@ -207,10 +211,17 @@ async def unchanged(
                 pieces = owned_slices(value, handoff.me)
                 chunk_table: ChunkTable = {}
                 rows = (declared or {}).get(name, {}).get(info.name)
-                table = None
+                plan = None
                 if rows is not None:
                     recorded_chunks = base_chunk_digests(base, name, info)
-                    table = await declared_table(pieces, info, recorded_chunks, rows, chunk_table)
+                    plan = DeclaredLeaf.of(pieces, info, recorded_chunks, rows)
+                table = None
+                if plan is not None:
+                    if any(plan.candidates(index, info).size for index, _, _ in pieces):
+                        # Written in part, its changed chunks found as it is written.
+                        plans[name].declared[info.name] = plan
+                        continue
+                    table = folded(pieces, info, plan.recorded, {}, chunk_table)
                 if table is None:
                     itemsize = dtype_of(info.dtype).itemsize
                     table = await piece_table(

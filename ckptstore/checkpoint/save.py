@@ -418,7 +418,9 @@ async def _write_mine(
         skip = same.leaves.get(name, set())
         tables = dict(same.digested.get(name, {})) if record_digests else None
         plan = same.chunks.get(name) or ChunkPlan()
-        chunk_plan = ChunkPlan(plan.held, dict(plan.digests) if record_digests else {})
+        chunk_plan = ChunkPlan(
+            plan.held, dict(plan.digests) if record_digests else {}, plan.declared
+        )
         stats = await write_store(
             backend,
             store,

@@ -30,6 +30,7 @@ from ckptstore.datapath.chunkwrites import (
     unheld_pieces,
     write_in_part,
 )
+from ckptstore.datapath.declaredwrites import DeclaredLeaf, write_declared
 from ckptstore.datapath.packs import PackTarget, write_pack
 from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES, ocdbt_spec
 from ckptstore.errors import CkptStoreError
@@ -261,6 +262,10 @@ class LeafWriter:
         pieces = self.pieces_of(value)
         if not pieces and not self.write_metadata:
             return
+        declared = self.chunk_plan.declared.get(info.name)
+        if declared is not None:
+            await self.declared_leaf(info, pieces, declared)
+            return
         held = self.chunk_plan.held.get(info.name)
         digested = self.digests is None or info.name in self.digests  # nothing to hash here
         batches = None
@@ -301,6 +306,31 @@ class LeafWriter:
             pieces = unheld_pieces(pieces, info, held)
         writes = (self.piece(arr, *piece, table=hashing) for piece in pieces)
         await gather_first_error([*meta, *writes])
+
+    async def declared_leaf(
+        self, info: LeafInfo, pieces: list[tuple[Index, Any, bool]], declared: DeclaredLeaf
+    ) -> None:
+        """A leaf with declared rows: its changed chunks found while they are written, its
+        digests and held chunks recorded in the chunk plan (`write_declared`)."""
+        chunk_table: ChunkTable = {}
+        done = await write_declared(
+            self.kv,
+            self.context,
+            info,
+            pieces,
+            declared,
+            chunk_table,
+            max_inflight_bytes=self.budget.limit,
+            write_metadata=self.write_metadata,
+        )
+        if pieces:
+            self.stats.leaves.append(info.name)
+            if self.digests is not None:
+                self.digests[info.name] = done.table
+            self.chunk_plan.digests[info.name] = chunk_table
+            self.chunk_plan.held[info.name] = done.held
+        self.stats.shards += done.written
+        self.stats.bytes += done.nbytes
 
     async def metadata(self, info: LeafInfo) -> None:
         encoded = chunks.encode_metadata(info)

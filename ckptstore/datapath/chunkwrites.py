@@ -22,6 +22,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.tsdeadline import policy_of
+from ckptstore.datapath.declaredwrites import DeclaredLeaf
 from ckptstore.datapath.regions import read_regions
 from ckptstore.format import chunks
 from ckptstore.format.digests import (
@@ -40,10 +41,13 @@ from ckptstore.runtime.futures import gather_first_error, on_thread, write_keys
 class ChunkPlan:
     """One process's chunk-level part of a write: per leaf, the chunks it must not write
     (``held``: linear chunk indices another attempt holds), and the chunk digests of its
-    pieces (``digests``: filled by the write for the leaves it digests)."""
+    pieces (``digests``: filled by the write for the leaves it digests). The leaves in
+    ``declared`` are found out chunk by chunk while they are written
+    (`ckptstore.datapath.declaredwrites`): the write fills their ``held`` and ``digests``."""
 
     held: dict[str, set[int]] = field(default_factory=dict)
     digests: dict[str, ChunkTable] = field(default_factory=dict)
+    declared: dict[str, DeclaredLeaf] = field(default_factory=dict)
 
 
 def unheld_pieces(

@@ -104,6 +104,20 @@ async def test_declared_rows_that_did_not_change_are_referenced(local: Backend) 
     assert_same((await ckptstore.restore(local, 2))["emb"], touched(first, 40))
 
 
+async def test_declared_rows_all_unchanged_hold_every_chunk(local: Backend) -> None:
+    """Rows declared but unchanged: nothing of the leaf but its zarr.json is written, every
+    chunk is held by the base's attempt, and the step restores and verifies."""
+    first = table()
+    r1 = await save(local, first, 1)
+    got = await save(local, first, 2, base=r1, changed={"emb": [5, 600]})
+    assert got.bytes_written == 32  # the bias alone
+    item = (await load_committed(local, 2)).items["state"]
+    assert "emb" not in item.refs
+    assert item.chunk_refs["emb"].to_json() == {"0": [[0, 64]]}
+    assert_same((await ckptstore.restore(local, 2))["emb"], first)
+    assert (await ckptstore.verify(local, 2)).ok
+
+
 async def test_no_rows_declared_references_the_leaf_whole(local: Backend) -> None:
     first = table()
     await save(local, first, 1)
