@@ -303,6 +303,41 @@ async def test_a_failed_write_cancels_and_awaits_the_save_s_other_writes(
             assert await ckptstore.list_steps(backend) == []
 
 
+async def test_a_declared_save_whose_chunk_writes_fail_commits_nothing(
+    ckptstore_s3_server: Any, ckptstore_s3_bucket: str
+) -> None:
+    """A declared save writes its changed chunks while it hashes the others
+    (`datapath.declaredwrites`): a write refused for good fails it typed, once every write
+    it issued has ended; the step is not committed and the base restores as it was."""
+    values = np.random.default_rng(0).standard_normal((512, 64), dtype=np.float32)
+    later = values.copy()
+    rows = [3, 100, 200, 300, 400]
+    later[rows] += 1.0
+    with FaultProxy(ckptstore_s3_server.endpoint) as proxy:
+        backend = S3Backend(
+            ckptstore_s3_bucket, "run", endpoint_url=proxy.endpoint, credentials="env", retry=POLICY
+        )
+        async with backend:
+            first = await ckptstore.save(backend, {"t": values}, step=1, chunk_bytes=4096)
+            proxy.set_faults(
+                Fault(
+                    "status", status=403, nth=frozenset({2}), methods=frozenset({"PUT"}), agent=TS
+                ),
+                Fault("latency", delay=0.05, rate=1.0, agent=TS),  # keep writes in flight
+            )
+            with pytest.raises(PermissionDeniedError):
+                await ckptstore.save(
+                    backend, {"t": later}, step=2, base=first, changed={"t": rows}, chunk_bytes=4096
+                )
+            failed_at = time.monotonic()
+            await asyncio.sleep(0.3)
+            late = [s for s in proxy.seen if s.at > failed_at and s.agent.startswith("tensorstore")]
+            assert late == []
+            proxy.set_faults()
+            assert await ckptstore.list_steps(backend) == [1]
+            assert same((await ckptstore.restore(backend, 1))["t"], values)
+
+
 async def test_create_whose_reply_was_lost_is_recognised(
     ckptstore_s3_server: Any, ckptstore_s3_bucket: str
 ) -> None:
