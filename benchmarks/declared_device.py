@@ -6,8 +6,8 @@ chunks per step. Each step is saved three ways, side by side in an order that ro
 each from a fresh `jax.device_put` of the table (untimed) into a root of its own:
 
 - ``bands``: ``save(base=previous SaveResult, changed={"t": rows})`` as it is: the declared
-  rows' bands and the changed chunks are sliced on the device and only they are copied
-  (`ckptstore.datapath.regions`);
+  rows' bands are sliced on the device and only they are copied, the changed chunks
+  written from those copies (`ckptstore.datapath.regions`, `.declaredwrites`);
 - ``whole``: the same save with every piece copied to the host whole first (`np.asarray`,
   what the save did before `regions`): ``regions.on_accelerator`` patched to say no;
 - ``full``: a full save of the step.

@@ -524,6 +524,23 @@ def scale(results: Path) -> Figure:
     return figure
 
 
+def incremental_chunks(results: Path) -> Figure:
+    """The chunk-level incremental benchmark's figure, from its four runs."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # the benchmark imports ckptstore and benchmarks.common
+        sys.path.insert(0, root)
+    from benchmarks import incremental_chunks as chunks_benchmark
+
+    names = {
+        "local disk, run 1": "incremental_chunks.json",
+        "local disk, run 2": "incremental_chunks_repeat.json",
+        "moto S3, run 1": "incremental_chunks_s3.json",
+        "moto S3, run 2": "incremental_chunks_s3_repeat.json",
+    }
+    figure: Figure = chunks_benchmark.figure_of({k: load(results, v) for k, v in names.items()})
+    return figure
+
+
 PLOTS: dict[str, Callable[[Path], Figure]] = {
     "storage.png": storage,
     "object_reads.png": object_reads,
@@ -535,6 +552,7 @@ PLOTS: dict[str, Callable[[Path], Figure]] = {
     "training_loop.png": training_loop,
     "tiered.png": tiered,
     "scale.png": scale,
+    "incremental_chunks.png": incremental_chunks,
 }
 
 
