@@ -19,7 +19,9 @@ every committed step must restore to, bit for bit. The incremental kinds have fr
 leaves, the same at every step, beside leaves that change with it; the single-process one
 also a leaf that changes in one row per step, saved in small chunks (`CHUNK_BYTES`), so
 that an incremental save writes two of its chunks as raw keys and references the rest
-(`ckptstore.datapath.chunkwrites`, docs/incremental.md "Chunk references").
+(`ckptstore.datapath.chunkwrites`, docs/incremental.md "Chunk references"); on odd steps
+it declares those rows (``changed=``), its chunks hashed and written in one pass
+(`ckptstore.datapath.declaredwrites`).
 """
 
 from __future__ import annotations
@@ -174,8 +176,19 @@ async def run_op(job: dict[str, Any], rep: Reporter, value: Callable[[int], Any]
     if op in ("save", "merge", "commit", "inc", "inc-at", "race-save"):
         base = job.get("base")
         chunks = CHUNK_BYTES if str(job.get("kind", "")).startswith("inc") else None
+        changed = None
+        if job.get("kind") == "inc" and base is not None and step % 2:
+            # Half of them declare the rows that differ from the base (`inc_tree`), so that
+            # kills land in a declared save's write too (`datapath.declaredwrites`).
+            changed = {"rows": sorted({base % 256, step % 256})}
         work = ckptstore.save(
-            target, value(step), step=step, timeout=timeout, base=base, chunk_bytes=chunks
+            target,
+            value(step),
+            step=step,
+            timeout=timeout,
+            base=base,
+            changed=changed,
+            chunk_bytes=chunks,
         )
         await rep.phase("save", work)
     elif op in ("add", "finalize"):
