@@ -31,6 +31,7 @@ import aiohttp
 import google.auth.exceptions
 from gcsfs.retry import HttpError, NonRetryableError
 
+from ckptstore.backends import gcscreds
 from ckptstore.backends._errors import (
     already_exists,
     error_for,
@@ -234,16 +235,22 @@ class GcsBackend(ObjectStoreBackend):
         return self._fs
 
     def _make_filesystem(self) -> Any:
+        """A gcsfs filesystem with this source's credentials: the ones another backend's
+        filesystem made for the same source, if any (`gcscreds`: no new look-up, no new
+        token), else its own, kept for the next."""
         from gcsfs.core import GCSFileSystem  # the core class, whatever gcsfs's env flags say
 
+        key = None
         if self.emulated or self.credentials == "anonymous":
-            token: str = "anon"
-        elif self.credentials == "default":
-            token = "google_default"
+            token: Any = "anon"
         else:
-            token = self.credentials
+            with contextlib.suppress(OSError):  # an unreadable key file: gcsfs says so
+                key = gcscreds.source_key(self.credentials)
+            shared = gcscreds.kept(key) if key is not None else None
+            source = "google_default" if self.credentials == "default" else self.credentials
+            token = shared if shared is not None else source
         try:
-            return GCSFileSystem(
+            fs = GCSFileSystem(
                 project=self.project or "",
                 token=token,
                 asynchronous=True,
@@ -257,6 +264,9 @@ class GcsBackend(ObjectStoreBackend):
                 f"({type(exc).__name__})",
                 backend=self.url,
             ) from None
+        if key is not None:
+            gcscreds.keep(key, fs.credentials.credentials)
+        return fs
 
     async def _request(
         self,
