@@ -274,9 +274,10 @@ class LocalBackend(Backend):
         them are made durable here."""
         if not self.fsync:
             return
-        top = self._path(validate_prefix(prefix))
+        norm = validate_prefix(prefix)
 
         def sync() -> None:
+            top = self._path(norm)  # resolving it takes a stat per level: off the loop too
             if not top.is_dir():
                 raise NotFoundError(f"{top} is not a directory", backend=self.url, key=prefix)
             dirs = [Path(dirpath) for dirpath, _dirs, _files in os.walk(top)]
