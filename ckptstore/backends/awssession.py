@@ -11,17 +11,15 @@ environment is kept, never a value of it.
 
 from __future__ import annotations
 
-import collections
-import hashlib
-import os
 import threading
 from typing import Any
+
+from ckptstore.backends.kept import Kept, environment_digest
 
 #: Sessions kept at most (the oldest goes first).
 KEPT = 8
 
-_kept: collections.OrderedDict[tuple[str, str | None, int, str], Any] = collections.OrderedDict()
-_lock = threading.Lock()
+_kept: Kept[tuple[str, str | None, int, str], Any] = Kept(KEPT)
 
 
 def session_for(credentials: str, profile: str | None) -> Any:
@@ -29,18 +27,12 @@ def session_for(credentials: str, profile: str | None) -> Any:
     the environment; "profile": ``profile``; otherwise botocore's default chain), reused
     as the module docstring says. A missing profile shows at the first request
     (`S3Backend` names it in a `ConfigError`), not here."""
-    key = (credentials, profile, threading.get_ident(), _environment())
-    with _lock:
-        found = _kept.get(key)
-        if found is not None:
-            _kept.move_to_end(key)
-            return found
-    session = _new_session(credentials, profile)
-    with _lock:
-        _kept[key] = session
-        while len(_kept) > KEPT:
-            _kept.popitem(last=False)
-    return session
+    key = (credentials, profile, threading.get_ident(), environment_digest("AWS_"))
+    found = _kept.get(key)
+    if found is None:
+        found = _new_session(credentials, profile)
+        _kept.put(key, found)
+    return found
 
 
 def _new_session(credentials: str, profile: str | None) -> Any:
@@ -53,9 +45,3 @@ def _new_session(credentials: str, profile: str | None) -> Any:
     if credentials == "env":
         session.register_component("credential_provider", AioCredentialResolver([AioEnvProvider()]))
     return session
-
-
-def _environment() -> str:
-    """A digest of every ``AWS_*`` variable of the environment (names and values)."""
-    found = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
-    return hashlib.sha256(repr(found).encode()).hexdigest()

@@ -14,25 +14,23 @@ rotated key makes new credentials); only digests of those are kept, never a valu
 
 from __future__ import annotations
 
-import collections
 import hashlib
-import os
-import threading
 from pathlib import Path
 from typing import Any
+
+from ckptstore.backends.kept import Kept, environment_digest
 
 #: Credentials kept at most (the oldest goes first).
 KEPT = 8
 
-_kept: collections.OrderedDict[str, Any] = collections.OrderedDict()
-_lock = threading.Lock()
+_kept: Kept[str, Any] = Kept(KEPT)
 
 
 def source_key(source: str) -> str:
     """What credentials made for ``source`` (``"default"`` or a key file's path) depend
     on, as a digest: the source, the environment default credentials follow, and a key
     file's resolved path and content. OSError if the key file cannot be read."""
-    parts = [source, _environment()]
+    parts = [source, environment_digest("GOOGLE_", "CLOUDSDK_")]
     if source != "default":
         path = Path(source).expanduser().resolve()
         parts += [str(path), hashlib.sha256(path.read_bytes()).hexdigest()]
@@ -41,25 +39,10 @@ def source_key(source: str) -> str:
 
 def kept(key: str) -> Any:
     """The credentials `keep` kept under ``key``, or None."""
-    with _lock:
-        found = _kept.get(key)
-        if found is not None:
-            _kept.move_to_end(key)
-        return found
+    return _kept.get(key)
 
 
 def keep(key: str, credentials: Any) -> None:
     """Keep ``credentials`` (google-auth's, as a gcsfs filesystem made them) for ``key``."""
-    if credentials is None:  # anonymous: nothing to share
-        return
-    with _lock:
-        _kept[key] = credentials
-        _kept.move_to_end(key)
-        while len(_kept) > KEPT:
-            _kept.popitem(last=False)
-
-
-def _environment() -> str:
-    """A digest of every ``GOOGLE_*`` and ``CLOUDSDK_*`` variable (names and values)."""
-    found = sorted((k, v) for k, v in os.environ.items() if k.startswith(("GOOGLE_", "CLOUDSDK_")))
-    return hashlib.sha256(repr(found).encode()).hexdigest()
+    if credentials is not None:  # anonymous: nothing to share
+        _kept.put(key, credentials)
