@@ -162,33 +162,39 @@ async def write_declared(
     cores = os.cpu_count() or 2
     shares = [bands[k::cores] for k in range(cores) if bands[k::cores]]
     size = math.prod(chunk_shape) * dtype_of(info.dtype).itemsize
-    found = await gather_first_error(
-        [
-            on_thread(
-                None,
-                functools.partial(
-                    _hash_and_write,
-                    kv,
-                    info,
-                    pieces,
-                    declared.recorded,
-                    share,
-                    max_inflight_bytes // len(shares),
-                    None if policy is None else policy.limit(size * sum(len(b) for b in share)),
-                ),
-            )
-            for share in shares
-        ]
-    )
+    try:
+        found = await gather_first_error(
+            [
+                on_thread(
+                    None,
+                    functools.partial(
+                        _hash_and_write,
+                        kv,
+                        info,
+                        pieces,
+                        declared.recorded,
+                        share,
+                        max_inflight_bytes // len(shares),
+                        None if policy is None else policy.limit(size * sum(len(b) for b in share)),
+                    ),
+                )
+                for share in shares
+            ]
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):  # no write of this leaf runs on past the error
+            await wait_all(meta)
+        raise
     await wait_all(meta, None if policy is None else policy.limit(len(meta)))
     fresh: dict[int, bytes] = {}
     changed: set[int] = set()
-    for digests, wrote in found:
+    nbytes = 0
+    for digests, wrote, wrote_bytes in found:
         fresh.update(digests)
         changed.update(wrote)
+        nbytes += wrote_bytes
     table = folded(pieces, info, declared.recorded, fresh, chunk_table)
     held = {int(k) for k in chunk_table} - changed
-    nbytes = sum(_elements(info, k) for k in changed) * dtype_of(info.dtype).itemsize
     return DeclaredWrite(table, held, len(changed), nbytes)
 
 
@@ -200,15 +206,15 @@ def _hash_and_write(
     share: Sequence[_Band],
     max_inflight_bytes: int,
     limit: float | None,
-) -> tuple[dict[int, bytes], list[int]]:
+) -> tuple[dict[int, bytes], list[int], int]:
     """One worker's bands (in piece order): each read, its chunks hashed, the changed ones
-    written; their digests and the chunks written, once every write is durable. A failure
-    waits for the writes already issued before it is raised."""
+    written; their digests, the chunks written and their payload bytes, once every write is
+    durable. A failure waits for the writes already issued before it is raised."""
     grid = chunk_grid(info.shape, info.chunk_shape)
     fresh: dict[int, bytes] = {}
     wrote: list[int] = []
     issued: list[ts.Future[Any]] = []
-    waited, inflight = 0, 0
+    waited, inflight, nbytes = 0, 0, 0
     try:
         for p, of_piece in itertools.groupby(share, key=lambda band: band[0]):
             index, data, _ = pieces[p]
@@ -227,10 +233,12 @@ def _hash_and_write(
                     fresh[k] = found
                     if found == recorded[k].tobytes():
                         continue
-                    value = chunks.encode_region(info, rows[region])
+                    part = rows[region]  # an edge chunk's is smaller: encoding pads it
+                    value = chunks.encode_region(info, part)
                     coord = [int(c) for c in np.unravel_index(k, grid)]
                     issued.append(kv.write(chunks.chunk_key(info, coord), value))
                     wrote.append(k)
+                    nbytes += part.nbytes
                     inflight += len(value)
                     if inflight > max_inflight_bytes:  # let the store catch up
                         wait_here(issued[waited:], limit)
@@ -240,12 +248,4 @@ def _hash_and_write(
         with contextlib.suppress(Exception):
             wait_here(issued[waited:])
         raise
-    return fresh, wrote
-
-
-def _elements(info: LeafInfo, linear: int) -> int:
-    """The element count of chunk ``linear`` (an edge chunk's is smaller)."""
-    coord = np.unravel_index(linear, chunk_grid(info.shape, info.chunk_shape))
-    return math.prod(
-        min(c, n - int(k) * c) for k, c, n in zip(coord, info.chunk_shape, info.shape, strict=True)
-    )
+    return fresh, wrote, nbytes
