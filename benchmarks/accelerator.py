@@ -24,9 +24,13 @@ On the accelerators JAX finds, with a state sharded over all of them (float32 le
    cache first, with peak added host RSS.
 3. **fallback** (`fallback`): a state larger than half of the device memory: ``staging=
    "auto"`` must fall back to host staging by itself; its pause against ``device_get``.
+4. **loop** (`loop`, not in the default parts): what a training loop loses per save with
+   ckptstore, Orbax and the hardware's own drain, on four trees (`accelerator_loop`), in
+   each of ``--loop-dirs`` (``tmpfs``: /dev/shm, RAM-backed; ``disk``: the scratch directory).
 
     python benchmarks/accelerator.py --out $OUT/tpu.json   # on the accelerator: 4 GiB, 5 reps
     python benchmarks/accelerator.py --dry                 # CPU devices, 16 MiB, 2 reps (make test)
+    python benchmarks/accelerator.py --parts loop --trees f256,llm --loop-dirs tmpfs --reps 3
 
 Floors (`FLOORS`) are judged on accelerators only: CPU "devices" share host memory.
 """
@@ -295,6 +299,22 @@ def fallback(root: Path, reps: int, mib: int) -> dict[str, Any]:
     return {"bytes": nbytes(state), "modes": sorted(set(modes)), "runs": runs}
 
 
+def loops(args: argparse.Namespace, scratch: Path, mib: int, reps: int) -> dict[str, Any]:
+    """The loop part in each of ``--loop-dirs``."""
+    from benchmarks.accelerator_loop import loop_part
+
+    every, saves = (4, 2) if args.dry else (args.every, args.saves)
+    out = {}
+    for where in args.loop_dirs.split(","):
+        # --dry: the scratch directory for both (a container's /dev/shm may be 64 MiB)
+        base = Path("/dev/shm") if where == "tmpfs" and not args.dry else scratch
+        with common.scratch_dir("ckptstore-loop-", base) as root:
+            trees = args.trees.split(",")
+            variants = args.variants.split(",") if args.profile else None
+            out[where] = loop_part(root, args.dry, mib, trees, every, saves, reps, variants)
+    return out
+
+
 def progress(what: str, runs: dict[str, list[float]]) -> None:
     latest = ", ".join(f"{k} {v[-1]:.4g}" for k, v in runs.items())
     print(f"[{time.strftime('%H:%M:%S')}] {what}: {latest}", flush=True)
@@ -357,7 +377,12 @@ def summary(result: dict[str, Any]) -> str:
             ok = value <= floor[0] if floor[1] == "<=" else value >= floor[0]
             verdict = f"{floor[1]} {floor[0]}: {'PASS' if ok else 'FAIL'}"
         judged.append([name, f"{value}", verdict])
-    return table + "\n\n" + common.markdown_table(["figure", "value", "floor"], judged)
+    table += "\n\n" + common.markdown_table(["figure", "value", "floor"], judged)
+    if "loop" in result:
+        from benchmarks.accelerator_loop import loop_table
+
+        table += "\n\n" + loop_table(result["loop"], judge=not result["dry"])
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,6 +400,14 @@ def main(argv: list[str] | None = None) -> int:
         "--parts",
         default="saves,restores,fallback",
         help="which parts to run (comma-separated; default all)",
+    )
+    parser.add_argument("--trees", default="f64,f256,f1g,llm", help="the loop part's trees")
+    parser.add_argument("--every", type=int, default=100, help="loop: steps between saves")
+    parser.add_argument("--saves", type=int, default=3, help="loop: saves per run")
+    parser.add_argument("--loop-dirs", default="tmpfs,disk", help="loop: tmpfs and/or disk")
+    parser.add_argument("--profile", action="store_true", help="loop: sample the lock too")
+    parser.add_argument(
+        "--variants", default="", help="loop --profile: ckptstore variants (comma-separated)"
     )
     parser.add_argument("--out", type=Path, default=None, help="results (default: by platform)")
     parser.add_argument("--no-write-results", action="store_true")
@@ -406,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             if "restores" in parts:
                 result["restores"] = restores(state, scratch, reps)
             del state
+        if "loop" in parts:
+            result["loop"] = loops(args, scratch, mib, reps)
         # a state larger than half of the device memory
         if limit and not args.dry and "fallback" in parts:
             if not args.no_write_results:

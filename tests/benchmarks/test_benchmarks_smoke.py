@@ -149,3 +149,38 @@ def test_declared_device_benchmark_quick_run(tmp_path: Path) -> None:
         ("bands", "whole", "full", "device_to_host"), 3
     )
     assert set(got["ratios"]) == {"bands_vs_whole", "bands_vs_full", "whole_vs_full"}
+
+
+def test_accelerator_loop_part_dry_run() -> None:
+    # The loop part on CPU devices: four trees, both directories, every contender (none,
+    # ckptstore, Orbax, the hardware's drain), and the profile with a write-path variant.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "accelerator.py"),
+            "--dry",
+            "--parts",
+            "loop",
+            "--loop-dirs",
+            "tmpfs,disk",
+            "--profile",
+            "--variants",
+            ",nogc",
+            "--no-write-results",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    for where in ("tmpfs", "disk"):
+        for tree in ("f64", "f256", "f1g", "llm"):
+            for who in ("none", "ckptstore", "orbax", "drain"):
+                assert re.search(rf"^\| {where} +\| {tree} +\| {who} +\|", out, re.M), out
+            assert re.search(rf"^\| {where} +\| {tree} +\| lost_vs_drain +\|", out, re.M), out
+    assert "profile ckptstore+nogc: lost/save" in out, out
+    assert "floors: not judged on CPU devices" in out, out
+    scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
+    assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
