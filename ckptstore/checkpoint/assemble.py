@@ -343,11 +343,23 @@ async def _read_sharded(
         return [start // c for (start, _), c in zip(key, info.chunk_shape, strict=True)], key
 
     groups = [devices_of[key] for key in sorted(devices_of, key=chunk_order)]
+    # Onto an accelerator a large slice goes in pieces (`_Pieces`): they are what is read.
+    split = {
+        k: pieces
+        for k, (index, devices) in enumerate(groups)
+        if not placement.on_host(devices)
+        and (pieces := _Pieces.of(index, info, itemsize)) is not None
+    }
     expect = getattr(read, "expect", None)
     if expect is not None:
-        expect([index for index, _ in groups])
+        regions = [
+            split[k].indices if k in split else [index] for k, (index, _) in enumerate(groups)
+        ]
+        expect([region for group in regions for region in group])
 
-    async def place(index: Index, devices: list[Any]) -> list[jax.Array]:
+    async def place(k: int, index: Index, devices: list[Any]) -> list[jax.Array]:
+        if k in split:
+            return await split[k].place(read, devices, dtype or dtype_of(info.dtype), budget)
         nbytes = math.prod(_key_shape(_key(index, info.shape))) * itemsize
         check_fits(nbytes, "reading one device's slice", leaf=info.name)
         async with _holding(budget, nbytes):
@@ -356,12 +368,58 @@ async def _read_sharded(
                 data = data.astype(dtype)
             return await placement.put_slice(data, devices)
 
-    placed = await settle(place(index, devices) for index, devices in groups)
+    placed = await settle(place(k, index, devices) for k, (index, devices) in enumerate(groups))
     on: dict[Any, jax.Array] = {}
     for (_, devices), arrays in zip(groups, placed, strict=True):
         on.update(zip(devices, arrays, strict=True))
     shards = [on[device] for device in index_map]
     return jax.make_array_from_single_device_arrays(info.shape, sharding, shards)
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """A device slice larger than the host pool's buffers, read and placed piece by piece
+    along one axis (`placement.piece_plan`, `placement.Assembly`), each piece within the
+    budget: host memory holds pieces, never the whole slice."""
+
+    shape: tuple[int, ...]
+    axis: int
+    rows: int
+    indices: list[Index]  # each piece's region of the leaf
+    starts: list[int]  # each piece's start in the slice along the axis
+
+    @classmethod
+    def of(cls, index: Index, info: LeafInfo, itemsize: int) -> _Pieces | None:
+        key = _key(index, info.shape)
+        shape = _key_shape(key)
+        plan = placement.piece_plan(shape, itemsize, info.chunk_shape)
+        if plan is None:
+            return None
+        axis, rows = plan
+        starts = placement.piece_starts(shape[axis], rows)
+        offset = key[axis][0]
+        indices = [
+            tuple(
+                slice(offset + start, offset + start + rows) if a == axis else slice(lo, hi)
+                for a, (lo, hi) in enumerate(key)
+            )
+            for start in starts
+        ]
+        return cls(shape, axis, rows, indices, starts)
+
+    async def place(
+        self, read: Read, devices: list[Any], dtype: np.dtype[Any], budget: ByteBudget | None
+    ) -> list[jax.Array]:
+        into = placement.Assembly(self.shape, dtype, self.axis, self.rows, devices)
+        nbytes = math.prod(into.piece_shape) * dtype.itemsize
+
+        async def one(start: int, index: Index) -> None:
+            async with _holding(budget, nbytes):
+                data = await read(index)
+                await into.add(start, data if data.dtype == dtype else data.astype(dtype))
+
+        await settle(one(s, i) for s, i in zip(self.starts, self.indices, strict=True))
+        return into.arrays()
 
 
 def _holding(budget: ByteBudget | None, nbytes: int) -> Any:

@@ -11,10 +11,14 @@ is copied once, fast, into an aligned buffer of its own.
 
 from __future__ import annotations
 
+import functools
+import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ckptstore.runtime.futures import off_loop
@@ -102,3 +106,111 @@ try:
     from jax._src.interpreters.pxla import batched_device_put as _device_put
 except ImportError:  # another JAX: `jax.device_put` does it all
     _device_put = None  # type: ignore[assignment]
+
+
+#: A slice larger than this reaches an accelerator in pieces of about this size (whole
+#: stored chunks each where a chunk is smaller), each through the restore's reused host
+#: buffers, assembled on the device (`Assembly`): host memory stays the pool's size
+#: whatever the leaf's (a 1 GiB leaf read whole took 3 GiB of fresh host memory).
+PIECE_BYTES = 64 << 20
+
+
+def piece_plan(
+    shape: Sequence[int], itemsize: int, chunk_shape: Sequence[int]
+) -> tuple[int, int] | None:
+    """How to split a slice of ``shape`` into pieces: (axis, extent of each piece along
+    it), or None where it is no larger than `PIECE_BYTES` or cannot be split. The axis is
+    the first longer than 1; the extent a multiple of the stored chunks' where a piece
+    holds a chunk or more, so that no chunk is read twice."""
+    nbytes = math.prod(shape) * itemsize
+    axis = next((a for a, n in enumerate(shape) if n > 1), None)
+    if nbytes <= PIECE_BYTES or axis is None:
+        return None
+    per = nbytes // shape[axis]  # bytes of one index along the axis
+    rows = max(1, PIECE_BYTES // per)
+    chunk = chunk_shape[axis] if axis < len(chunk_shape) else 1
+    if rows >= chunk:
+        rows = rows // chunk * chunk
+    return (axis, rows) if rows < shape[axis] else None
+
+
+def piece_starts(extent: int, rows: int) -> list[int]:
+    """Where each piece starts along the split axis; the last one ends at ``extent`` and may
+    overlap the one before (it rewrites equal values), so that every piece has one shape
+    and the device program that places them compiles once."""
+    return [*range(0, extent - rows, rows), extent - rows]
+
+
+class Assembly:
+    """One slice built on each of ``devices`` from pieces along ``axis``: a buffer of the
+    slice's shape per device, each piece transferred and written into it at its offset by
+    a compiled ``dynamic_update_slice`` that donates the buffer (so the device holds the
+    slice plus the pieces in flight, never two copies of the slice)."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        axis: int,
+        rows: int,
+        devices: Sequence[Any],
+    ) -> None:
+        self.shape, self.dtype, self.axis, self.devices = shape, dtype, axis, list(devices)
+        self.piece_shape = tuple(rows if a == axis else n for a, n in enumerate(shape))
+        self._lock = threading.Lock()  # one update of a buffer at a time
+        self._buffers: list[jax.Array] | None = None
+        self.pieces = 0  # placed so far
+
+    async def add(self, start: int, data: np.ndarray[Any, Any]) -> None:
+        """Place the piece ``data`` (of `piece_shape`) at ``start`` along the axis."""
+        if data.shape != self.piece_shape:
+            raise ValueError(f"a piece of shape {data.shape}, not {self.piece_shape}")
+
+        def put() -> None:
+            placed = jax.device_put([data] * len(self.devices), self.devices)
+            with self._lock:
+                if self._buffers is None:
+                    self._buffers = [_zeros(self.shape, self.dtype, d) for d in self.devices]
+                self._buffers = [
+                    _updater(self.shape, self.piece_shape, self.dtype, self.axis, d)(
+                        buf, piece, jax.device_put(np.int32(start), d)
+                    )
+                    for buf, piece, d in zip(self._buffers, placed, self.devices, strict=True)
+                ]
+                self.pieces += 1
+
+        await off_loop(put, data.nbytes)
+
+    def arrays(self) -> list[jax.Array]:
+        """The slice on each device, once every piece is placed."""
+        if self._buffers is None:
+            raise ValueError("no piece was placed")
+        return self._buffers
+
+
+def _zeros(shape: tuple[int, ...], dtype: np.dtype[Any], device: Any) -> jax.Array:
+    return jnp.zeros(shape, dtype, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _updater(
+    shape: tuple[int, ...],
+    piece_shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    axis: int,
+    device: Any,
+) -> Any:
+    """The compiled program writing a piece into a slice's buffer on ``device`` at a start
+    given at run time (one program per shapes, dtype and device, kept)."""
+    on = jax.sharding.SingleDeviceSharding(device)
+
+    def update(buf: jax.Array, piece: jax.Array, start: jax.Array) -> jax.Array:
+        starts = tuple(start if a == axis else 0 for a in range(len(shape)))
+        return jax.lax.dynamic_update_slice(buf, piece, starts)
+
+    avals = (
+        jax.ShapeDtypeStruct(shape, dtype, sharding=on),  # type: ignore[no-untyped-call]
+        jax.ShapeDtypeStruct(piece_shape, dtype, sharding=on),  # type: ignore[no-untyped-call]
+        jax.ShapeDtypeStruct((), np.int32, sharding=on),  # type: ignore[no-untyped-call]
+    )
+    return jax.jit(update, donate_argnums=0).lower(*avals).compile()
