@@ -450,8 +450,12 @@ def _number(record: StepRecord, metric: str) -> bool:
 
 
 def _positive(what: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    """A setting that must be a positive, finite number: an infinite interval or count would
+    never save (or keep) and poisons what is derived from it (NaN estimates)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{what} must be a positive number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what} must be a positive, finite number, got {value!r}")
 
 
 def _seconds(value: Any) -> float | None:

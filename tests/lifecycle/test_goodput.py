@@ -116,11 +116,29 @@ def test_never_more_often_than_the_floor_nor_before_it() -> None:
         {"mtbf": 100, "min_interval": 50, "max_interval": 10},
         {"mtbf": 100, "decay": 1.0},
         {"mtbf": True},
+        {"mtbf": float("inf")},
+        {"mtbf": float("nan")},
+        {"mtbf": 100, "min_interval": float("inf")},
+        {"mtbf": 100, "max_interval": float("inf")},
+        {"prior_mtbf": float("inf")},
     ],
 )
 def test_bad_settings_are_config_errors(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="Goodput"):
         P.Goodput(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: P.EveryNSeconds(float("inf")),
+        lambda: P.KeepFor(float("inf")),
+        lambda: P.EveryNSeconds(float("nan")),
+    ],
+)
+def test_infinite_intervals_are_refused_by_every_policy(make: object) -> None:
+    with pytest.raises(ConfigError, match="finite"):
+        make()  # type: ignore[operator]
 
 
 def test_a_manager_feeds_it_at_every_save_call(tmp_path: Path) -> None:
