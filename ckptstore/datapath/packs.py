@@ -207,9 +207,30 @@ def _disagreement(info: LeafInfo, meta: bytes | bytearray) -> str:
     try:
         doc = json.loads(meta)
         stored = f"data_type {doc['data_type']!r}, shape {doc['shape']}"
-    except (ValueError, TypeError, KeyError):
+        same = doc["data_type"] == info.dtype and doc["shape"] == list(info.shape)
+        if same and chunks.known(info):
+            names = _codec_names(doc)
+            expected = _codec_names(json.loads(chunks.encode_metadata(info)))
+            if names != expected:  # what differs is the codecs: name them
+                return (
+                    f"the zarr.json stored in its pack names codecs {names}, where the "
+                    f"manifest's record implies {expected}"
+                )
+    except (ValueError, TypeError, KeyError, AttributeError):
         return f"the zarr.json stored in its pack does not match its record ({said})"
     return f"the zarr.json stored in its pack says {stored}; {said}"
+
+
+def _codec_names(doc: dict[str, Any]) -> list[str]:
+    """The names of a ``zarr.json``'s codecs, in order (a sharding codec's inner ones after
+    its own name)."""
+    out: list[str] = []
+    for codec in doc["codecs"]:
+        out.append(str(codec["name"]))
+        inner = (codec.get("configuration") or {}).get("codecs")
+        if inner:
+            out += _codec_names({"codecs": inner})
+    return out
 
 
 def _join(prefix: str, key: str) -> str:

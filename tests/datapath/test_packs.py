@@ -147,6 +147,18 @@ async def test_an_offset_that_misses_the_leaf_is_corruption(tmp_path: Path) -> N
         await read_packed(backend, "", [(leaves[1][0], wrong)])
 
 
+async def test_a_codec_renamed_in_a_stored_zarr_json_is_named(tmp_path: Path) -> None:
+    leaves = leaves_of(assorted())
+    backend = LocalBackend(tmp_path)
+    refs = await write_pack(backend, "", "pack", leaves)
+    raw = (tmp_path / "pack").read_bytes()
+    at = raw.index(b'"crc32c"', refs[1].offset)  # leaf 1's zarr.json, same length after
+    (tmp_path / "pack").write_bytes(raw[:at] + b'"crc64x"' + raw[at + 8 :])
+    with pytest.raises(CorruptCheckpointError, match=r"names codecs \[.*'crc64x'.*implies") as err:
+        await read_packed(backend, "", [(leaves[1][0], refs[1])])
+    assert "crc32c" in str(err.value) and err.value.leaf == leaves[1][0].name
+
+
 @pytest.mark.parametrize(
     "data",
     [
