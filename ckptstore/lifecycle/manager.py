@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from ckptstore.api import gc, restore_with
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import env_profile, load_profile, target_profile
-from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted, load_committed
+from ckptstore.checkpoint.commit import committed_steps, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.target import Target, open_target
@@ -42,6 +42,7 @@ from ckptstore.format.jsonitems import as_json_item, is_array_tree
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.changes import ChangedRows
+from ckptstore.lifecycle.existence import ensure_uncommitted_on
 from ckptstore.lifecycle.handles import SaveHandle, SaveStats
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
@@ -220,7 +221,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         waited = time.perf_counter() - before
         # A committed step is refused here, before anything is staged, as `save_sync` does;
         # the write would only fail later, at `wait()` or the next save.
-        self._call(self._ensure_uncommitted(step))
+        self._call(ensure_uncommitted_on(self.backend, self.durable, step, self.options.timeout))
         if self._last_step is not None and step < self._last_step:
             log.warning(
                 "ckptstore: saving step %d after step %d: latest_step() and restore() with "
@@ -283,13 +284,6 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         if self.save_policy.remembers:
             metadata[POLICY_RECORD] = self.save_policy.record()
         return metadata
-
-    async def _ensure_uncommitted(self, step: int) -> None:
-        """`AlreadyExistsError` if ``step`` is committed on the target (tiered: on either
-        tier; a step promoted and then dropped from the fast tier is committed too)."""
-        await asyncio.gather(
-            *(ensure_uncommitted(b, step) for b in (self.backend, self.durable) if b is not None)
-        )
 
     def _decide(self, step: int, force: bool) -> bool:
         wanted, go = self._policy_says(step, force)

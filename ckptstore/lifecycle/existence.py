@@ -1,0 +1,66 @@
+"""A manager's early refusal of a committed step, bounded: `ensure_uncommitted_on`.
+
+Before staging anything, `CheckpointManager.save` refuses a step that is committed on its
+target (tiered: on either tier; a step promoted and then dropped from the fast tier is
+committed too), as `save_sync` does, instead of failing later at `wait()`. The check is a
+listing per tier, so it can meet an object store that does not answer: it is bounded by the
+manager's ``timeout``. And the fast tier exists so that training keeps checkpointing while
+object storage is down or slow: the durable tier is asked for at most
+`DURABLE_CHECK_SECONDS`, and when it does not answer (or fails) the save goes on to the fast
+tier with a warning; a step that was on the durable tier alone is then refused by its
+promotion, which never replaces a committed step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.commit import ensure_uncommitted
+from ckptstore.errors import AlreadyExistsError, RetriesExhaustedError, StorageError
+from ckptstore.runtime.futures import gather_first_error
+
+log = logging.getLogger("ckptstore")
+
+#: Seconds a tiered manager's save waits for the durable tier's answer.
+DURABLE_CHECK_SECONDS = 2.0
+
+
+async def ensure_uncommitted_on(
+    fast: Backend, durable: Backend | None, step: int, timeout: float
+) -> None:
+    """`AlreadyExistsError` if ``step`` is committed on ``fast`` or ``durable`` (None: no
+    durable tier); `RetriesExhaustedError` if ``fast`` gives no answer within ``timeout``
+    seconds; the durable tier as the module docstring says."""
+    checks = [_bounded(ensure_uncommitted(fast, step), timeout, step)]
+    if durable is not None:
+        checks.append(_durable(durable, step, min(timeout, DURABLE_CHECK_SECONDS)))
+    await gather_first_error(checks)
+
+
+async def _durable(durable: Backend, step: int, seconds: float) -> None:
+    try:
+        await _bounded(ensure_uncommitted(durable, step), seconds, step)
+    except AlreadyExistsError:
+        raise
+    except StorageError as exc:  # unreachable, failing or too slow: the fast tier saves
+        log.warning(
+            "ckptstore: the durable tier did not say whether step %d is committed there "
+            "(%s); saving it to the fast tier",
+            step,
+            exc,
+        )
+
+
+async def _bounded(check: Coroutine[Any, Any, None], seconds: float, step: int) -> None:
+    """``check``, or `RetriesExhaustedError` once ``seconds`` have passed (it is cancelled)."""
+    try:
+        await asyncio.wait_for(check, seconds)
+    except TimeoutError:
+        raise RetriesExhaustedError(
+            f"checking whether step {step} is committed: no answer within {seconds:g} s"
+            " (ManagerOptions.timeout)"
+        ) from None
