@@ -203,6 +203,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         (`ckptstore.lifecycle.changes`; docs/incremental.md, "Declared changes").
         """
         step = layout.check_step(step)
+        self._exit_unless_heeded()  # a SIGTERM the loop did not stop for
         self._refuse_orbax_root()  # whatever the policy would say: the job learns it now
         trees = _items(state, items, self.options.item)
         if changed is not None and not self.options.incremental:

@@ -2,12 +2,22 @@
 from SIGTERM; several learn it together from JAX's preemption sync point, which names one
 step every process saves. `CheckpointManager.preempted` tells the loop to stop once that
 step is saved; the save policy saves it whatever it would say otherwise.
+
+A loop that never reads `preempted` (every script written for Orbax, which leaves SIGTERM
+alone) would train on to its last step after a SIGTERM, until the grace period ends in
+SIGKILL. So a single process whose loop does not read `preempted` exits on SIGTERM as it
+would without ckptstore: the first `save` call after the signal saves as the policy says
+(`OnPreemption`: that step); if the loop calls `save` again without having read `preempted`,
+that call waits for the save in flight to commit, writes one line on stderr and ends the
+process by SIGTERM's default action (`_exit_unless_heeded`). Where SIGTERM had a handler of
+the program's own, or was ignored, that decided: nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -22,14 +32,56 @@ class Preemption:
         _count: int
         _preempted: threading.Event
         _previous_handler: Any
+        _inflight: Any
+        options: Any
+
+        def _shutdown(self) -> None: ...
+
+    #: Whether the loop ever read `preempted` (then it stops by itself on SIGTERM).
+    _preempted_read = False
+    #: Whether a SIGTERM came while SIGTERM had its default action (it would have ended
+    #: the process: `_exit_unless_heeded` ends it, once the step's save is committed).
+    _sigterm_ends_process = False
+    _calls_since_sigterm = 0  # `save` calls since that SIGTERM
 
     @property
     def preempted(self) -> bool:
         """Whether the job is being preempted, so the loop should stop once this step is
         saved: this process got SIGTERM (one process), or every process reached JAX's
         preemption sync point at the same step (several; `save` must then be called at
-        every step, as the sync point is one step that every process must pass through)."""
+        every step, as the sync point is one step that every process must pass through).
+        A loop that reads it stops by itself; one that never does exits at the next `save`
+        (see the module docstring)."""
+        self._preempted_read = True
         return self._preempted.is_set()
+
+    def _exit_unless_heeded(self) -> None:
+        """At the start of a `save` call: if a SIGTERM that would have ended the process
+        came before the previous call, and the loop has not read `preempted` since (nor
+        ever), wait for the save in flight (the preemption's, if the policy asked for one)
+        to commit within ``options.timeout``, say so on stderr, and end the process by
+        SIGTERM's default action. The call after the signal is the loop's chance to stop."""
+        if not self._sigterm_ends_process or self._preempted_read:
+            return
+        if not self._calls_since_sigterm:
+            self._calls_since_sigterm += 1
+            return
+        handle, said = self._inflight, ""
+        if handle is not None:
+            try:
+                handle.wait(self.options.timeout)
+                said = f" after committing step {handle.step}"
+            except Exception as exc:  # the process ends anyway: say what was lost
+                said = f"; the save of step {handle.step} did not commit: {exc}"
+        print(
+            f"ckptstore: SIGTERM: exiting{said} (read CheckpointManager.preempted in the loop "
+            "to stop it yourself)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
 
     def _check_preemption(self, step: int) -> bool:
         if self._count > 1 and not self._preempted.is_set():
@@ -52,6 +104,8 @@ class Preemption:
             self._preempted.set()
             if callable(self._previous_handler):
                 self._previous_handler(signum, frame)
+            else:  # the default action would have ended the process (ignored: nothing)
+                self._sigterm_ends_process = self._previous_handler in (signal.SIG_DFL, None)
 
         self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
 
