@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import ensure_uncommitted
+from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted
 from ckptstore.errors import AlreadyExistsError, RetriesExhaustedError, StorageError
 from ckptstore.runtime.futures import gather_first_error
 
@@ -27,6 +27,9 @@ log = logging.getLogger("ckptstore")
 
 #: Seconds a tiered manager's save waits for the durable tier's answer.
 DURABLE_CHECK_SECONDS = 2.0
+#: Seconds a tiered manager waits for the durable tier's list of steps (at start, in
+#: `all_steps`) before it goes on with the fast tier's alone.
+DURABLE_LIST_SECONDS = 10.0
 
 
 async def ensure_uncommitted_on(
@@ -64,3 +67,18 @@ async def _bounded(check: Coroutine[Any, Any, None], seconds: float, step: int) 
             f"checking whether step {step} is committed: no answer within {seconds:g} s"
             " (ManagerOptions.timeout)"
         ) from None
+
+
+async def durable_steps(durable: Backend, timeout: float) -> list[int] | None:
+    """The steps committed on the durable tier, or None (with a warning) when it does not
+    answer within `DURABLE_LIST_SECONDS` (at most ``timeout``) or fails: a manager opens,
+    and lists its fast tier's steps, while object storage is down."""
+    seconds = min(timeout, DURABLE_LIST_SECONDS)
+    try:
+        return await asyncio.wait_for(committed_steps(durable), seconds)
+    except (TimeoutError, StorageError) as exc:
+        why = f"no answer within {seconds:g} s" if isinstance(exc, TimeoutError) else str(exc)
+        log.warning(
+            "ckptstore: the durable tier did not list its steps (%s); the fast tier's only", why
+        )
+        return None

@@ -42,7 +42,11 @@ from ckptstore.format.jsonitems import as_json_item, is_array_tree
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.changes import ChangedRows
-from ckptstore.lifecycle.existence import ensure_uncommitted_on
+from ckptstore.lifecycle.existence import (
+    DURABLE_LIST_SECONDS,
+    durable_steps,
+    ensure_uncommitted_on,
+)
 from ckptstore.lifecycle.handles import SaveHandle, SaveStats
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
@@ -151,6 +155,9 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
             #: Steps a predecessor (killed, or never closed) left unpromoted, promoted by
             #: this manager in the background before its first save's (`_resume`).
             self.resumed_promotions: list[int] = []
+            #: Steps committed on the fast tier while the durable tier was down, promoted at
+            #: the next save's turn once it answers (one process; `Retention`).
+            self.unpromoted: set[int] = set()
             if self.durable is not None and self.tiered is not None and committed:
                 self._retention = asyncio.run_coroutine_threadsafe(self._resume(), self._loop)
         except BaseException:
@@ -368,8 +375,8 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
 
     async def _committed_steps(self) -> list[int]:
         steps = set(await committed_steps(self.backend))
-        if self.durable is not None:
-            steps |= set(await committed_steps(self.durable))
+        if self.durable is not None:  # while it is down: the fast tier's (a warning says so)
+            steps |= set(await durable_steps(self.durable, self.options.timeout) or [])
         return sorted(steps)
 
     def _restore(self, step: int | None, like: Any, options: RestoreOptions) -> Any:
@@ -420,12 +427,16 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
     # ---- life cycle ----
 
     def close(self) -> None:
-        """Wait for the save in flight, then release everything (its error, if unseen, raises)."""
+        """Wait for the save in flight, then release everything (its error, if unseen, raises).
+        Steps left unpromoted while the durable tier was down are promoted now if it answers
+        (else the next manager on these tiers, or ``ckptstore promote``, promotes them)."""
         try:
             self._settle()
             retention, self._retention = self._retention, None
             if retention is not None:
                 retention.result()
+            if self.unpromoted and self.tiered is not None:
+                self._call(self._catch_up(min(self.options.timeout, DURABLE_LIST_SECONDS)))
         finally:
             self._shutdown()
 

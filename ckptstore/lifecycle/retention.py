@@ -17,11 +17,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ckptstore.api import delete_step
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import committed_steps, load_committed
-from ckptstore.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    TransientStorageError,
+)
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.promote import promote
+from ckptstore.tiers.promote import Promotion, promote
 from ckptstore.tiers.target import Tiered
 
 T = TypeVar("T")
@@ -37,6 +41,8 @@ class Retention:
         keep_policy: P.KeepPolicy
         options: ManagerOptions
         resumed_promotions: list[int]
+        unpromoted: set[int]
+        _count: int
         _retention: concurrent.futures.Future[None] | None
         _records: dict[int, P.StepRecord]
 
@@ -45,23 +51,55 @@ class Retention:
 
     async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
         """The step is promoted (tiered; every process takes part, see `tiers.promote`), then
-        process 0 applies the keep policy; every process waits until it has."""
+        process 0 applies the keep policy; every process waits until it has. While the
+        durable tier is down (one process), what it lacks is promoted at the next chance."""
         if previous is not None:
             await asyncio.wrap_future(previous)  # its failure is this one's too
-        if isinstance(on := self._target(), Tiered):
-            try:
-                await promote(on, step, timeout=self.options.timeout)
-            except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`): nothing to do
-                log.info("ckptstore: step %d was deleted before its promotion", step)
+        on = self._target()
+        if isinstance(on, Tiered) and await self._promote_or_defer(on, step) is None:
+            await self._keep_on_fast_tier()  # the durable tier is down: the fast tier alone
+            return
         handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
         seconds = await handoff.primary(self._apply_keep_policy)
         log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
+
+    async def _promote_or_defer(self, on: Tiered, step: int | None) -> list[Promotion] | None:
+        """Promote ``step`` (None: every step the durable tier lacks), and whatever an
+        earlier promotion left while the durable tier was down; what was promoted, or None
+        if the durable tier did not answer (one process: the promotion is deferred, with a
+        warning, and `unpromoted` says what waits)."""
+        behind = step is None or bool(self.unpromoted)
+        try:
+            done = await promote(on, None if behind else step, timeout=self.options.timeout)
+        except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`): nothing to do
+            log.info("ckptstore: step %s was deleted before its promotion", step)
+            done = []
+        except TransientStorageError as exc:
+            if self._count > 1:  # promotion is collective: every process must learn it
+                raise
+            if step is not None:
+                self.unpromoted.add(step)
+            log.warning(
+                "ckptstore: the durable tier is unavailable; steps %s stay on the fast tier "
+                "and are promoted when it answers again (%s)",
+                sorted(self.unpromoted) or "(those it lacks)",
+                exc,
+            )
+            return None
+        if self.unpromoted:
+            log.info("ckptstore: the durable tier caught up: %s", [p.step for p in done])
+        self.unpromoted.clear()
+        return done
 
     async def _resume(self) -> None:
         """On tiers, at start: finish what a predecessor left behind, in the background (its
         error surfaces like a keep policy's): promote every step the durable tier lacks,
         then apply the keep policy to both tiers."""
-        done = await promote(self._target(), timeout=self.options.timeout)
+        on = self._target()
+        assert isinstance(on, Tiered)
+        done = await self._promote_or_defer(on, None)
+        if done is None:
+            return
         self.resumed_promotions = [p.step for p in done if not p.already]
         if self.resumed_promotions:
             log.info(
@@ -70,11 +108,47 @@ class Retention:
             )
         await Handoff("manager/keep/resume", self.options.timeout).primary(self._apply_keep_policy)
 
+    async def _catch_up(self, seconds: float) -> None:
+        """Promote what waits (`unpromoted`) and apply the keep policy, if the durable tier
+        answers within ``seconds``; else say what stays on the fast tier (promotion is
+        resumable: the next manager on these tiers, or ``ckptstore promote``, finishes it)."""
+        on = self._target()
+        assert isinstance(on, Tiered)
+        try:
+            done = await asyncio.wait_for(self._promote_or_defer(on, None), seconds)
+        except TimeoutError:
+            done = None
+        if done is None:
+            log.warning(
+                "ckptstore: steps %s remain on the fast tier only: the durable tier did not "
+                "answer; the next manager on these tiers (or `ckptstore promote`) promotes them",
+                sorted(self.unpromoted),
+            )
+            return
+        await Handoff("manager/keep/close", self.options.timeout).primary(self._apply_keep_policy)
+
+    async def _keep_on_fast_tier(self) -> None:
+        """The keep policy over the fast tier's steps alone, while the durable tier is down:
+        a step it drops leaves the fast tier (on the durable tier, if it is there, the keep
+        policy drops it once that tier answers again)."""
+        records = await self._step_records(self.backend)
+        if not records:
+            return
+        keep = self.keep_policy.keep(records, time.time())
+        keep.add(max(r.step for r in records))  # never the latest committed step
+        for record in records:
+            if record.step not in keep:
+                try:
+                    await delete_step(self.backend, record.step)
+                except CheckpointNotFoundError:
+                    pass
+                self.unpromoted.discard(record.step)
+
     async def _apply_keep_policy(self) -> float:
         """Keep policy over the durable tier's steps (tiered) or the target's; a dropped step
         goes from every tier."""
         start = time.perf_counter()
-        records = await self._step_records()
+        records = await self._step_records(self.durable or self.backend)
         if not records:
             return 0.0
         keep = self.keep_policy.keep(records, time.time())
@@ -91,9 +165,9 @@ class Retention:
                 self._records.pop(record.step, None)
         return time.perf_counter() - start
 
-    async def _step_records(self) -> list[P.StepRecord]:
-        """Every committed step with its time and metrics (manifests read once, cached)."""
-        backend = self.durable or self.backend
+    async def _step_records(self, backend: Backend) -> list[P.StepRecord]:
+        """Every step committed on ``backend`` with its time and metrics (manifests read
+        once, cached)."""
         steps = await committed_steps(backend)
         for step in steps:
             if step not in self._records:

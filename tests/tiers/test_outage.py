@@ -1,0 +1,115 @@
+"""A tiered manager keeps saving to its fast tier while the durable tier is down, keeps its
+keep policy there, opens anew during the outage, and the durable tier catches up once it
+answers again. The durable tier is moto's S3 server behind a `FaultProxy` (503s to every
+request, connections dropped, or a black hole)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.backends.s3 import S3Backend
+from ckptstore.testing.faultproxy import Fault, FaultProxy
+
+#: Seconds one save may take while the durable tier is down (generous: a loaded machine).
+BOUND = 15.0
+
+
+def tree(step: int) -> dict[str, np.ndarray]:
+    return {"w": np.full(4096, float(step), np.float32), "b": np.arange(step, step + 8)}
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [Fault("status", rate=1.0), Fault("drop", rate=1.0), Fault("blackhole", rate=1.0)],
+    ids=["503", "dropped", "blackhole"],
+)
+def test_saves_go_on_through_an_outage_and_the_durable_tier_catches_up(
+    tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str, fault: Fault
+) -> None:
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    fast = str(tmp_path / "nvme")
+    options = ckptstore.ManagerOptions(handle_sigterm=False)
+    keep = ckptstore.policies.KeepLatest(3)
+    with FaultProxy(endpoint) as proxy:
+        durable = S3Backend(
+            ckptstore_s3_bucket,
+            "run",
+            endpoint_url=proxy.endpoint,
+            credentials="env",
+            retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05),
+            connect_timeout=0.5,
+            read_timeout=0.5,
+        )
+        tiered = ckptstore.Tiered(fast=fast, durable=durable)
+        mgr = ckptstore.CheckpointManager(tiered, keep_policy=keep, options=options)
+        try:
+            for step in (1, 2):
+                mgr.save(step, tree(step), force=True).wait()  # type: ignore[union-attr]
+            mgr.wait_until_finished()
+            assert ckptstore.list_steps_sync(durable) == [1, 2]
+
+            proxy.set_faults(fault)  # the durable tier goes away
+            for step in range(3, 8):
+                start = time.monotonic()
+                handle = mgr.save(step, tree(step), force=True)
+                assert handle is not None
+                handle.wait()
+                assert time.monotonic() - start < BOUND
+            mgr.wait_until_finished()  # the keep policy ran on the fast tier: no error
+            assert proxy.injected[fault.kind] > 0
+            assert ckptstore.list_steps_sync(fast) == [5, 6, 7]
+            assert {5, 6, 7} <= mgr.unpromoted
+
+            # A restart while it is down opens, and lists what the fast tier holds.
+            again = ckptstore.CheckpointManager(tiered, keep_policy=keep, options=options)
+            assert again.all_steps() == [5, 6, 7]
+            np.testing.assert_array_equal(again.restore(7)["w"], tree(7)["w"])
+            again.close()
+
+            proxy.set_faults()  # it is back: the next save's turn promotes what waits
+            mgr.save(8, tree(8), force=True).wait()  # type: ignore[union-attr]
+            mgr.wait_until_finished()
+            assert not mgr.unpromoted
+        finally:
+            proxy.set_faults()
+            mgr.close()
+    direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
+    assert ckptstore.list_steps_sync(direct) == [6, 7, 8]
+    assert ckptstore.list_steps_sync(fast) == [6, 7, 8]
+    for step in (6, 7, 8):
+        got = ckptstore.restore_sync(direct, step)
+        np.testing.assert_array_equal(got["w"], tree(step)["w"])
+        np.testing.assert_array_equal(got["b"], tree(step)["b"])
+    assert ckptstore.verify_sync(direct, 8).ok
+
+
+def test_closing_after_the_outage_promotes_what_waits(
+    tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str
+) -> None:
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    with FaultProxy(endpoint) as proxy:
+        durable = S3Backend(
+            ckptstore_s3_bucket,
+            "run",
+            endpoint_url=proxy.endpoint,
+            credentials="env",
+            retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05),
+        )
+        tiered = ckptstore.Tiered(fast=str(tmp_path / "nvme"), durable=durable)
+        options = ckptstore.ManagerOptions(handle_sigterm=False)
+        mgr = ckptstore.CheckpointManager(tiered, options=options)
+        proxy.set_faults(Fault("status", rate=1.0))
+        for step in (1, 2):
+            mgr.save(step, tree(step), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()
+        assert mgr.unpromoted == {1, 2}
+        proxy.set_faults()
+        mgr.close()
+    direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
+    assert ckptstore.list_steps_sync(direct) == [1, 2]
