@@ -58,6 +58,7 @@ from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
+from ckptstore.tiers.read import read_manifest
 from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
 T = TypeVar("T")
@@ -149,9 +150,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
             if self.save_policy.remembers:  # a restarted job's policy carries on
                 self.save_policy.resume(self._policy_record(committed))
             if options.gc_on_start and self._me == 0:
-                removed = self._call(gc(self.backend, older_than=options.gc_grace))
-                if removed.entries:
-                    log.info("ckptstore: removed %d stale attempts", len(removed.entries))
+                self._collect_at_start(options.gc_grace)
             #: Steps a predecessor (killed, or never closed) left unpromoted, promoted by
             #: this manager in the background before its first save's (`_resume`).
             self.resumed_promotions: list[int] = []
@@ -166,6 +165,18 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         if options.handle_sigterm:
             self._install_sigterm()
         at_exit.track(self)  # a script that never closes it still commits its last save
+
+    def _collect_at_start(self, grace: float) -> None:
+        """`gc` of the target (the fast tier), skipped with a warning where a committed step's
+        manifest cannot be read: what it references is then unknown, so nothing is collected
+        on a guess, and the manager opens (a restore reads such a step from its other copy)."""
+        try:
+            removed = self._call(gc(self.backend, older_than=grace))
+        except CorruptCheckpointError as exc:
+            log.warning("ckptstore: start-up gc skipped: %s", exc)
+            return
+        if removed.entries:
+            log.info("ckptstore: removed %d stale attempts", len(removed.entries))
 
     async def _refuse_host_local(self, timeout: float) -> None:
         """`ConfigError` where the fast tier is each host's own disk (measured by every
@@ -419,10 +430,11 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         return dict(metrics) if isinstance(metrics, dict) else {}
 
     def _metadata(self, step: int) -> dict[str, Any]:
-        """The metadata committed ``step`` was saved with (on tiers: from its nearest copy)."""
-        on_fast = step in self._call(committed_steps(self.backend))
-        backend = self.backend if on_fast or self.durable is None else self.durable
-        return self._call(load_committed(backend, step)).metadata
+        """The metadata committed ``step`` was saved with (on tiers: from the nearest good
+        copy, as `restore` reads it: `tiers.read`)."""
+        if self.durable is None:
+            return self._call(load_committed(self.backend, step)).metadata
+        return self._call(read_manifest(Tiered(self.backend, self.durable), step)).metadata
 
     # ---- life cycle ----
 
