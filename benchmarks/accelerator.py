@@ -27,6 +27,8 @@ On the accelerators JAX finds, with a state sharded over all of them (float32 le
 4. **loop** (`loop`, not in the default parts): what a training loop loses per save with
    ckptstore, Orbax and the hardware's own drain, on four trees (`accelerator_loop`), in
    each of ``--loop-dirs`` (``tmpfs``: /dev/shm, RAM-backed; ``disk``: the scratch directory).
+5. **memory** (`memory`, not in the default parts): host memory over ``--long-saves`` saves
+   of the LLM-like tree, ckptstore then Orbax, its slope per save (`accelerator_memory`).
 
     python benchmarks/accelerator.py --out $OUT/tpu.json   # on the accelerator: 4 GiB, 5 reps
     python benchmarks/accelerator.py --dry                 # CPU devices, 16 MiB, 2 reps (make test)
@@ -382,6 +384,10 @@ def summary(result: dict[str, Any]) -> str:
         from benchmarks.accelerator_loop import loop_table
 
         table += "\n\n" + loop_table(result["loop"], judge=not result["dry"])
+    if "memory" in result:
+        from benchmarks.accelerator_memory import memory_table
+
+        table += "\n\n" + memory_table(result["memory"], judge=not result["dry"])
     return table
 
 
@@ -405,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=100, help="loop: steps between saves")
     parser.add_argument("--saves", type=int, default=3, help="loop: saves per run")
     parser.add_argument("--loop-dirs", default="tmpfs,disk", help="loop: tmpfs and/or disk")
+    parser.add_argument("--long-saves", type=int, default=200, help="memory: saves per library")
     parser.add_argument("--profile", action="store_true", help="loop: sample the lock too")
     parser.add_argument(
         "--variants", default="", help="loop --profile: ckptstore variants (comma-separated)"
@@ -441,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
             del state
         if "loop" in parts:
             result["loop"] = loops(args, scratch, mib, reps)
+        if "memory" in parts:
+            from benchmarks.accelerator_memory import memory_part
+
+            long_saves = 12 if args.dry else args.long_saves
+            result["memory"] = memory_part(scratch, args.dry, mib, long_saves)
         # a state larger than half of the device memory
         if limit and not args.dry and "fallback" in parts:
             if not args.no_write_results:

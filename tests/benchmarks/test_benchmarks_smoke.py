@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.helpers import REPO, quick_run
 
 
@@ -151,9 +153,14 @@ def test_declared_device_benchmark_quick_run(tmp_path: Path) -> None:
     assert set(got["ratios"]) == {"bands_vs_whole", "bands_vs_full", "whole_vs_full"}
 
 
-def test_accelerator_loop_part_dry_run() -> None:
-    # The loop part on CPU devices: four trees, both directories, every contender (none,
-    # ckptstore, Orbax, the hardware's drain), and the profile with a write-path variant.
+@pytest.mark.parametrize(
+    ("where", "extra"),
+    [("tmpfs", ["--profile", "--variants", ",nogc"]), ("disk", ["--parts", "loop,memory"])],
+)
+def test_accelerator_loop_part_dry_run(where: str, extra: list[str]) -> None:
+    # The loop part on CPU devices: four trees, every contender (none, ckptstore, Orbax, the
+    # hardware's drain); in "tmpfs" the profile with a write-path variant, on "disk" the
+    # memory part too (RSS over many saves, each library). Two runs: xdist runs them apart.
     proc = subprocess.run(
         [
             sys.executable,
@@ -162,10 +169,8 @@ def test_accelerator_loop_part_dry_run() -> None:
             "--parts",
             "loop",
             "--loop-dirs",
-            "tmpfs,disk",
-            "--profile",
-            "--variants",
-            ",nogc",
+            where,
+            *extra,
             "--no-write-results",
         ],
         cwd=REPO,
@@ -175,12 +180,15 @@ def test_accelerator_loop_part_dry_run() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     out = proc.stdout
-    for where in ("tmpfs", "disk"):
-        for tree in ("f64", "f256", "f1g", "llm"):
-            for who in ("none", "ckptstore", "orbax", "drain"):
-                assert re.search(rf"^\| {where} +\| {tree} +\| {who} +\|", out, re.M), out
-            assert re.search(rf"^\| {where} +\| {tree} +\| lost_vs_drain +\|", out, re.M), out
-    assert "profile ckptstore+nogc: lost/save" in out, out
+    for tree in ("f64", "f256", "f1g", "llm"):
+        for who in ("none", "ckptstore", "orbax", "drain"):
+            assert re.search(rf"^\| {where} +\| {tree} +\| {who} +\|", out, re.M), out
+        assert re.search(rf"^\| {where} +\| {tree} +\| lost_vs_drain +\|", out, re.M), out
+    if where == "tmpfs":
+        assert "profile ckptstore+nogc: lost/save" in out, out
+    else:
+        for who in ("ckptstore", "orbax"):  # the memory part: RSS over 12 saves each
+            assert re.search(rf"^\| {who} +\| 12 +\|", out, re.M), out
     assert "floors: not judged on CPU devices" in out, out
     scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
