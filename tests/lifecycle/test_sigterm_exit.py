@@ -32,13 +32,15 @@ policy = pol.AnyOf(pol.EveryNSteps(1000), pol.OnPreemption())
 mgr = ckptstore.CheckpointManager(root, save_policy=policy)
 for step in range(1, 100_000):
     state = {"w": np.full(1024, float(step), np.float32)}
-    mgr.save(step, state)
+    handle = mgr.save(step, state)
     if step == 3:
         print("ready", flush=True)
     if style == "reads" and mgr.preempted:
+        if handle is None:  # the signal came after this step's call: save it now
+            mgr.save(step, state, force=True)
         print(f"stopped at {step}", flush=True)
         break
-    if style == "own-handler" and step == 400:
+    if style == "own-handler" and step == 60:
         break
     time.sleep(0.005)
 mgr.close()
