@@ -51,9 +51,17 @@ class Preemption:
         preemption sync point at the same step (several; `save` must then be called at
         every step, as the sync point is one step that every process must pass through).
         A loop that reads it stops by itself; one that never does exits at the next `save`
-        (see the module docstring)."""
+        (see the module docstring).
+
+        It turns true at a `save` call (the one the policy's `OnPreemption` saves), never
+        between two: a SIGTERM that lands after this step's `save` call and before the loop
+        reads this is seen by the next call, so ``save(step); if mgr.preempted: break``
+        never stops the loop on a step that was not saved."""
         self._preempted_read = True
-        return self._preempted.is_set()
+        return self._preempted_seen
+
+    #: Whether a `save` call has seen the preemption (`preempted`).
+    _preempted_seen = False
 
     def _exit_unless_heeded(self) -> None:
         """At the start of a `save` call: if a SIGTERM that would have ended the process
@@ -84,6 +92,7 @@ class Preemption:
         signal.raise_signal(signal.SIGTERM)
 
     def _check_preemption(self, step: int) -> bool:
+        """Whether the job is preempted, as a `save` call sees it (`preempted` follows)."""
         if self._count > 1 and not self._preempted.is_set():
             # SIGTERM on any process reaches every process through JAX's coordination
             # service, which names one step (the largest any process had reached, plus
@@ -91,7 +100,8 @@ class Preemption:
             if _reached_preemption_sync_point(step):
                 log.warning("ckptstore: preemption: every process saves step %d", step)
                 self._preempted.set()
-        return self._preempted.is_set()
+        self._preempted_seen = self._preempted.is_set()
+        return self._preempted_seen
 
     def _install_sigterm(self) -> None:
         if self._count > 1:

@@ -424,6 +424,19 @@ def test_sigterm_saves_the_step_and_tells_the_loop(root: str) -> None:
     assert_same(ckptstore.restore_sync(root), expected)
 
 
+def test_preempted_turns_true_only_at_the_save_call_that_saves(root: str) -> None:
+    # A SIGTERM landing between a step's save call and the loop's check of `preempted`
+    # must not stop the loop on a step that was not saved: the next call sees it.
+    policy = pol.AnyOf(pol.EveryNSteps(1000), pol.OnPreemption())
+    with ckptstore.CheckpointManager(root, save_policy=policy) as mgr:
+        assert mgr.save(1, {"x": np.arange(3)}) is None
+        os.kill(os.getpid(), signal.SIGTERM)  # after step 1's call
+        assert not mgr.preempted  # step 1 was not saved: the loop goes on
+        assert mgr.save(2, {"x": np.arange(3)}) is not None
+        assert mgr.preempted
+    assert ckptstore.list_steps_sync(root) == [2]
+
+
 def test_a_preemption_save_is_never_skipped(root: str) -> None:
     slow = FaultyBackend(ckptstore.open_backend(root), latency=0.2)
     policy = pol.AnyOf(pol.EveryNSteps(1), pol.OnPreemption())
