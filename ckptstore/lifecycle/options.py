@@ -145,13 +145,20 @@ class ManagerOptions:
         if (n := take("keep_every_steps")) is not None:
             keeps.append(P.KeepEveryNSteps(_int(n, f"{source}.keep_every_steps")))
         if (best := take("keep_best")) is not None:
-            if not isinstance(best, dict) or set(best) - {"n", "metric", "mode"}:
-                raise ConfigError(f"{source}.keep_best must be {{n, metric, mode}}")
+            fields = {"n", "metric", "mode", "keep_without_metric"}
+            if not isinstance(best, dict) or set(best) - fields:
+                raise ConfigError(
+                    f"{source}.keep_best must be {{n, metric, mode, keep_without_metric}}"
+                )
             keeps.append(
                 P.KeepBest(
                     _int(best.get("n", 1), f"{source}.keep_best.n"),
                     _str(best.get("metric", ""), f"{source}.keep_best.metric"),
                     best.get("mode", "max"),
+                    _bool(
+                        best.get("keep_without_metric", True),
+                        f"{source}.keep_best.keep_without_metric",
+                    ),
                 )
             )
         if (t := take("keep_for")) is not None:

@@ -394,19 +394,30 @@ class KeepEveryNSteps(KeepPolicy):
 
 @dataclass(frozen=True)
 class KeepBest(KeepPolicy):
-    """The ``n`` steps with the best value of ``metric`` (steps without it are not kept)."""
+    """The ``n`` steps with the best value of ``metric``, and (``keep_without_metric``, the
+    default, as Orbax's ``keep_checkpoints_without_metrics``) every step saved without that
+    metric: a preemption's or a final save with no evaluation is not dropped for lacking
+    one. A step whose metric is not a finite number (NaN) is never among the best."""
 
     n: int
     metric: str
     mode: Literal["max", "min"] = "max"
+    keep_without_metric: bool = True
 
     def __post_init__(self) -> None:
         _positive("KeepBest.n", self.n)
         if self.mode not in ("max", "min"):
             raise ConfigError(f"KeepBest.mode must be 'max' or 'min', got {self.mode!r}")
+        if not isinstance(self.keep_without_metric, bool):
+            raise ConfigError(
+                f"KeepBest.keep_without_metric must be a bool, got {self.keep_without_metric!r}"
+            )
 
     def keep(self, records: Sequence[StepRecord], now: float) -> set[int]:
-        return set(self.ranked(records)[: self.n])
+        best = set(self.ranked(records)[: self.n])
+        if self.keep_without_metric:
+            best |= {r.step for r in records if self.metric not in r.metrics}
+        return best
 
     def ranked(self, records: Sequence[StepRecord]) -> list[int]:
         """The steps with a finite ``metric``, best first (what `keep` keeps the first

@@ -192,8 +192,12 @@ def test_keep_policies() -> None:
     records.append(StepRecord(8, now, {}))
     assert pol.KeepLatest(2).keep(records, now) == {6, 8}
     assert pol.KeepEveryNSteps(2).keep(records, now) == {2, 4, 6, 8}
-    assert pol.KeepBest(2, "acc").keep(records, now) == {2, 4}  # NaN and missing never best
-    assert pol.KeepBest(1, "acc", mode="min").keep(records, now) == {1}
+    # NaN and missing are never best; a step without the metric (8) is kept unless asked
+    # otherwise, as Orbax's keep_checkpoints_without_metrics=True keeps it.
+    assert pol.KeepBest(2, "acc").keep(records, now) == {2, 4, 8}
+    assert pol.KeepBest(2, "acc", keep_without_metric=False).keep(records, now) == {2, 4}
+    assert pol.KeepBest(1, "acc", mode="min").keep(records, now) == {1, 8}
+    assert pol.KeepBest(1, "acc", "min", keep_without_metric=False).keep(records, now) == {1}
     assert pol.KeepFor(5 * 60).keep(records, now) == {6, 8}
     assert pol.KeepAnyOf(pol.KeepLatest(1), pol.KeepBest(1, "acc")).keep(records, now) == {2, 8}
     assert pol.KeepAll().keep(records, now) == {1, 2, 3, 4, 5, 6, 8}
@@ -228,6 +232,28 @@ def test_the_latest_step_is_never_deleted(root: str) -> None:
             mgr.save(step, {"x": np.full(3, step)}, metrics={"loss": loss})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1, 3]  # the best, and the latest though it is worst
+
+
+def test_keep_best_keeps_a_step_saved_without_its_metric(root: str) -> None:
+    keep = pol.KeepBest(1, "loss", mode="min")
+    with ckptstore.CheckpointManager(root, keep_policy=keep, options=options()) as mgr:
+        mgr.save(1, {"x": np.full(3, 1)}, metrics={"loss": 0.1})
+        mgr.save(2, {"x": np.full(3, 2)})  # a preemption's save: no evaluation
+        for step, loss in [(3, 0.5), (4, 0.9)]:
+            mgr.save(step, {"x": np.full(3, step)}, metrics={"loss": loss})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2, 4]  # the best, the one without, the latest
+
+
+def test_keep_without_metric_from_a_profile_table() -> None:
+    table = {"keep_best": {"n": 2, "metric": "acc", "keep_without_metric": False}}
+    policy = ckptstore.ManagerOptions.from_table(table).keep_policy
+    assert policy == pol.KeepBest(2, "acc", keep_without_metric=False)
+    default = ckptstore.ManagerOptions.from_table({"keep_best": {"metric": "acc"}}).keep_policy
+    assert default == pol.KeepBest(1, "acc")
+    bad = {"keep_best": {"metric": "acc", "keep_without_metric": "no"}}
+    with pytest.raises(ckptstore.ConfigError, match="keep_without_metric must be true or false"):
+        ckptstore.ManagerOptions.from_table(bad)
 
 
 def attempts(root: str, step: int) -> list[str]:
