@@ -217,11 +217,15 @@ def load_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a profile (a path or a name): ``{"url": str, "options": {...}}``
     with env refs expanded and relative paths made absolute against the profile's folder
     (plus ``"manager": {...}``, the `CheckpointManager`'s table, when the profile has one)."""
+    if "://" in str(path):  # Path() would fold "s3://b/x" into "s3:/b/x"
+        raise ConfigError(f"{path} is a URL; a profile is a .toml file (or its name)")
     file = resolve_profile(path)
     try:
         raw = tomllib.loads(file.read_text())
     except FileNotFoundError:
         raise ConfigError(f"profile {file} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"profile {file} is a directory, not a .toml file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else exc
         raise ConfigError(f"profile {file} is not valid TOML: {why}") from None

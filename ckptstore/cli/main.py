@@ -235,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     collect.add_argument("--dry-run", action="store_true", help="show, remove nothing")
     prom = command("promote", "copy committed steps from the fast to the durable tier")
-    prom.add_argument("tiers", help="a .toml profile with a [tiers] table (fast, durable)")
+    prom.add_argument(
+        "tiers", metavar="PROFILE", help="a .toml profile with a [tiers] table (fast, durable)"
+    )
     prom.add_argument("--step", type=int, help="only this step (default: every unpromoted one)")
     prom.add_argument(
         "--watch",

@@ -55,6 +55,11 @@ class Tiered:
     def from_profile(cls, path: str | os.PathLike[str]) -> Tiered:
         """The ``[tiers]`` table of a profile: ``fast``, ``durable`` (URLs or profile paths,
         relative to the profile's folder), ``keep_fast`` and ``free_margin`` (bytes)."""
+        if "://" in str(path):
+            raise ConfigError(
+                f"{path} is a URL: two tiers come from a .toml profile with a [tiers] table "
+                "(fast, durable)"
+            )
         table = load_profile(path).get("tiers")
         if not isinstance(table, dict):
             raise ConfigError(f"profile {path} has no [tiers] table")

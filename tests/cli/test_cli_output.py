@@ -225,6 +225,26 @@ def test_errors_are_json_documents_too(root: str, capsys: pytest.CaptureFixture[
     assert capsys.readouterr().out == ""
 
 
+def test_promote_of_what_is_not_a_tiers_profile_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for target, said in [
+        (str(folder), f"profile {folder} is a directory, not a .toml file"),
+        ("s3://bucket/run", "s3://bucket/run is a URL: two tiers come from a .toml profile"),
+    ]:
+        doc = run_json(["promote", target], capsys, status=2)
+        assert doc["error"]["type"] == "ConfigError" and said in doc["error"]["message"]
+        assert main(["promote", target]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "Traceback" not in err
+    main_help = subprocess.run(
+        [EXE, "promote", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "PROFILE" in main_help.split("positional arguments")[1]
+
+
 def test_json_errors_as_a_command(tmp_path: Path) -> None:
     missing = str(tmp_path / "nowhere")
     proc = subprocess.run(
