@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import math
 import os
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -165,6 +166,7 @@ class S3Backend(ObjectStoreBackend):
         )
         if not bucket or "/" in bucket:
             raise ConfigError(f"invalid S3 bucket name {bucket!r}")
+        _refuse_moto_in_process_mock()
         if credentials not in CREDENTIAL_SOURCES:
             raise ConfigError(
                 f"S3 credentials must be one of {', '.join(CREDENTIAL_SOURCES)}; got "
@@ -570,3 +572,21 @@ def _precondition_failed(exc: StorageError) -> bool:
         return False
     status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return bool(_error_code(exc) == "PreconditionFailed" or status == 412)
+
+
+def _refuse_moto_in_process_mock() -> None:
+    """`ConfigError` while moto's in-process ``mock_aws()`` is active: it intercepts
+    botocore's requests with synchronous replies that aiobotocore (s3fs) cannot await (a
+    ``TypeError`` deep inside it), and TensorStore's own S3 client, which writes the
+    array data, never sees the mock at all. moto's server mode works: the pytest plugin's
+    ``ckptstore_s3_bucket`` fixture, or ``moto.server.ThreadedMotoServer`` with
+    ``endpoint_url`` (docs/testing.md)."""
+    models = sys.modules.get("moto.core.models")  # only if the test imported moto
+    mock = getattr(models, "MockAWS", None)
+    if getattr(mock, "_nested_count", 0):
+        raise ConfigError(
+            "moto's in-process mock_aws() is active: ckptstore's S3 clients (aiobotocore, "
+            "and TensorStore's own) cannot run against it; use moto's server mode instead: "
+            "the ckptstore_s3_bucket pytest fixture (pip install 'ckptstore[testing]'), or "
+            "moto.server.ThreadedMotoServer with endpoint_url= (see docs/testing.md)"
+        )
