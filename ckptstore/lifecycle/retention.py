@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Coroutine
@@ -25,7 +26,7 @@ from ckptstore.errors import (
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.promote import Promotion, promote
+from ckptstore.tiers.promote import Promotion, promote, trim_fast
 from ckptstore.tiers.target import Tiered
 
 T = TypeVar("T")
@@ -69,6 +70,8 @@ class Retention:
         if the durable tier did not answer (one process: the promotion is deferred, with a
         warning, and `unpromoted` says what waits)."""
         behind = step is None or bool(self.unpromoted)
+        if self._count == 1:  # ``keep_fast`` trims after the keep policy (`_trim_fast`)
+            on = dataclasses.replace(on, keep_fast=None)
         try:
             done = await promote(on, None if behind else step, timeout=self.options.timeout)
         except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`): nothing to do
@@ -163,7 +166,17 @@ class Retention:
                 except CheckpointNotFoundError:  # its goal holds: another deleter was first
                     log.info("ckptstore: step %d was already deleted", record.step)
                 self._records.pop(record.step, None)
+        await self._trim_fast(target)
         return time.perf_counter() - start
+
+    async def _trim_fast(self, target: Backend | Tiered) -> None:
+        """``keep_fast``: the latest promoted steps the keep policy kept stay on the fast
+        tier, the older promoted ones leave it. After the keep policy, not inside the
+        promotion: trimming first counted steps the policy deleted next, and the fast tier
+        ended with fewer than ``keep_fast`` (one process; with several, `promote` trims)."""
+        if isinstance(target, Tiered) and target.keep_fast is not None and self._count == 1:
+            assert self.durable is not None
+            await trim_fast(self.backend, self.durable, target.keep_fast)
 
     async def _step_records(self, backend: Backend) -> list[P.StepRecord]:
         """Every step committed on ``backend`` with its time and metrics (manifests read
