@@ -261,7 +261,7 @@ class GcsBackend(ObjectStoreBackend):
             # Name the source, not the exception text (it may quote a credential file).
             raise CredentialsError(
                 f"cannot load GCS credentials from source {self.credentials!r} "
-                f"({type(exc).__name__})",
+                f"({type(exc).__name__}; {self._credentials_hint()})",
                 backend=self.url,
             ) from None
         if key is not None:
@@ -328,10 +328,21 @@ class GcsBackend(ObjectStoreBackend):
             raise error_for(op=op, backend=self.url, key=key, status=exc.code) from exc
         except (google.auth.exceptions.GoogleAuthError, NonRetryableError) as exc:
             raise CredentialsError(
-                f"{op} failed: GCS credentials unusable ({type(exc).__name__})",
+                f"{op} failed: GCS credentials unusable ({type(exc).__name__}; "
+                f"{self._credentials_hint()})",
                 backend=self.url,
                 key=key,
             ) from exc
+
+    def _credentials_hint(self) -> str:
+        """What to set for this backend's credential source (never a credential)."""
+        if self.credentials == "default":
+            return (
+                "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, or run "
+                "`gcloud auth application-default login`, or run where the metadata server "
+                "gives credentials; credentials = 'anonymous' for a public bucket"
+            )
+        return "check that the key file is a valid service-account or authorized-user JSON key"
 
     def _object_url(self, key: str) -> str:
         name = quote(join(self.root, key), safe="")

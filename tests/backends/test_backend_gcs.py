@@ -123,13 +123,29 @@ async def test_custom_endpoint_keeps_real_credentials(
     async with GcsBackend(
         ckptstore_gcs_bucket, endpoint_url=endpoint, credentials=str(path)
     ) as proxied:
-        with pytest.raises(PermissionDeniedError, match="cannot load GCS credentials"):
+        with pytest.raises(PermissionDeniedError, match="cannot load GCS credentials") as err:
             await proxied.write("k", b"x")
+        assert "check that the key file is a valid" in str(err.value)  # what to do
+        assert "TOPSECRET" not in str(err.value)
     async with GcsBackend(
         ckptstore_gcs_bucket, endpoint_url=endpoint, credentials=str(path), emulator=True
     ) as emulated:
         await emulated.write("k", b"x")  # anonymous: the file is never read
         assert await emulated.read("k") == b"x"
+
+
+async def test_default_credentials_missing_say_what_to_set(
+    ckptstore_gcs_server: FakeGcsServer,
+    ckptstore_gcs_bucket: str,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    endpoint = ckptstore_gcs_server.endpoint
+    async with GcsBackend(ckptstore_gcs_bucket, endpoint_url=endpoint) as backend:
+        with pytest.raises(PermissionDeniedError, match="GOOGLE_APPLICATION_CREDENTIALS"):
+            await backend.write("k", b"x")
 
 
 @pytest.mark.parametrize("emulator", [True, False])
