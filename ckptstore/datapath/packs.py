@@ -170,7 +170,7 @@ class _RunReader:
             info = self.leaves[i][0]
             if meta != self.metas[i]:  # the document a save writes for the manifest's record
                 raise CorruptCheckpointError(_disagreement(info, meta), leaf=info.name)
-            self.out[i] = chunks.decode_chunk(info, buf, copy=False)
+            self.out[i] = chunks.decode_chunk(info, buf, copy=False, key=chunks.chunk_key(info))
 
 
 async def read_split(

@@ -116,7 +116,7 @@ class RawLeaf:
         for key, got in zip(keys, found, strict=True):
             if got is None:
                 raise CorruptCheckpointError(f"chunk {key} is missing", leaf=self.info.name)
-            pieces[key] = chunks.decode_chunk(self.info, got, copy=False)
+            pieces[key] = chunks.decode_chunk(self.info, got, copy=False, key=key)
         return pieces
 
     def _release(self, keys: Sequence[str]) -> None:

@@ -96,7 +96,8 @@ async def read_small_leaves(
             if meta is not None and chunk is not None and chunks.as_written(info, meta):
                 # A buffer of its own (`ocdbt_index.DirectChunks`) is used as it is.
                 mine = isinstance(chunk, np.ndarray) and chunk.flags.writeable
-                out.append(chunks.decode_chunk(info, chunk, copy=not mine))
+                key = chunks.chunk_key(info)
+                out.append(chunks.decode_chunk(info, chunk, copy=not mine, key=key))
             else:
                 out.append(None)  # TensorStore's reader decides
         return out

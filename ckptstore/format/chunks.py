@@ -170,23 +170,29 @@ def raw_size(info: LeafInfo) -> int:
 
 
 def decode_chunk(
-    info: LeafInfo, stored: bytes | np.ndarray[Any, Any], *, copy: bool = True
+    info: LeafInfo,
+    stored: bytes | np.ndarray[Any, Any],
+    *,
+    copy: bool = True,
+    key: str | None = None,
 ) -> np.ndarray[Any, Any]:
     """A chunk's array (``info.chunk_shape``) from its stored bytes; a wrong size or
-    checksum is corruption. ``copy=False`` returns a view of ``stored`` (read-only for
-    bytes; for an aligned writable buffer, one devices can adopt as it is)."""
+    checksum is corruption, named by the chunk's ``key`` where given. ``copy=False``
+    returns a view of ``stored`` (read-only for bytes; for an aligned writable buffer, one
+    devices can adopt as it is)."""
     dtype = dtype_of(info.dtype)
     whole = np.frombuffer(stored, np.uint8)
+    chunk = f"chunk {key}" if key else "chunk"
     if info.codec is not None:
-        return _decode_compressed(info, whole)
+        return _decode_compressed(info, whole, chunk)
     size = raw_size(info)
     if whole.size != size + _CRC_BYTES:
         raise CorruptCheckpointError(
-            f"chunk holds {whole.size} bytes, {size + _CRC_BYTES} expected", leaf=info.name
+            f"{chunk} holds {whole.size} bytes, {size + _CRC_BYTES} expected", leaf=info.name
         )
     raw = whole[:size]
     if checksum(raw) != whole[size:].tobytes():
-        raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", leaf=info.name)
+        raise CorruptCheckpointError(f"{chunk}: checksum (crc32c) mismatch", leaf=info.name)
     arr = raw.view(_little(dtype)).reshape(info.chunk_shape)
     if not copy:
         return arr.astype(dtype, copy=False)
@@ -195,17 +201,19 @@ def decode_chunk(
     return out
 
 
-def _decode_compressed(info: LeafInfo, whole: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+def _decode_compressed(
+    info: LeafInfo, whole: np.ndarray[Any, Any], chunk: str = "chunk"
+) -> np.ndarray[Any, Any]:
     """`decode_chunk` of a compressed chunk: checksum of the stored bytes, then the frame
     decompressed into an aligned buffer of its own."""
     if not _CRC_BYTES < whole.size <= stored_size(info):
         raise CorruptCheckpointError(
-            f"compressed chunk holds {whole.size} bytes, at most {stored_size(info)} expected",
+            f"compressed {chunk} holds {whole.size} bytes, at most {stored_size(info)} expected",
             leaf=info.name,
         )
     packed = whole[: whole.size - _CRC_BYTES]
     if checksum(packed) != whole[packed.size :].tobytes():
-        raise CorruptCheckpointError("chunk checksum (crc32c) mismatch", leaf=info.name)
+        raise CorruptCheckpointError(f"{chunk}: checksum (crc32c) mismatch", leaf=info.name)
     dtype = dtype_of(info.dtype)
     out = aligned_empty(info.chunk_shape, dtype)
     stored_as = _little(dtype)

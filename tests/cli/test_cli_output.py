@@ -75,6 +75,7 @@ def test_verify_all_checks_every_step_and_sums_up(
     assert main(["verify", root, "--all"]) == 1
     out = capsys.readouterr().out
     assert "CORRUPT state/w" in out and "step 2: CORRUPT (1 problem)" in out
+    assert "state/w: chunk w/c/0/0: checksum (crc32c) mismatch" in out  # leaf and chunk
     assert "step 3: intact" in out  # it goes on after a bad step
     assert "2 intact, 1 CORRUPT (2);" in out
     doc = run_json(["verify", root, "--all"], capsys, status=1)
@@ -223,6 +224,18 @@ def test_errors_are_json_documents_too(root: str, capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):  # without --json, argparse's usage text as before
         main(["verify", root, "--step", "x"])
     assert capsys.readouterr().out == ""
+
+
+def test_verify_names_the_damaged_chunk_of_a_leaf_of_many(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / "many")
+    w = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)  # 512 KiB
+    ckptstore.save_sync(path, {"w": w}, step=1, chunk_bytes=64 << 10)  # 8 chunks
+    corrupt(path, 1)
+    doc = run_json(["verify", path], capsys, status=1)
+    problem = doc["problems"]["state/w"]
+    assert re.search(r"^chunk w/c/\d+/\d+: checksum \(crc32c\) mismatch", problem), problem
 
 
 def test_promote_of_what_is_not_a_tiers_profile_is_a_one_line_error(
