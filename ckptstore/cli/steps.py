@@ -123,6 +123,19 @@ async def entries(backend: Backend) -> list[dict[str, Any]]:
     now = time.time()
     rows: list[dict[str, Any]] = []
     for s in scans:
+        if not s.committed and s.records:  # deleted: only its records are left
+            times = [o.mtime for o in s.records]
+            rows.append(
+                {
+                    "step": s.step,
+                    "entry": ", ".join(sorted(o.key.rsplit("/", 1)[-1] for o in s.records)),
+                    "state": "deleted",
+                    "bytes": sum(o.size for o in s.records),
+                    "objects": len(s.records),
+                    "idle_seconds": None if None in times else now - max(t or 0 for t in times),
+                    "referenced_by": [],
+                }
+            )
         for e in s.entries:
             users = bases.get((s.step, e.name), [])
             state = "committed" if e.committed else ("referenced" if users else "uncommitted")
@@ -142,6 +155,14 @@ async def entries(backend: Backend) -> list[dict[str, Any]]:
     return rows
 
 
+#: What `ls --all` says of a deleted step's directory (where `ls` of the files shows
+#: ``<step>/REVOKED.<n>``): not damage, and never to be removed by hand.
+DELETED_NOTE = (
+    "the step was deleted; these records stay so that a delete decided on an older "
+    "listing can never remove a later save of this step"
+)
+
+
 def print_entries(rows: list[dict[str, Any]], shown: str) -> None:
     """`entries` as a table (STORED: bytes on storage)."""
     if not rows:
@@ -151,6 +172,8 @@ def print_entries(rows: list[dict[str, Any]], shown: str) -> None:
     for r in rows:
         age = "?" if r["idle_seconds"] is None else duration_text(r["idle_seconds"])
         base = f"  (base of {steps_list(r['referenced_by'])})" if r["referenced_by"] else ""
+        if r["state"] == "deleted":
+            base = f"  ({DELETED_NOTE})"
         print(
             f"{r['step']:>10}  {r['state']:11}  {human(r['bytes']):>10}  {age:>8}  "
             f"{r['entry']}{base}"

@@ -132,14 +132,16 @@ def test_ls_all_marks_the_base_a_deleted_step_leaves_as_referenced(
     ("referenced", base of 2, 3) instead of listing it as uncommitted, deletable."""
     ckptstore.delete_step_sync(root, 1)
     entries = run_json(["ls", root, "--all"], capsys)
-    (base,) = [e for e in entries if e["step"] == 1]
+    deleted, base = [e for e in entries if e["step"] == 1]  # its records, its attempt
+    assert deleted["state"] == "deleted" and deleted["entry"] == "REVOKED.0"
     assert base["state"] == "referenced" and base["referenced_by"] == [2, 3]
     assert all(e["state"] == "committed" for e in entries if e["step"] != 1)
     assert main(["ls", root, "--all"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["STEP", "STATE", "STORED"]
-    (row,) = [line for line in lines[1:] if line.split()[0] == "1"]
-    assert row.split()[1] == "referenced" and row.endswith("(base of 2, 3)")
+    rows = [line for line in lines[1:] if line.split()[0] == "1"]
+    assert rows[0].split()[1] == "deleted" and "the step was deleted" in rows[0]
+    assert rows[1].split()[1] == "referenced" and rows[1].endswith("(base of 2, 3)")
 
 
 def test_info_shows_chunks_held_by_other_steps(
