@@ -13,6 +13,7 @@ keep_latest = 3                  # any of these keep keys combine with KeepAnyOf
 keep_every_steps = 10000
 keep_best = { n = 1, metric = "val_acc", mode = "max" }
 keep_for = "7d"
+keep_every_interval = "1h"       # one step per hour of saves (Orbax's keep_time_interval)
 if_busy = "wait"                 # or "skip": what save() does while a save is in flight
 staging = "auto"                 # or "device", "host", "view" (see ckptstore.lifecycle.staging)
 max_staging_bytes = 68719476736
@@ -163,6 +164,9 @@ class ManagerOptions:
             )
         if (t := take("keep_for")) is not None:
             keeps.append(P.KeepFor(seconds(t, what=f"{source}.keep_for")))
+        if (t := take("keep_every_interval")) is not None:
+            what = f"{source}.keep_every_interval"
+            keeps.append(P.KeepEveryInterval(seconds(t, what=what)))
         for key in ("timeout", "gc_grace"):
             if (t := take(key)) is not None:
                 out[key] = seconds(t, what=f"{source}.{key}")

@@ -393,6 +393,28 @@ class KeepEveryNSteps(KeepPolicy):
 
 
 @dataclass(frozen=True)
+class KeepEveryInterval(KeepPolicy):
+    """One step per ``seconds`` of save time (Orbax's ``keep_time_interval``): walking the
+    steps oldest first, a step is kept when it was saved at least ``seconds`` after the
+    last step kept (the oldest is kept), so a long run keeps a step per hour, say, however
+    often it saves. Combine with `KeepAnyOf` (``KeepLatest(n)`` for the recent ones)."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _positive("KeepEveryInterval.seconds", self.seconds)
+
+    def keep(self, records: Sequence[StepRecord], now: float) -> set[int]:
+        kept: set[int] = set()
+        last: float | None = None
+        for record in sorted(records, key=lambda r: (r.time, r.step)):
+            if last is None or record.time - last >= self.seconds:
+                kept.add(record.step)
+                last = record.time
+        return kept
+
+
+@dataclass(frozen=True)
 class KeepBest(KeepPolicy):
     """The ``n`` steps with the best value of ``metric``, and (``keep_without_metric``, the
     default, as Orbax's ``keep_checkpoints_without_metrics``) every step saved without that

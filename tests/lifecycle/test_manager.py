@@ -245,6 +245,21 @@ def test_keep_best_keeps_a_step_saved_without_its_metric(root: str) -> None:
         assert mgr.all_steps() == [1, 2, 4]  # the best, the one without, the latest
 
 
+def test_keep_every_interval_keeps_one_step_per_interval() -> None:
+    # Saves every 20 minutes for 3 hours, two of them close together: one per hour stays.
+    times = {s: s * 1200.0 for s in range(10)} | {10: 9 * 1200.0 + 5}
+    records = [StepRecord(s, t, {}) for s, t in times.items()]
+    assert pol.KeepEveryInterval(3600).keep(records, 99_999.0) == {0, 3, 6, 9}
+    assert pol.KeepEveryInterval(1).keep(records, 0.0) == set(times)
+    keep = pol.KeepAnyOf(pol.KeepLatest(2), pol.KeepEveryInterval(3600))
+    assert keep.keep(records, 0.0) == {0, 3, 6, 9, 10}
+    table = {"keep_every_interval": "1h"}
+    assert ckptstore.ManagerOptions.from_table(table).keep_policy == pol.KeepEveryInterval(3600)
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ckptstore.ConfigError, match="KeepEveryInterval"):
+            pol.KeepEveryInterval(bad)
+
+
 def test_keep_without_metric_from_a_profile_table() -> None:
     table = {"keep_best": {"n": 2, "metric": "acc", "keep_without_metric": False}}
     policy = ckptstore.ManagerOptions.from_table(table).keep_policy
