@@ -134,31 +134,26 @@ class Retention:
         """The keep policy over the fast tier's steps alone, while the durable tier is down:
         a step it drops leaves the fast tier (on the durable tier, if it is there, the keep
         policy drops it once that tier answers again)."""
-        records = await self._step_records(self.backend)
-        if not records:
-            return
-        keep = self.keep_policy.keep(records, time.time())
-        keep.add(max(r.step for r in records))  # never the latest committed step
-        for record in records:
-            if record.step not in keep:
-                try:
-                    await delete_step(self.backend, record.step)
-                except CheckpointNotFoundError:
-                    pass
-                self.unpromoted.discard(record.step)
+        await self._drop_unkept(await self._step_records(self.backend), self.backend)
 
     async def _apply_keep_policy(self) -> float:
         """Keep policy over the durable tier's steps (tiered) or the target's; a dropped step
         goes from every tier."""
         start = time.perf_counter()
-        records = await self._step_records(self.durable or self.backend)
-        if not records:
-            return 0.0
-        keep = self.keep_policy.keep(records, time.time())
-        keep.add(max(r.step for r in records))  # never the latest committed step
         # On tiers, the one tier-aware delete: the fast tier first, leaving the deletion
         # record that stops a promotion in flight in any process (`promote_step`).
         target = self._target()
+        if await self._drop_unkept(await self._step_records(self.durable or self.backend), target):
+            await self._trim_fast(target)
+        return time.perf_counter() - start
+
+    async def _drop_unkept(self, records: list[P.StepRecord], target: Backend | Tiered) -> bool:
+        """Delete from ``target`` the steps of ``records`` the keep policy does not keep
+        (never the latest); False if there were no records."""
+        if not records:
+            return False
+        keep = self.keep_policy.keep(records, time.time())
+        keep.add(max(r.step for r in records))  # never the latest committed step
         for record in records:
             if record.step not in keep:
                 try:
@@ -166,8 +161,8 @@ class Retention:
                 except CheckpointNotFoundError:  # its goal holds: another deleter was first
                     log.info("ckptstore: step %d was already deleted", record.step)
                 self._records.pop(record.step, None)
-        await self._trim_fast(target)
-        return time.perf_counter() - start
+                self.unpromoted.discard(record.step)
+        return True
 
     async def _trim_fast(self, target: Backend | Tiered) -> None:
         """``keep_fast``: the latest promoted steps the keep policy kept stay on the fast
