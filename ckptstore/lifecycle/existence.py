@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted
 from ckptstore.errors import AlreadyExistsError, RetriesExhaustedError, StorageError
 from ckptstore.runtime.futures import gather_first_error
 
+T = TypeVar("T")
 log = logging.getLogger("ckptstore")
 
 #: Seconds a tiered manager's save waits for the durable tier's answer.
@@ -38,7 +39,7 @@ async def ensure_uncommitted_on(
     """`AlreadyExistsError` if ``step`` is committed on ``fast`` or ``durable`` (None: no
     durable tier); `RetriesExhaustedError` if ``fast`` gives no answer within ``timeout``
     seconds; the durable tier as the module docstring says."""
-    checks = [_bounded(ensure_uncommitted(fast, step), timeout, step)]
+    checks = [_bounded(ensure_uncommitted(fast, step), timeout, _checking(step))]
     if durable is not None:
         checks.append(_durable(durable, step, min(timeout, DURABLE_CHECK_SECONDS)))
     await gather_first_error(checks)
@@ -46,7 +47,7 @@ async def ensure_uncommitted_on(
 
 async def _durable(durable: Backend, step: int, seconds: float) -> None:
     try:
-        await _bounded(ensure_uncommitted(durable, step), seconds, step)
+        await _bounded(ensure_uncommitted(durable, step), seconds, _checking(step), _DURABLE)
     except AlreadyExistsError:
         raise
     except StorageError as exc:  # unreachable, failing or too slow: the fast tier saves
@@ -58,15 +59,22 @@ async def _durable(durable: Backend, step: int, seconds: float) -> None:
         )
 
 
-async def _bounded(check: Coroutine[Any, Any, None], seconds: float, step: int) -> None:
-    """``check``, or `RetriesExhaustedError` once ``seconds`` have passed (it is cancelled)."""
+async def _bounded(
+    work: Coroutine[Any, Any, T], seconds: float, what: str, bound: str = "ManagerOptions.timeout"
+) -> T:
+    """``work``'s result, or `RetriesExhaustedError` once ``seconds`` (``bound``) have
+    passed (it is cancelled)."""
     try:
-        await asyncio.wait_for(check, seconds)
+        return await asyncio.wait_for(work, seconds)
     except TimeoutError:
-        raise RetriesExhaustedError(
-            f"checking whether step {step} is committed: no answer within {seconds:g} s"
-            " (ManagerOptions.timeout)"
-        ) from None
+        raise RetriesExhaustedError(f"{what}: no answer within {seconds:g} s ({bound})") from None
+
+
+_DURABLE = "the durable tier's wait"
+
+
+def _checking(step: int) -> str:
+    return f"checking whether step {step} is committed"
 
 
 async def durable_steps(durable: Backend, timeout: float) -> list[int] | None:
@@ -75,10 +83,9 @@ async def durable_steps(durable: Backend, timeout: float) -> list[int] | None:
     and lists its fast tier's steps, while object storage is down."""
     seconds = min(timeout, DURABLE_LIST_SECONDS)
     try:
-        return await asyncio.wait_for(committed_steps(durable), seconds)
-    except (TimeoutError, StorageError) as exc:
-        why = f"no answer within {seconds:g} s" if isinstance(exc, TimeoutError) else str(exc)
+        return await _bounded(committed_steps(durable), seconds, "listing its steps", _DURABLE)
+    except StorageError as exc:  # unreachable, failing or too slow: the fast tier's steps
         log.warning(
-            "ckptstore: the durable tier did not list its steps (%s); the fast tier's only", why
+            "ckptstore: the durable tier did not list its steps (%s); the fast tier's only", exc
         )
         return None
