@@ -81,7 +81,7 @@ class Entry:
 
     def idle_for(self, now: float) -> float | None:
         """Seconds since anything below was written; None if the backend cannot tell."""
-        return _idle(self.objects, now)
+        return idle_seconds(self.objects, now)
 
 
 @dataclass
@@ -392,7 +392,7 @@ async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal
                 await backend.delete(key)
             removal.add(key, objects)
         for key, objects in others:
-            idle = _idle(objects, now)
+            idle = idle_seconds(objects, now)
             if older_than > 0 and (idle is None or idle < older_than):
                 removal.kept_young.append(key)
                 continue
@@ -435,7 +435,7 @@ async def _collect_attempt(
         log.warning("gc keeps %s: %s", where.root, exc)
         removal.kept_young.append(entry.key)
         return
-    idle = _idle(data, now) if data else float("inf")
+    idle = idle_seconds(data, now) if data else float("inf")
     if older_than > 0 and (idle is None or idle < older_than):
         removal.kept_young.append(entry.key)
         return
@@ -534,7 +534,7 @@ def _orbax_item_file(entry: Entry, key: str) -> bool:
     return len(parts) == 3 and parts[2] in layout.ORBAX_FILES and not layout.is_attempt(entry.name)
 
 
-def _idle(objects: list[ObjectInfo], now: float) -> float | None:
+def idle_seconds(objects: list[ObjectInfo], now: float) -> float | None:
     """Seconds since the newest of ``objects`` was written; None if any time is unknown."""
     times = [o.mtime for o in objects]
     if not times or any(t is None for t in times):

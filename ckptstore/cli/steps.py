@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptstore.api import read_manifest, verify
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.cleanup import scan
+from ckptstore.checkpoint.cleanup import idle_seconds, scan
 from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
 from ckptstore.checkpoint.sizes import stored_sizes
 from ckptstore.checkpoint.verify import VerifyReport
@@ -124,7 +124,6 @@ async def entries(backend: Backend) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for s in scans:
         if not s.committed and s.records:  # deleted: only its records are left
-            times = [o.mtime for o in s.records]
             rows.append(
                 {
                     "step": s.step,
@@ -132,7 +131,7 @@ async def entries(backend: Backend) -> list[dict[str, Any]]:
                     "state": "deleted",
                     "bytes": sum(o.size for o in s.records),
                     "objects": len(s.records),
-                    "idle_seconds": None if None in times else now - max(t or 0 for t in times),
+                    "idle_seconds": idle_seconds(s.records, now),
                     "referenced_by": [],
                 }
             )

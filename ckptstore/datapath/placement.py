@@ -159,7 +159,6 @@ class Assembly:
         self.piece_shape = tuple(rows if a == axis else n for a, n in enumerate(shape))
         self._lock = threading.Lock()  # one update of a buffer at a time
         self._buffers: list[jax.Array] | None = None
-        self.pieces = 0  # placed so far
 
     async def add(self, start: int, data: np.ndarray[Any, Any]) -> None:
         """Place the piece ``data`` (of `piece_shape`) at ``start`` along the axis."""
@@ -177,7 +176,6 @@ class Assembly:
                     )
                     for buf, piece, d in zip(self._buffers, placed, self.devices, strict=True)
                 ]
-                self.pieces += 1
 
         await off_loop(put, data.nbytes)
 

@@ -37,6 +37,8 @@ class Preemption:
 
         def _shutdown(self) -> None: ...
 
+    #: Whether a `save` call has seen the preemption (what `preempted` says).
+    _preempted_seen = False
     #: Whether the loop ever read `preempted` (then it stops by itself on SIGTERM).
     _preempted_read = False
     #: Whether a SIGTERM came while SIGTERM had its default action (it would have ended
@@ -59,9 +61,6 @@ class Preemption:
         never stops the loop on a step that was not saved."""
         self._preempted_read = True
         return self._preempted_seen
-
-    #: Whether a `save` call has seen the preemption (`preempted`).
-    _preempted_seen = False
 
     def _exit_unless_heeded(self) -> None:
         """At the start of a `save` call: if a SIGTERM that would have ended the process
