@@ -84,24 +84,26 @@ def test_scale_benchmark_quick_run() -> None:
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
 
 
-def test_accelerator_benchmark_dry_run() -> None:
-    # The accelerator script's code paths on 8 CPU devices (device staging, times to
-    # durable, peak RSS, restore onto the devices, Orbax side by side), so that an
-    # accelerator machine's minutes go to running it.
+def run_accelerator_dry(*args: str) -> str:
+    """``benchmarks/accelerator.py --dry`` with ``args`` (no results written): its stdout,
+    once it exited 0."""
+    script = str(REPO / "benchmarks" / "accelerator.py")
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "accelerator.py"),
-            "--dry",
-            "--no-write-results",
-        ],
+        [sys.executable, script, "--dry", *args, "--no-write-results"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    return proc.stdout
+
+
+def test_accelerator_benchmark_dry_run() -> None:
+    # The accelerator script's code paths on 8 CPU devices (device staging, times to
+    # durable, peak RSS, restore onto the devices, Orbax side by side), so that an
+    # accelerator machine's minutes go to running it.
+    out = run_accelerator_dry()
     for row in ("pause_device", "durable_device", "rss_orbax", "restore_ckptstore"):
         assert f"| {row} " in out, out
     assert "| first_pause_vs_later " in out and "not judged on CPU devices" in out, out
@@ -161,25 +163,7 @@ def test_accelerator_loop_part_dry_run(where: str, extra: list[str]) -> None:
     # The loop part on CPU devices: four trees, every contender (none, ckptstore, Orbax, the
     # hardware's drain); in "tmpfs" the profile with a write-path variant, on "disk" the
     # memory part too (RSS over many saves, each library). Two runs: xdist runs them apart.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "accelerator.py"),
-            "--dry",
-            "--parts",
-            "loop",
-            "--loop-dirs",
-            where,
-            *extra,
-            "--no-write-results",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    out = run_accelerator_dry("--parts", "loop", "--loop-dirs", where, *extra)
     for tree in ("f64", "f256", "f1g", "llm"):
         for who in ("none", "ckptstore", "orbax", "drain"):
             assert re.search(rf"^\| {where} +\| {tree} +\| {who} +\|", out, re.M), out

@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.errors import AlreadyExistsError, RetriesExhaustedError
 from ckptstore.testing.faultproxy import Fault, FaultProxy
+from tests.tiers.helpers import impatient_s3
 
 TREE = {"w": np.arange(4096.0, dtype=np.float32), "n": 3}
 #: Seconds a check may take against a dead endpoint here (generous: a loaded machine).
 BOUND = 15.0
-FAST = {"connect_timeout": 0.5, "read_timeout": 0.5}
 
 
 def _options(timeout: float) -> ckptstore.ManagerOptions:
@@ -58,14 +57,7 @@ def test_a_tiered_save_goes_to_the_fast_tier_while_the_durable_tier_is_down(
 ) -> None:
     endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
     with FaultProxy(endpoint) as proxy:
-        durable = S3Backend(
-            ckptstore_s3_bucket,
-            "run",
-            endpoint_url=proxy.endpoint,
-            credentials="env",
-            retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05),
-            **FAST,
-        )
+        durable = impatient_s3(ckptstore_s3_bucket, proxy.endpoint)
         tiered = ckptstore.Tiered(fast=str(tmp_path / "nvme"), durable=durable)
         mgr = ckptstore.CheckpointManager(tiered, options=_options(60.0))
         try:

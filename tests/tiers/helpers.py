@@ -1,4 +1,5 @@
-"""Helpers the tier tests share: a step's tree and its check, a small fast-tier disk."""
+"""Helpers the tier tests share: a step's tree and its check, a small fast-tier disk, an
+S3 durable tier that gives up fast."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import numpy as np
 
 import ckptstore
 from ckptstore.backends.local import LocalBackend
+from ckptstore.backends.retry import RetryPolicy
+from ckptstore.backends.s3 import S3Backend
 
 # ---- a step's tree (test_tiers.py) ----
 
@@ -50,3 +53,20 @@ class SmallDisk(LocalBackend):
 def tiers_on(tmp_path: Path, capacity: int, margin: int = 4096) -> ckptstore.Tiered:
     fast = SmallDisk(tmp_path / "nvme", capacity)
     return ckptstore.Tiered(fast, str(tmp_path / "bucket"), free_margin=margin)
+
+
+# ---- a durable tier that gives up fast (test_outage.py, lifecycle/test_existence.py) ----
+
+
+def impatient_s3(bucket: str, endpoint: str) -> S3Backend:
+    """An S3 backend on ``endpoint`` (a `FaultProxy` in front of moto) that gives up on a
+    dead server within about a second: two attempts, 0.5 s connect and read timeouts."""
+    return S3Backend(
+        bucket,
+        "run",
+        endpoint_url=endpoint,
+        credentials="env",
+        retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05),
+        connect_timeout=0.5,
+        read_timeout=0.5,
+    )

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.testing.faultproxy import Fault, FaultProxy
+from tests.tiers.helpers import impatient_s3
 
 #: Seconds one save may take while the durable tier is down (generous: a loaded machine).
 BOUND = 15.0
@@ -37,15 +37,7 @@ def test_saves_go_on_through_an_outage_and_the_durable_tier_catches_up(
     options = ckptstore.ManagerOptions(handle_sigterm=False)
     keep = ckptstore.policies.KeepLatest(3)
     with FaultProxy(endpoint) as proxy:
-        durable = S3Backend(
-            ckptstore_s3_bucket,
-            "run",
-            endpoint_url=proxy.endpoint,
-            credentials="env",
-            retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05),
-            connect_timeout=0.5,
-            read_timeout=0.5,
-        )
+        durable = impatient_s3(ckptstore_s3_bucket, proxy.endpoint)
         tiered = ckptstore.Tiered(fast=fast, durable=durable)
         mgr = ckptstore.CheckpointManager(tiered, keep_policy=keep, options=options)
         try:
@@ -94,13 +86,7 @@ def test_closing_after_the_outage_promotes_what_waits(
 ) -> None:
     endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
     with FaultProxy(endpoint) as proxy:
-        durable = S3Backend(
-            ckptstore_s3_bucket,
-            "run",
-            endpoint_url=proxy.endpoint,
-            credentials="env",
-            retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05),
-        )
+        durable = impatient_s3(ckptstore_s3_bucket, proxy.endpoint)
         tiered = ckptstore.Tiered(fast=str(tmp_path / "nvme"), durable=durable)
         options = ckptstore.ManagerOptions(handle_sigterm=False)
         mgr = ckptstore.CheckpointManager(tiered, options=options)
