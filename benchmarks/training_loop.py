@@ -4,9 +4,10 @@ Workload: a ~1 GiB state (params and an optimizer moment, 8 + 8 float32 leaves) 
 over a (4, 2) mesh of 8 CPU devices, and a jitted training step that donates it. Both
 managers are configured as their users run them: Orbax 0.12.8
 ``CheckpointManager(enable_async_checkpointing=True)`` with ``args.StandardSave``,
-ckptstore ``CheckpointManager`` with its defaults (fsync on; staging "auto", which on CPU
-devices holds zero-copy views of the arrays' buffers) and with ``staging="host"`` (a copy
-into reused host buffers before ``save`` returns, the accelerator path); all keep one step.
+ckptstore ``CheckpointManager`` with ``staging="view"`` (fsync on; zero-copy views of
+the arrays' buffers, asked for) and with its defaults (staging "auto", which on CPU devices
+is ``"host"``: a copy into reused host buffers before ``save`` returns, since an array there
+may share memory with a numpy buffer); all keep one step.
 Orbax's default compresses each array chunk with zstd level 1 (zarr2's ``{"id": "zstd",
 "level": 1}``); ckptstore writes raw bytes. So Orbax also runs with its compression off
 ("orbax-nocomp": the same async manager with a ``PyTreeCheckpointHandler(use_compression=False)``
@@ -115,7 +116,7 @@ class Contender:
         self.committed = 0.0  # when Orbax's finalize thread committed the last step
         self.phases: dict[str, list[float]] = {}  # ckptstore: SaveStats of the durable saves
         if name.startswith("ckptstore"):
-            staging = "host" if name == "ckptstore-host" else "auto"
+            staging = "auto" if name == "ckptstore-host" else "view"  # "auto" is "host" here
             self.mgr: Any = ckptstore.CheckpointManager(
                 str(root),
                 keep_policy=policies.KeepLatest(1),

@@ -484,6 +484,22 @@ def host_view(data: Any) -> np.ndarray[Any, Any] | None:
     return host if shared else None
 
 
+def may_share_host_memory(value: jax.Array) -> bool:
+    """Whether ``value``'s buffers may be a host buffer someone else can change: on CPU
+    devices (or in a host memory kind) `jax.device_put` of a numpy array whose data is
+    64-byte aligned does not copy, and the jax array then changes with the numpy one.
+    Nothing in JAX tells such an array from one a computation made, so every array in
+    host memory is taken to be one."""
+    return _in_host_memory(value.sharding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_host_memory(sharding: jax.sharding.Sharding) -> bool:
+    devices = cast("set[jax.Device]", sharding.device_set)
+    kind = getattr(sharding, "memory_kind", None)
+    return kind in ("pinned_host", "unpinned_host") or any(d.platform == "cpu" for d in devices)
+
+
 def _replicated_in_host_memory(value: jax.Array) -> bool:
     """Whether ``value`` is replicated over this process's CPU devices only: then the array
     itself is its one piece to write (`np.asarray` gives its first device's buffer), and

@@ -70,8 +70,10 @@ class ManagerOptions:
     save_policy: P.SavePolicy | None = None  # None: save whenever save() is called
     keep_policy: P.KeepPolicy | None = None  # None: keep every step
     if_busy: Literal["wait", "skip"] = "wait"
-    #: "host" copies into reused host buffers before save() returns; "view" holds zero-copy
-    #: views of CPU device buffers; "auto": "view" where devices are CPUs, else "host".
+    #: "device" copies on the devices, "host" into host memory, before save() returns;
+    #: "view" holds zero-copy views of CPU device buffers (asked for only: such an array may
+    #: share memory with a numpy buffer); "auto": "host" on CPU devices, else "device" where
+    #: the devices have room, else "host" (ckptstore.lifecycle.staging).
     staging: Literal["auto", "device", "host", "view"] = "auto"
     max_staging_bytes: int | None = None
     timeout: float = 600.0

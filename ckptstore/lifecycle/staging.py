@@ -13,22 +13,25 @@ returns, so every piece a save will write is copied first. Three ways:
   host memory (as `HostShards`). From an accelerator, every shard's transfer starts at
   once and the save keeps the host array each transfer made: JAX has no transfer into
   a caller's buffer, and copying that array once more into a reused one lengthened the
-  pause past `jax.device_get`'s (docs/benchmarks.md, "On a TPU"). From CPU devices
-  (asked for), the copy goes into buffers kept from one save to the next (same leaf,
-  same shard shape and dtype), so a steady-state save touches no new pages; large
-  copies run on a few threads (numpy releases the GIL while copying). The copy is done
-  when `stage` returns. The way on accelerators without room for a device copy.
-- "view": where device memory is host memory (CPU devices), `stage` only takes zero-copy
-  numpy views of the arrays' own buffers, and the save writes straight from them; the
-  views are dropped when the save is done. While a view lives its buffer is never reused:
-  a computation that donates it gets fresh memory instead, and `delete()` frees it only
-  when the view is gone (tests/lifecycle/test_manager.py proves both with buffers whose memory is
-  then handed out again). No copy at all: the save holds the state's own buffers, so the
-  host never holds more than the state twice (the one being written and the loop's next).
-  "auto" picks this where every array is
-  on CPU devices, else "device" where every device holding the state has room for a
-  copy of its shards (`devicecopy.device_room`), else "host". Which one a save used,
-  and why, is in `Staged.mode` and `Staged.reason` (and the manager's `SaveStats`).
+  pause past `jax.device_get`'s (docs/benchmarks.md, "On a TPU"). From CPU devices, the
+  copy goes into buffers kept from one save to the next (same leaf, same shard shape and
+  dtype), so a steady-state save touches no new pages; large copies run on a few threads
+  (numpy releases the GIL while copying). The copy is done when `stage` returns. The way
+  on CPU devices, and on accelerators without room for a device copy.
+- "view" (asked for): where device memory is host memory (CPU devices), `stage` only
+  takes zero-copy numpy views of the arrays' own buffers, and the save writes straight
+  from them; the views are dropped when the save is done. While a view lives its buffer
+  is never reused: a computation that donates it gets fresh memory instead, and
+  `delete()` frees it only when the view is gone (tests/lifecycle/test_manager.py proves
+  both with buffers whose memory is then handed out again). No copy at all, but no
+  protection from a change made through another name for the same memory: on CPU devices
+  `jax.device_put` of a numpy array may not copy, and a change to that numpy array before
+  the save is done is what the step holds (tests/lifecycle/test_aliasing.py). Nothing in
+  JAX tells such an array apart, so "auto" never picks "view".
+  "auto" picks "host" where every array is on CPU devices, else "device" where every
+  device holding the state has room for a copy of its shards (`devicecopy.device_room`),
+  else "host". Which one a save used, and why, is in `Staged.mode` and `Staged.reason`
+  (and the manager's `SaveStats`).
 
 A typed PRNG key array is staged as its key data (`jax.random.key_data`, the same
 buffers), its implementation recorded in `HostShards.prng_impl`.
@@ -215,9 +218,9 @@ class Stager:
         """The way to stage ``arrays`` asked for as ``mode``, and why."""
         if mode in ("host", "view"):
             return mode, "asked for"
-        on_cpu = all(_on_cpu(a) for a in arrays)
-        if mode == "auto" and on_cpu:
-            return "view", "every array is in host memory (CPU devices)"
+        if mode == "auto" and all(_on_cpu(a) for a in arrays):
+            # Not "view": such an array may be a numpy buffer the caller changes next.
+            return "host", "every array is in host memory (CPU devices), maybe shared"
         room, why = device_room([_data(a) for a in arrays], self._on_devices)
         if room or (room is None and mode == "device"):
             return "device", why if mode == "auto" else "asked for"

@@ -22,6 +22,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.save import SaveResult
+from ckptstore.datapath.arrays import may_share_host_memory
 from ckptstore.errors import BaseStepGoneError
 from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.tree import flatten
@@ -133,13 +134,15 @@ class Writing:
     ) -> tuple[dict[str, set[str]], dict[tuple[str, str], weakref.ref[Any]]]:
         """Per item, the leaves that are the very `jax.Array` objects the previous save of
         this manager (the base of this one) was made from: a jax array never changes, so
-        the base's digests hold for them and they are not digested again. And weak
-        references to this save's arrays, for the next one."""
+        the base's digests hold for them and they are not digested again. Not an array in
+        host memory: it may be a numpy buffer changed in place since (`may_share_host_memory`),
+        so it is digested like any leaf. And weak references to this save's arrays, for the
+        next one."""
         same: dict[str, set[str]] = {}
         seen: dict[tuple[str, str], weakref.ref[Any]] = {}
         for item, tree in arrays.items():
             for name, value in flatten(tree):
-                if not isinstance(value, jax.Array):
+                if not isinstance(value, jax.Array) or may_share_host_memory(value):
                     continue
                 seen[(item, name)] = weakref.ref(value)
                 previous = self._objects.get((item, name))

@@ -150,13 +150,14 @@ def test_the_host_buffers_are_planned_before_the_loop_can_donate_the_arrays() ->
     assert np.array_equal(piece, np.asarray(state()["w"])[index])
 
 
-def test_auto_stages_views_on_cpu_devices_and_says_why(tmp_path: Any) -> None:
+def test_auto_stages_a_host_copy_on_cpu_devices_and_says_why(tmp_path: Any) -> None:
+    """Never views (`test_aliasing.py`): an array on CPU devices may be a numpy buffer."""
     opts = ckptstore.ManagerOptions(handle_sigterm=False)
     with ckptstore.CheckpointManager(str(tmp_path), options=opts) as mgr:
         handle = mgr.save(1, state(), force=True)
         assert handle is not None
         stats = handle.wait()
-    assert stats.staging_mode == "view"
+    assert stats.staging_mode == "host"
     assert "CPU devices" in stats.staging_reason
 
 
