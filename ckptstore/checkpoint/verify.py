@@ -5,7 +5,9 @@ and the merge's coverage check (`validate`), so it fails exactly where a restore
 would fail or return something wrong: a marker, manifest or digest that does not
 check out, a manifest whose structure or types a restore cannot rebuild, a
 ``zarr.json`` that differs from the manifest, a missing chunk, a chunk whose
-crc32c does not match, a truncated or missing data file.
+crc32c does not match, a truncated or missing data file, and a leaf (its own bytes or
+bytes it references) whose digest differs from the one its save recorded (a chunk
+changed before its checksum was taken passes the checksum).
 
 Damage is told apart from storage that cannot be read at all (a server unreachable or
 timing out, permission refused: `StorageError` other than `NotFoundError`, typed from
@@ -16,6 +18,7 @@ network outage is never reported as a corrupt checkpoint.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
@@ -43,8 +46,8 @@ from ckptstore.format import layout
 from ckptstore.format.digests import (
     ALGORITHM,
     PieceTable,
+    StreamedPiece,
     parse_piece_key,
-    piece_digests,
     piece_size,
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
@@ -227,16 +230,17 @@ async def _verify_leaves(
     async def worker() -> None:  # a few workers, not a task per leaf: thousands of leaves
         for info in todo:  # shared: each leaf goes to the next free worker
             try:
-                table = _referenced_digests(item, info.name)
+                table = _recorded_digests(item, info)
                 if info.name in in_part:  # chunks in several stores; held ones by digest
                     assert source is not None
                     holders = {
                         k: await _chunk_source(backend, d) for k, d in in_part[info.name].items()
                     }
                     nbytes = await verify_in_part(item, info, source, holders, budget, checked)
-                elif table is not None:  # bytes another attempt holds: are they what was saved?
+                elif table is not None:  # every byte read and compared with its save's digest
                     read = await _reader(backend, prefix, spec, ctx, source, item, info)
-                    nbytes = await _check_digests(read, info, table, budget, checked)
+                    held = "the bytes it references" if info.name in item.refs else "its bytes"
+                    nbytes = await _check_digests(read, info, table, budget, checked, held)
                 elif info.name in item.packed:
                     nbytes = await unpack(info)
                 else:
@@ -249,12 +253,22 @@ async def _verify_leaves(
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
 
-def _referenced_digests(item: ItemManifest, leaf: str) -> PieceTable | None:
-    """The digests recorded for ``leaf`` if another attempt holds its bytes (a reference
-    can be pointed anywhere by a forged manifest: only these say what was saved)."""
-    if leaf not in item.refs or item.digest_algorithm != ALGORITHM:
+def _recorded_digests(item: ItemManifest, info: LeafInfo) -> PieceTable | None:
+    """The digests its save recorded for leaf ``info`` (an incremental save's, or any
+    save's that records them), if of this version's algorithm and covering the leaf once:
+    its bytes, its own or another attempt's, are compared with them. A reference can be
+    pointed anywhere by a forged manifest, and a chunk damaged before its checksum was
+    taken passes that checksum: only the digests say what was saved."""
+    table = item.digests.get(info.name)
+    if table is None or item.digest_algorithm != ALGORITHM:
         return None
-    return item.digests.get(leaf)
+    if info.name in item.refs:  # no other way to know the bytes are the saved ones
+        return table
+    try:
+        covered = sum(piece_size(parse_piece_key(key), info.shape) for key in table)
+    except ValueError:  # bounds of another rank: `_check_digests` names them
+        return table
+    return table if covered == math.prod(info.shape) else None  # else read whole, by crc32c
 
 
 async def _chunk_source(backend: Backend, prefix: str) -> Chunks:
@@ -309,30 +323,31 @@ async def _check_digests(
     table: PieceTable,
     budget: ByteBudget,
     checked: Callable[[int], None],
+    held: str,
 ) -> int:
-    """Read the leaf piece by piece, as its saver digested it, and compare each piece's
-    digest with the recorded one; `CorruptCheckpointError` on the first that differs."""
+    """Read the leaf piece by piece as its saver digested it, each piece in slabs of at
+    most `READ_BYTES` (`StreamedPiece`), and compare each piece's digest with the recorded
+    one; `CorruptCheckpointError` on the first that differs, naming ``held`` (what holds
+    the bytes). Returns the bytes read."""
     itemsize = dtype_of(info.dtype).itemsize
     total = 0
     for key, want in table.items():
         index = parse_piece_key(key)
         if len(index) != len(info.shape):
             raise CorruptCheckpointError(f"leaf {info.name!r}: digest of bad bounds {key!r}")
-        nbytes = itemsize * piece_size(index, info.shape)
-        async with budget.hold(nbytes):
-            data = await read(index)
-
-            def run(data: Any = data, index: Index = index) -> tuple[str, dict[int, str]]:
-                return piece_digests(data, index, info.shape, info.chunk_shape)
-
-            got, _ = await off_loop(run, nbytes)
-        if got != want:
+        piece = StreamedPiece(index, info.shape, info.chunk_shape, itemsize, READ_BYTES)
+        for slab in piece.slabs:
+            nbytes = itemsize * piece_size(slab, info.shape)
+            async with budget.hold(nbytes):
+                data = await read(slab)
+                await off_loop(functools.partial(piece.add, data), nbytes)
+            checked(nbytes)
+            total += nbytes
+        if piece.hexdigest() != want:
             raise CorruptCheckpointError(
-                f"leaf {info.name!r}: the bytes it references (piece {key or 'all'}) are not "
-                "the ones its save recorded (their digest differs)"
+                f"leaf {info.name!r}: {held} (piece {key or 'all'}) are not the ones its "
+                "save recorded (their digest differs)"
             )
-        checked(nbytes)
-        total += nbytes
     return total
 
 

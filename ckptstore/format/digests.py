@@ -331,3 +331,63 @@ def piece_size(index: Index, shape: Sequence[int]) -> int:
     for s, dim in zip(index, shape, strict=True):
         n *= len(range(*s.indices(dim)))
     return n
+
+
+class StreamedPiece:
+    """A piece's digest (as `piece_digests` makes it) from slabs of its first axis, read
+    one after another, so that a reader never holds more than a slab: `verify` reads every
+    piece of a leaf of gigabytes this way.
+
+    A slab is a run of rows of the piece; in C order it is the next bytes of the piece, so
+    a piece digested whole is hashed as one stream, and a piece digested by its chunks
+    (its bounds on chunk boundaries) is cut on chunk rows, its chunks coming slab after
+    slab in the C order of their grid coordinates."""
+
+    def __init__(
+        self,
+        index: Index,
+        shape: Sequence[int],
+        chunk_shape: Sequence[int],
+        itemsize: int,
+        max_bytes: int,
+    ) -> None:
+        self.shape, self.chunk_shape = tuple(shape), tuple(chunk_shape)
+        self._by_chunks = (
+            chunk_count(shape, chunk_shape) > 1
+            and piece_chunks(index, shape, chunk_shape) is not None
+        )
+        self._whole = blake3.blake3()
+        self._chunks: list[bytes] = []
+        self._added = 0
+        #: The slabs to read, in order: regions of the leaf (not of the piece).
+        self.slabs: list[Index] = [index]
+        if index:
+            start, stop = index[0].indices(shape[0])[:2]
+            row = max(1, itemsize * piece_size(index[1:], shape[1:]))
+            rows = max(1, max_bytes // row)
+            if self._by_chunks:  # whole chunk rows (the piece starts on one)
+                rows = -(-rows // chunk_shape[0]) * chunk_shape[0]
+            self.slabs = [
+                (slice(a, min(a + rows, stop)), *index[1:]) for a in range(start, stop, rows)
+            ] or [index]
+
+    def add(self, data: Any) -> None:
+        """Hash the next slab's values (synchronous: call it off the event loop)."""
+        slab, self._added = self.slabs[self._added], self._added + 1
+        arr = np.asarray(data)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        if self._by_chunks:
+            covered = piece_chunks(slab, self.shape, self.chunk_shape)
+            assert covered is not None  # cut on chunk rows of a piece on chunk boundaries
+            self._chunks += chunk_digests(arr, [rel for _, rel in covered])
+        else:
+            self._whole.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+
+    def hexdigest(self) -> str:
+        """The piece's digest, once every slab was added."""
+        if self._added != len(self.slabs):
+            raise ValueError(f"{len(self.slabs) - self._added} slabs of the piece not added")
+        if self._by_chunks:
+            return digest_of_chunks(b"".join(self._chunks))
+        return str(self._whole.hexdigest(length=DIGEST_BYTES))

@@ -195,3 +195,39 @@ async def test_damage_no_restore_reads_is_told_apart_from_damage_that_changes_on
     blob[-3] ^= 0x01  # inside a packed chunk: what a restore reads
     packs[0].write_bytes(bytes(blob))
     assert not (await ckptstore.verify(root, step=1)).ok
+
+
+@pytest.mark.parametrize("codecs", [None, "zstd:3"])
+async def test_verify_is_ok_only_where_a_restore_is_bit_exact_with_checksums_fixed(
+    tmp_path: Path, codecs: str | None
+) -> None:
+    """A chunk changed before its checksum was taken (or edited, its crc32c fixed) passes
+    the checksum, raw or inside a zstd frame (whose own checksum is off); the leaf's
+    recorded digest does not: `verify` is ok exactly where a restore is bit-exact."""
+    from ckptstore.format.chunks import checksum
+
+    backend = ckptstore.open_backend(str(tmp_path / "ckpt"))
+    big = (np.arange(256 * 64) % 1000).astype(np.float32).reshape(256, 64)  # 4 chunks
+    await ckptstore.save(backend, {"big": big}, step=1, codecs=codecs, chunk_bytes=16 << 10)
+    key = await largest_data_file(backend, 1)
+    honest = await backend.read(key)
+    if codecs is None:  # the second chunk's values, then its crc32c
+        start = honest.index(big[64:128].tobytes())
+        end = start + big[64:128].nbytes
+    else:  # the second zstd frame (magic 28 b5 2f fd), then its crc32c
+        frames = [i for i in range(len(honest) - 3) if honest[i : i + 4] == b"\x28\xb5\x2f\xfd"]
+        start, end = frames[1], frames[2] - 4
+    caught = 0
+    for flip in range(start + 4, end, max(1, (end - start) // 24)):
+        data = bytearray(honest)
+        data[flip] ^= 0x10
+        data[end : end + 4] = checksum(np.frombuffer(bytes(data[start:end]), np.uint8))
+        await backend.write(key, bytes(data))
+        report = await ckptstore.verify(backend, step=1)
+        try:
+            exact = np.array_equal(np.asarray((await ckptstore.restore(backend))["big"]), big)
+        except ckptstore.CorruptCheckpointError:
+            exact = False
+        assert report.ok == exact, (flip - start, report.problems)
+        caught += any("its bytes" in why for why in report.problems.values())
+    assert caught  # the digest, not a decoder's error, told these
