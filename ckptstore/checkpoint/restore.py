@@ -19,6 +19,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import within
 from ckptstore.checkpoint.assemble import in_memory, restore_stored
 from ckptstore.checkpoint.commit import latest_manifest
+from ckptstore.checkpoint.holdercheck import check_holders
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.datapath import ocdbt_index
 from ckptstore.datapath.chunkreads import RoutedChunks
@@ -120,6 +121,7 @@ async def manifest_item(backend: Backend, manifest: Manifest, item: str) -> Stor
             backend=backend.url,
         )
     saved = manifest.items[item]
+    await check_holders(backend, manifest, item)  # what it references: the holders agree
     home = manifest.item_dir(item)  # most leaves' directory: worked out once, not per leaf
     where = {n: manifest.leaf_dir(item, n) if n in saved.refs else home for n in saved.leaves}
     in_part = {n: manifest.holder_dirs(item, n) for n in saved.chunk_refs}

@@ -43,8 +43,9 @@ async def verify_in_part(
     checked: Callable[[int], None],
 ) -> int:
     """Read every chunk of the leaf from its store (checksums checked) and compare each
-    chunk another attempt holds with its recorded digest; `CorruptCheckpointError` on the
-    first that differs or is missing. Returns the payload bytes read."""
+    chunk, its own or one another attempt holds, with its recorded digest;
+    `CorruptCheckpointError` on the first that differs or is missing. Returns the payload
+    bytes read."""
     refs = item.chunk_refs[info.name]
     recorded = item.chunk_digests.get(info.name)
     if recorded is None:
@@ -59,12 +60,10 @@ async def verify_in_part(
         nbytes = piece_size(region, info.shape) * itemsize
         async with budget.hold(nbytes):
             data = await raw.read(region)
-            if refs.holder(k) is not None and await digest_off_loop(data, nbytes) != chunk_digest(
-                recorded, k
-            ):
+            if await digest_off_loop(data, nbytes) != chunk_digest(recorded, k):
+                which = "it references" if refs.holder(k) is not None else "of its own"
                 raise CorruptCheckpointError(
-                    f"chunk {k} it references is not the one its save recorded (its digest "
-                    "differs)",
+                    f"chunk {k} {which} is not the one its save recorded (its digest differs)",
                     leaf=info.name,
                 )
         checked(nbytes)

@@ -158,7 +158,8 @@ async def test_verify_and_restore_catch_a_corrupted_referenced_chunk(local: Back
 
 async def test_a_chunk_its_holder_lacks_is_an_error_never_zeros(local: Backend) -> None:
     """A manifest naming a holder without the chunks (forged, marker re-signed): restore
-    refuses the missing chunk, verify reports it; no fill value is ever read."""
+    refuses it (the holder's manifest does not have them), verify reports the missing
+    chunk; no fill value is ever read."""
     await ckptstore.save(local, {"x": np.zeros(3, np.float32)}, step=0)
     await save(local, table(), 1)
     await save(local, changed(table(), 3), 2, base=1)
@@ -168,8 +169,8 @@ async def test_a_chunk_its_holder_lacks_is_an_error_never_zeros(local: Backend) 
     doc["references"].append({"step": 0, "attempt": zero.split("/")[1]})
     doc["items"]["state"]["chunk_refs"]["emb"] = {"1": [[2, 64]]}
     await resign(local, 2, json.dumps(doc).encode())
-    with pytest.raises(CorruptCheckpointError, match="missing"):
-        await ckptstore.restore(local, 2)
+    with pytest.raises(CorruptCheckpointError, match="recorded no digest for it"):
+        await ckptstore.restore(local, 2)  # the holder's manifest says so before a read
     assert not (await ckptstore.verify(local, 2)).ok
 
 
