@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import committed_steps, is_committed
-from ckptstore.cli.output import EXIT_OK, Output, print_json
+from ckptstore.cli.output import EXIT_OK, EXIT_UNREADABLE, Output, print_json
 from ckptstore.cli.steps import entries, print_entries
 from ckptstore.cli.text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
@@ -67,18 +67,22 @@ async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
     lagging = report.lagging
     times = [t for s in lagging if (t := report.saved.get(s)) is not None]
     lag = time.time() - min(times) if times else None
+    code = EXIT_OK if report.durable_error is None else EXIT_UNREADABLE
     if as_json:
         doc = {
             "steps": report.steps,
             "uploaded": report.uploaded,
             "unpromoted": lagging,
             "lag_seconds": lag,
+            "durable_error": report.durable_error,
         }
         print_json(doc)
-        return 0
+        return code
+    if report.durable_error is not None:
+        print(f"the durable tier does not answer, the fast tier's steps: {report.durable_error}")
     if not report.steps:
         print(f"no committed checkpoints on either tier of {profile}")
-        return 0
+        return code
     print(f"{'STEP':>10}  TIERS")
     for step, state in report.steps.items():
         print(f"{step:>10}  {_state_text(state, report.uploaded.get(step))}")
@@ -87,7 +91,7 @@ async def cmd_ls_tiers(profile: str, as_json: bool) -> int:
     else:
         oldest = "" if lag is None else f", the oldest saved {duration_text(lag)} ago"
         print(f"promotion lag: {count(len(lagging), 'step')} not durable yet{oldest}")
-    return 0
+    return code
 
 
 class Signals:

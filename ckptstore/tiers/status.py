@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.commit import committed_steps, read_marker
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
-from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.errors import CorruptCheckpointError, NotFoundError, TransientStorageError
 from ckptstore.format import layout
 from ckptstore.tiers.hostlocal import is_promoted, promoted_part
 from ckptstore.tiers.promote import attempt_objects
@@ -33,6 +33,9 @@ class TierStatus:
     steps: dict[int, str] = field(default_factory=dict)
     uploaded: dict[int, float] = field(default_factory=dict)
     saved: dict[int, float | None] = field(default_factory=dict)
+    #: Why the durable tier could not be read (None: it answered); then ``steps`` holds
+    #: the fast tier's steps only, and ``uploaded`` nothing.
+    durable_error: str | None = None
 
     @property
     def unpromoted(self) -> list[int]:
@@ -46,12 +49,20 @@ class TierStatus:
 
 
 async def status(tiered: Tiered) -> TierStatus:
-    """Each step's tiers, and how far the promotion of those not durable yet got."""
+    """Each step's tiers, and how far the promotion of those not durable yet got. While
+    the durable tier does not answer (`TransientStorageError`), what the fast tier holds,
+    each step "fast" or "staged", and why in ``durable_error``."""
     async with tiered.opened() as (fast, durable):
-        on_fast, on_durable, staged = await asyncio.gather(
-            committed_steps(fast), committed_steps(durable), staged_steps(fast)
-        )
+        on_fast, staged = await asyncio.gather(committed_steps(fast), staged_steps(fast))
         out = TierStatus()
+        try:
+            on_durable = await committed_steps(durable)
+        except TransientStorageError as exc:
+            out.durable_error = str(exc)
+            for step in sorted(set(on_fast) | set(staged)):
+                out.steps[step] = "fast" if step in on_fast else "staged"
+                out.saved[step] = await _saved(fast, step)
+            return out
         for step in sorted(set(on_fast) | set(on_durable) | set(staged)):
             if step in on_fast:
                 out.steps[step] = "both" if step in on_durable else "fast"
@@ -67,6 +78,15 @@ async def status(tiered: Tiered) -> TierStatus:
         for step in out.lagging:
             out.uploaded[step], out.saved[step] = await _progress(fast, durable, step)
     return out
+
+
+async def _saved(fast: Backend, step: int) -> float | None:
+    """When ``step`` was committed or staged on the fast tier (None: gone meanwhile)."""
+    marker = await read_marker(fast, step)
+    try:
+        return (await fast.stat(marker.key if marker is not None else staged_key(step))).mtime
+    except NotFoundError:
+        return None
 
 
 async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, float | None]:

@@ -99,3 +99,41 @@ def test_closing_after_the_outage_promotes_what_waits(
         mgr.close()
     direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
     assert ckptstore.list_steps_sync(direct) == [1, 2]
+
+
+def test_ls_of_a_profile_lists_the_fast_tier_while_the_durable_one_is_down(
+    tmp_path: Path,
+    ckptstore_s3_server: object,
+    ckptstore_s3_bucket: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ckptstore ls PROFILE`: each step on the fast tier, the promotion lag, the durable
+    tier's error, exit 3 (the storage failed), never a traceback."""
+    import json
+
+    from ckptstore.cli.main import main
+
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    fast = tmp_path / "nvme"
+    with FaultProxy(endpoint) as proxy:
+        durable = tmp_path / "durable.toml"
+        durable.write_text(
+            f'url = "s3://{ckptstore_s3_bucket}/run"\n[options]\nendpoint = "{proxy.endpoint}"\n'
+            'credentials = "env"\nconnect_timeout = 0.5\nread_timeout = 0.5\n'
+            "[options.retry]\nmax_attempts = 2\nbase_delay = 0.01\nmax_delay = 0.05\n"
+        )
+        profile = tmp_path / "tiers.toml"
+        profile.write_text(f'[tiers]\nfast = "{fast}"\ndurable = "{durable}"\n')
+        ckptstore.save_sync(str(fast), tree(1), step=1)
+        assert main(["ls", str(profile), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["unpromoted"] == [1]
+
+        proxy.set_faults(Fault("status", rate=1.0))
+        assert main(["ls", str(profile)]) == 3
+        out = capsys.readouterr().out
+        assert "the durable tier does not answer" in out
+        assert "fast only" in out and "promotion lag: 1 step not durable yet" in out
+        assert main(["ls", str(profile), "--json"]) == 3
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["steps"] == {"1": "fast"} and doc["unpromoted"] == [1]
+        assert doc["durable_error"] and doc["lag_seconds"] >= 0
