@@ -256,7 +256,8 @@ class OrbaxCompat:
         """What `_refuse_orbax_root` says, with the way on for the latest Orbax step:
         ``ckptstore import-orbax`` into a new root, which imports every item of the step
         into one step (Orbax's names kept, its lone ``default`` tree as "state"), then a
-        manager there; with several items, how to restore them all."""
+        manager there; with several items, how to restore them all; with metrics (a
+        ``best_fn`` run), how to import every step."""
         latest = self._orbax_steps[-1]
         holder, where = await self._orbax_where(latest) or (self.backend, layout.step_dir(latest))
         kinds = await orbax_items.item_kinds(holder, where)  # unchecked: only for the advice
@@ -269,6 +270,11 @@ class OrbaxCompat:
             f"import the latest step into a new root (`ckptstore import-orbax "
             f"{shlex.quote(holder.url)} NEW_ROOT --step {latest}`) and point the manager there"
         )
+        if orbax_items.METRICS in kinds:  # saved with metrics: a best_fn run's history
+            how += (
+                f" (`--all-steps` in place of `--step {latest}` imports every step with its "
+                "metrics, so that best_step() and KeepBest keep the run's best steps)"
+            )
         if len(names) <= 1:
             return f"{said}. To resume in ckptstore format, {how}"
         items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"

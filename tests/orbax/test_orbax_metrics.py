@@ -20,7 +20,11 @@ import pytest
 import ckptstore
 from ckptstore import policies as pol
 from ckptstore.cli.main import main
-from ckptstore.errors import AlreadyExistsError, CheckpointNotFoundError
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    UnsupportedOperationError,
+)
 from tests.orbax.conftest import assert_bit_exact, saved_form
 
 #: Eval loss by step; Orbax keeps the 3 lowest (max_to_keep=3 with best_fn), not the latest.
@@ -94,6 +98,8 @@ def test_in_place_metrics_and_best_step_match_orbax(tmp_path: Path) -> None:
         assert mgr.best_step() == saw.best
         with pytest.raises(CheckpointNotFoundError, match=r"\[20, 30, 50\]"):
             mgr.metrics(40)  # deleted by Orbax
+        with pytest.raises(UnsupportedOperationError, match=r"--all-steps.*best_step"):
+            mgr.save(70, state(70), force=True)  # the way on keeps the history
 
 
 def test_a_range_of_steps_and_resuming_it(
