@@ -558,8 +558,11 @@ async def import_orbax(
     JSON items), under Orbax's item names; ``item`` imports that one alone. Orbax's
     unnamed tree (a single-item step's ``default``, a `StandardCheckpointer` directory)
     is named ``as_item`` (``state``, the manager's default item). ``as_step`` defaults
-    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is one
-    partial-save session (a killed import resumes); on tiers, on the fast tier.
+    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The step's Orbax
+    metrics (its ``metrics`` item) become the step's metrics, as ``save(metrics=...)``
+    records them. An item the step's ``_CHECKPOINT_METADATA`` lists but that is missing or
+    torn is `CorruptCheckpointError` naming it, unless ``item`` leaves it out. The import is
+    one partial-save session (a killed import resumes); on tiers, on the fast tier.
     ``codecs`` and ``casts``: how the leaves are stored, as `save`'s (docs/codecs.md).
     """
 
