@@ -14,7 +14,8 @@ The public API on one screen:
   tier, reads use the nearest good copy, `delete_step`/`gc` cover both tiers);
   `promote(tiered)` copies committed steps from the fast tier to the durable one.
 - `export_orbax(src, dst)` and `import_orbax(src, dst)`: a committed step as an Orbax
-  0.12 checkpoint (by reference where possible), and an Orbax checkpoint as a step.
+  0.12 checkpoint (by reference where possible), and an Orbax checkpoint as a step
+  (`import_orbax_steps`: every step of an Orbax run, or a range, metrics and all).
 - `Zstd(level)`, `CodecPolicy`: leaves compressed per name (``save(..., codecs=...)``);
   `CastPolicy`: leaves stored in a narrower dtype, only where asked (``casts=...``).
 - `open_backend(url | profile=...)`: a `Backend` for local disk, memory, S3 or GCS.
@@ -48,6 +49,8 @@ _PUBLIC = {
         "gc_sync",
         "import_orbax",
         "import_orbax_sync",
+        "import_orbax_steps",
+        "import_orbax_steps_sync",
         "list_steps",
         "list_steps_sync",
         "partial_save",
@@ -100,6 +103,8 @@ if TYPE_CHECKING:
         gc,
         gc_sync,
         import_orbax,
+        import_orbax_steps,
+        import_orbax_steps_sync,
         import_orbax_sync,
         list_steps,
         list_steps_sync,

@@ -37,7 +37,11 @@ from ckptstore.orbax import exporter, importer
 from ckptstore.orbax import read as orbax
 from ckptstore.orbax import steps as orbax_steps
 from ckptstore.orbax.exporter import ExportResult
-from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES, OrbaxImportResult
+from ckptstore.orbax.importer import (
+    DEFAULT_BATCH_BYTES,
+    OrbaxImportResult,
+    OrbaxStepsImportResult,
+)
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import blocking, run
 from ckptstore.runtime.progress import Progress
@@ -554,8 +558,11 @@ async def import_orbax(
     JSON items), under Orbax's item names; ``item`` imports that one alone. Orbax's
     unnamed tree (a single-item step's ``default``, a `StandardCheckpointer` directory)
     is named ``as_item`` (``state``, the manager's default item). ``as_step`` defaults
-    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The import is one
-    partial-save session (a killed import resumes); on tiers, on the fast tier.
+    to the Orbax step, or 0 for a `StandardCheckpointer` directory. The step's Orbax
+    metrics (its ``metrics`` item) become the step's metrics, as ``save(metrics=...)``
+    records them. An item the step's ``_CHECKPOINT_METADATA`` lists but that is missing or
+    torn is `CorruptCheckpointError` naming it, unless ``item`` leaves it out. The import is
+    one partial-save session (a killed import resumes); on tiers, on the fast tier.
     ``codecs`` and ``casts``: how the leaves are stored, as `save`'s (docs/codecs.md).
     """
 
@@ -577,3 +584,50 @@ async def import_orbax(
 
 
 import_orbax_sync = blocking(import_orbax)
+
+
+async def import_orbax_steps(
+    source: Target,
+    target: AnyTarget,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    item: str | None = None,
+    as_item: str = layout.DEFAULT_ITEM,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    progress: bool | Progress = False,
+    codecs: Any = None,
+    casts: Any = None,
+) -> OrbaxStepsImportResult:
+    """Import every finalized step of an Orbax `CheckpointManager` root from ``first`` to
+    ``last`` (both included; None: no bound, so by default all of them), each as
+    `import_orbax` imports one (its metrics too) under its own step number, so that a
+    manager there has the run's history (``best_step``, `KeepBest`). Every step is checked
+    before any is written; a step already imported from the same Orbax step is left as it
+    is (a rerun resumes), any other committed step there is `AlreadyExistsError`."""
+
+    async def open_session(at: int, name: str) -> PartialSave:
+        return await partial_save(target, at, item=name)  # on tiers: on the fast tier
+
+    async def committed(at: int) -> dict[str, Any] | None:
+        try:
+            return (await read_manifest(target, at)).metadata
+        except CheckpointNotFoundError:
+            return None
+
+    return await importer.import_orbax_steps(
+        source,
+        open_session,
+        committed,
+        first=first,
+        last=last,
+        item=item,
+        as_item=as_item,
+        batch_bytes=batch_bytes,
+        progress=progress,
+        codecs=codecs,
+        casts=casts,
+    )
+
+
+import_orbax_steps_sync = blocking(import_orbax_steps)

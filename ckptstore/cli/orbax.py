@@ -9,13 +9,14 @@ import argparse
 import json
 from typing import Any
 
-from ckptstore.api import export_orbax, import_orbax
+from ckptstore.api import export_orbax, import_orbax, import_orbax_steps
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.cli.output import Output, print_json
 from ckptstore.cli.storing import add_storing_options
 from ckptstore.cli.text import human
+from ckptstore.errors import ConfigError
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES
+from ckptstore.orbax.importer import DEFAULT_BATCH_BYTES, OrbaxImportResult
 from ckptstore.orbax.inspect import (
     OrbaxStep,
     OrbaxVerifyReport,
@@ -189,13 +190,41 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     imp = sub.add_parser("import-orbax", help=text, description=text, parents=[common])
     imp.add_argument("src", help="Orbax directory or CheckpointManager root")
     imp.add_argument("dst", help="ckptstore target (path, URL or .toml profile)")
-    imp.add_argument("--step", type=int, help="the Orbax step (default: the latest finalized)")
+    which = imp.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="the Orbax step (default: the latest finalized)")
+    which.add_argument(
+        "--all-steps",
+        action="store_true",
+        help="import every finalized step, each under its own number (metrics and all)",
+    )
+    which.add_argument(
+        "--steps",
+        type=step_range,
+        metavar="FIRST:LAST",
+        help="import the finalized steps from FIRST to LAST, both included (20:, :40)",
+    )
     imp.add_argument(
         "--item", help="import only this Orbax item (default: every item of the step, one step)"
     )
-    imp.add_argument("--as-step", type=int, help="the step to write (default: the Orbax step)")
+    imp.add_argument(
+        "--as-step", type=int, help="the step to write (default: the Orbax step; one step only)"
+    )
     imp.add_argument("--batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20)
     add_storing_options(imp)
+
+
+def step_range(text: str) -> tuple[int | None, int | None]:
+    """``--steps FIRST:LAST``: both bounds included, either left out for no bound."""
+    first, sep, last = text.partition(":")
+    bounds = [
+        None if not b else int(b) if b.isascii() and b.isdigit() else -1 for b in (first, last)
+    ]
+    lo, hi = bounds
+    if not sep or -1 in bounds or (lo is not None and hi is not None and lo > hi):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not FIRST:LAST, two steps in order (either may be left out: 20:, :40)"
+        )
+    return lo, hi
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -231,6 +260,8 @@ async def run(args: argparse.Namespace) -> int:
             f"{r.linked} objects linked, {r.copied} copied ({human(r.copied_bytes)})"
         )
         return 0
+    if args.all_steps or args.steps is not None:
+        return await _import_steps(args, out)
     result = await import_orbax(
         args.src,
         args.dst,
@@ -242,22 +273,57 @@ async def run(args: argparse.Namespace) -> int:
         **args.storing,
     )
     if out.json:
-        print_json(
-            {
-                "step": result.save.step,
-                "attempt": result.save.attempt,
-                "source": result.source,
-                "leaves": result.leaves,
-                "skipped": result.skipped,
-                "bytes": result.bytes,
-                "parts": result.parts,
-                "items": result.items,
-            }
-        )
+        print_json(_import_json(result))
         return 0
-    print(
+    print(_import_line(result))
+    return 0
+
+
+async def _import_steps(args: argparse.Namespace, out: Output) -> int:
+    """``import-orbax --all-steps`` or ``--steps FIRST:LAST``."""
+    if args.as_step is not None:
+        raise ConfigError(
+            "import-orbax: --as-step names the one step written; with --all-steps or --steps "
+            "every step keeps its Orbax number"
+        )
+    first, last = args.steps or (None, None)
+    result = await import_orbax_steps(
+        args.src,
+        args.dst,
+        first=first,
+        last=last,
+        item=args.item,
+        batch_bytes=args.batch_mib << 20,
+        progress=out.bar("leaves", 0),
+        **args.storing,
+    )
+    if out.json:
+        steps = [_import_json(r) for r in result.steps.values()]
+        print_json({"source": result.source, "steps": steps, "already": result.already})
+        return 0
+    for one in result.steps.values():
+        print(_import_line(one))
+    if result.already:
+        print(f"already imported, left as they are: steps {result.already}")
+    return 0
+
+
+def _import_json(result: OrbaxImportResult) -> dict[str, Any]:
+    return {
+        "step": result.save.step,
+        "attempt": result.save.attempt,
+        "source": result.source,
+        "leaves": result.leaves,
+        "skipped": result.skipped,
+        "bytes": result.bytes,
+        "parts": result.parts,
+        "items": result.items,
+    }
+
+
+def _import_line(result: OrbaxImportResult) -> str:
+    return (
         f"imported {result.leaves} leaves ({human(result.bytes)}) from {result.source} "
         f"in {result.parts} parts as step {result.save.step} (items "
         f"{', '.join(result.items)}); skipped {result.skipped}"
     )
-    return 0

@@ -424,11 +424,6 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
             for name, item_like in items.items()
         }
 
-    def metrics(self, step: int) -> dict[str, Any]:
-        """The metrics saved with ``step``."""
-        metrics = self._metadata(step).get("metrics", {})
-        return dict(metrics) if isinstance(metrics, dict) else {}
-
     def _metadata(self, step: int) -> dict[str, Any]:
         """The metadata committed ``step`` was saved with (on tiers: from the nearest good
         copy, as `restore` reads it: `tiers.read`)."""

@@ -1,11 +1,13 @@
 """Orbax on ckptstore's `CheckpointManager` (which inherits `OrbaxCompat`).
 
 - The methods an Orbax `CheckpointManager` user reaches for, with Orbax 0.12's meanings:
-  `best_step`, `should_save`, `delete`, `reload`, `metadata`, `item_metadata`, `directory`,
-  `is_saving_in_progress` and `check_for_errors`. Each is a thin layer over what the manager
-  and `ckptstore.api` do already; docs/migrating-from-orbax.md maps one API onto the other.
+  `metrics`, `best_step`, `should_save`, `delete`, `reload`, `metadata`, `item_metadata`,
+  `directory`, `is_saving_in_progress` and `check_for_errors`. Each is a thin layer over
+  what the manager and `ckptstore.api` do already; docs/migrating-from-orbax.md maps one
+  API onto the other.
 - A manager on an Orbax root reads its steps but refuses to save beside them, saying at
-  construction how to move the run (`_orbax_refusal`).
+  construction how to move the run (`_orbax_refusal`). Its `metrics` and `best_step` are
+  the Orbax steps' own: each step's ``metrics`` item (`_orbax_record`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class OrbaxCompat:
         _last_step: int | None
 
         def _call(self, coro: Coroutine[Any, Any, T]) -> T: ...
+        def _metadata(self, step: int) -> dict[str, Any]: ...
         def latest_step(self) -> int | None: ...
         def _target(self) -> Backend | Tiered: ...
         async def _committed_steps(self) -> list[int]: ...
@@ -87,15 +90,28 @@ class OrbaxCompat:
         backend = self.durable or self.backend
         return backend.root if isinstance(backend, LocalBackend) else backend.url
 
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with ``step`` (``save(metrics=...)``; {} where none were). On
+        an Orbax root, what Orbax's ``metrics(step)`` reads: the step's ``metrics`` item."""
+        if self._orbax_steps:
+            return self._call(self._orbax_record(layout.check_step(step))).metrics
+        metrics = self._metadata(step).get("metrics", {})
+        return dict(metrics) if isinstance(metrics, dict) else {}
+
     def best_step(self) -> int | None:
         """The committed step the keep policy's `KeepBest` ranks first by its metric (the
         first `KeepBest` inside `KeepAnyOf`), as Orbax's ranks by ``best_fn``; None when no
         step has that metric. Without a `KeepBest` (Orbax: without ``best_fn``), the latest
-        step. Ties go as `KeepBest` breaks them, so the best step is one it keeps."""
+        step. Ties go as `KeepBest` breaks them, so the best step is one it keeps. On an
+        Orbax root, ranked by the Orbax steps' metrics."""
         best = _keep_best(self.keep_policy)
         if best is None:
             return self.latest_step()
-        ranked = best.ranked(self._call(self._step_records(self.durable or self.backend)))
+        if self._orbax_steps:
+            records = self._call(self._orbax_records())
+        else:
+            records = self._call(self._step_records(self.durable or self.backend))
+        ranked = best.ranked(records)
         return ranked[0] if ranked else None
 
     def should_save(self, step: int) -> bool:
@@ -205,18 +221,47 @@ class OrbaxCompat:
         if self._read_only is not None:
             raise UnsupportedOperationError(self._read_only)
 
+    async def _orbax_where(self, step: int) -> tuple[Backend, str] | None:
+        """The tier holding Orbax step ``step`` (the fast one first) and its directory."""
+        for holder in (self.backend, self.durable):
+            if holder is not None and (where := await orbax.locate(holder, step)) is not None:
+                return holder, where
+        return None
+
+    async def _orbax_record(self, step: int) -> P.StepRecord:
+        """Orbax step ``step`` as keep policies see a step: its metrics (its ``metrics``
+        item, checked as `orbax_items.read_metrics` does) and commit time; cached in
+        ``_records`` until `reload`. `CheckpointNotFoundError` naming the Orbax steps there
+        are where ``step`` is not one."""
+        if step in self._records:
+            return self._records[step]
+        found = await self._orbax_where(step)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"step {step} is not a finalized Orbax step; Orbax steps: "
+                f"{await self._find_orbax_steps()}",
+                backend=self.backend.url,
+            )
+        holder, where = found
+        committed = (await orbax_items.step_metadata(holder, where)).committed
+        metrics = await orbax_items.read_metrics(holder, where) or {}
+        self._records[step] = P.StepRecord(step, committed or 0.0, metrics)
+        return self._records[step]
+
+    async def _orbax_records(self) -> list[P.StepRecord]:
+        """Every finalized Orbax step's record (`_orbax_record`), ascending."""
+        return [await self._orbax_record(step) for step in await self._find_orbax_steps()]
+
     async def _orbax_refusal(self) -> str:
         """What `_refuse_orbax_root` says, with the way on for the latest Orbax step:
         ``ckptstore import-orbax`` into a new root, which imports every item of the step
         into one step (Orbax's names kept, its lone ``default`` tree as "state"), then a
-        manager there; with several items, how to restore them all."""
+        manager there; with several items, how to restore them all; with metrics (a
+        ``best_fn`` run), how to import every step."""
         latest = self._orbax_steps[-1]
-        holder = self.backend
-        where = await orbax.locate(holder, latest)
-        if where is None and self.durable is not None:
-            holder = self.durable
-            where = await orbax.locate(holder, latest)
-        names = list(await orbax_items.item_kinds(holder, where or layout.step_dir(latest)))
+        holder, where = await self._orbax_where(latest) or (self.backend, layout.step_dir(latest))
+        kinds = await orbax_items.item_kinds(holder, where)  # unchecked: only for the advice
+        names = [n for n in kinds if n != orbax_items.METRICS]  # the step's metrics come too
         said = (
             f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
             "manager restores its steps but does not save beside them"
@@ -225,6 +270,11 @@ class OrbaxCompat:
             f"import the latest step into a new root (`ckptstore import-orbax "
             f"{shlex.quote(holder.url)} NEW_ROOT --step {latest}`) and point the manager there"
         )
+        if orbax_items.METRICS in kinds:  # saved with metrics: a best_fn run's history
+            how += (
+                f" (`--all-steps` in place of `--step {latest}` imports every step with its "
+                "metrics, so that best_step() and KeepBest keep the run's best steps)"
+            )
         if len(names) <= 1:
             return f"{said}. To resume in ckptstore format, {how}"
         items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"

@@ -25,7 +25,7 @@ from ckptstore.format.layout import ORBAX_TREE_METADATA
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.orbax import read as orbax
 from ckptstore.orbax import steps as orbax_steps
-from ckptstore.orbax.items import item_kinds
+from ckptstore.orbax.items import step_items
 from ckptstore.runtime.membudget import check_fits
 
 #: How the one tree of a StandardCheckpointer directory is shown (Orbax names it not).
@@ -63,7 +63,7 @@ class OrbaxStep:
 async def _items(backend: Backend, where: str) -> list[str]:
     if await backend.exists(f"{where}/{ORBAX_TREE_METADATA}" if where else ORBAX_TREE_METADATA):
         return [""]
-    return list(await item_kinds(backend, where))
+    return list(await step_items(backend, where))  # a listed item missing: raised
 
 
 async def describe_step(backend: Backend, step: int | None, where: str) -> OrbaxStep:

@@ -16,8 +16,9 @@ from ckptstore.format.leaves import LeafInfo, key_data_aval
 from ckptstore.format.manifest import IMPL_NAME
 
 
-def strict_json(data: bytes) -> Any:
-    """JSON with no duplicate keys and no NaN/Infinity; ValueError otherwise (Orbax's
+def strict_json(data: bytes, *, allow_nan: bool = False) -> Any:
+    """JSON with no duplicate keys and (unless ``allow_nan``: Orbax's step metrics, which
+    Python's JSON writes with them) no NaN/Infinity; ValueError otherwise (Orbax's
     metadata files: `ckptstore.orbax.read` parses ``_METADATA`` with it too)."""
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -31,6 +32,8 @@ def strict_json(data: bytes) -> Any:
     def constant(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
+    if allow_nan:
+        return json.loads(data, object_pairs_hook=pairs)
     return json.loads(data, object_pairs_hook=pairs, parse_constant=constant)
 
 

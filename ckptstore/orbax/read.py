@@ -36,7 +36,7 @@ from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.layout import ORBAX_TREE_METADATA
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.tree import MAX_DEPTH, check_structure, path_name
-from ckptstore.orbax.items import JSON, TREE, item_kinds, read_json_item
+from ckptstore.orbax.items import JSON, METRICS, TREE, read_json_item, step_items
 from ckptstore.orbax.keys import key_impls, strict_json, typed_key
 from ckptstore.runtime.gcpause import gc_paused
 
@@ -229,7 +229,10 @@ async def open_item(
     backend: Backend, where: str, item: str, *, default_item: str
 ) -> StoredItem | JsonItem:
     """The item ``item`` of the Orbax checkpoint at ``where`` (from `locate`): a tree item's
-    arrays, or a JSON item's value (``ocp.args.JsonSave``, `ckptstore.orbax.items`).
+    arrays, or a JSON item's value (``ocp.args.JsonSave``, `ckptstore.orbax.items`). An item
+    the step's ``_CHECKPOINT_METADATA`` lists but that is missing or torn is
+    `CorruptCheckpointError` naming it (`step_items`), when it is the one asked for or when
+    the step's lone tree is (which another tree, torn, would make ambiguous).
 
     A `StandardCheckpointer` directory is one item, read under the default item name;
     a step with a single tree item (``default``) is read under the default name too.
@@ -243,16 +246,17 @@ async def open_item(
             )
         chosen = ""
     else:
-        kinds = await item_kinds(backend, where)
+        kinds = await step_items(backend, where, only=item)  # a torn item: named, raised
         trees = [n for n, kind in kinds.items() if kind == TREE]
         if item in kinds:
             chosen = item
         elif item == default_item and len(trees) == 1:
             chosen = trees[0]
         else:
+            metrics = " (Orbax's metrics item is the step's metrics: metrics(step))"
             raise CheckpointNotFoundError(
                 f"Orbax checkpoint {place} has no item {item!r} (it has {list(kinds)}): "
-                "name one with item=",
+                f"name one with item={metrics if item == METRICS else ''}",
                 backend=backend.url,
             )
         if kinds[chosen] == JSON:
