@@ -33,6 +33,9 @@ class SaveStats:
     #: and why that way.
     staging_mode: str = "host"
     staging_reason: str = ""
+    #: On tiers: the steps committed on the fast tier that wait for the durable tier when
+    #: this save committed (it did not answer their promotion: `CheckpointManager.unpromoted`).
+    unpromoted: tuple[int, ...] = ()
 
 
 class SaveHandle:

@@ -47,6 +47,7 @@ class Writing:
         _base: int | None
         _base_attempt: str | None
         _objects: dict[tuple[str, str], weakref.ref[Any]]
+        unpromoted: set[int]
 
         def _target(self) -> Backend | Tiered: ...
         async def _retain(
@@ -125,6 +126,7 @@ class Writing:
             base=base if result.bytes_referenced else None,
             staging_mode=staged.mode,
             staging_reason=staged.reason,
+            unpromoted=tuple(sorted(self.unpromoted)),
         )
         self.stats.append(stats)
         return stats

@@ -56,7 +56,8 @@ def attempt_of(doc_of_step: Doc) -> Doc:
 
 
 async def manifest_doc(backend: Backend, step: int) -> Doc:
-    doc: Doc = json.loads(await backend.read(f"{await committed_root(backend, step)}/manifest.json"))
+    root = await committed_root(backend, step)
+    doc: Doc = json.loads(await backend.read(f"{root}/manifest.json"))
     return doc
 
 
@@ -117,7 +118,7 @@ async def test_chunks_redirected_to_a_holder_that_has_older_ones(local: Backend)
 
     await forge(local, 3, redirect)
     assert not (await ckptstore.verify(local, 3)).ok
-    with pytest.raises(CorruptCheckpointError, match="chunk 0 .* another digest") as info:
+    with pytest.raises(CorruptCheckpointError, match=r"chunk 0 .* another digest") as info:
         await ckptstore.restore(local, 3)
     assert info.value.leaf == "emb"
 

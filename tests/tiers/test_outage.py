@@ -57,24 +57,27 @@ def test_saves_go_on_through_an_outage_and_the_durable_tier_catches_up(
             assert proxy.injected[fault.kind] > 0
             assert ckptstore.list_steps_sync(fast) == [5, 6, 7]
             assert {5, 6, 7} <= mgr.unpromoted
+            lagging = mgr.save(8, tree(8), force=True).wait()  # type: ignore[union-attr]
+            assert {5, 6, 7} <= set(lagging.unpromoted)  # what a metrics logger sees
+            mgr.wait_until_finished()
 
             # A restart while it is down opens, and lists what the fast tier holds.
             again = ckptstore.CheckpointManager(tiered, keep_policy=keep, options=options)
-            assert again.all_steps() == [5, 6, 7]
-            np.testing.assert_array_equal(again.restore(7)["w"], tree(7)["w"])
+            assert again.all_steps() == [6, 7, 8]
+            np.testing.assert_array_equal(again.restore(8)["w"], tree(8)["w"])
             again.close()
 
             proxy.set_faults()  # it is back: the next save's turn promotes what waits
-            mgr.save(8, tree(8), force=True).wait()  # type: ignore[union-attr]
+            mgr.save(9, tree(9), force=True).wait()  # type: ignore[union-attr]
             mgr.wait_until_finished()
             assert not mgr.unpromoted
         finally:
             proxy.set_faults()
             mgr.close()
     direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
-    assert ckptstore.list_steps_sync(direct) == [6, 7, 8]
-    assert ckptstore.list_steps_sync(fast) == [6, 7, 8]
-    for step in (6, 7, 8):
+    assert ckptstore.list_steps_sync(direct) == [7, 8, 9]
+    assert ckptstore.list_steps_sync(fast) == [7, 8, 9]
+    for step in (7, 8, 9):
         got = ckptstore.restore_sync(direct, step)
         np.testing.assert_array_equal(got["w"], tree(step)["w"])
         np.testing.assert_array_equal(got["b"], tree(step)["b"])
