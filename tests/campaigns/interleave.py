@@ -129,9 +129,14 @@ class GatedBackend(FaultyBackend):
     def __init__(self, inner: Backend, scheduler: Scheduler):
         super().__init__(inner)
         self.scheduler = scheduler
+        #: While true, every operation that passes the gate fails as an unreachable store
+        #: does (`InjectedFault`, transient): an outage (`interleave_outage.py`).
+        self.down = False
 
     async def _around(self, op: str, key: str | None, call: Callable[[], Awaitable[T]]) -> T:
         async with self.scheduler.gate(f"{op} {key}"):
+            if self.down:
+                self._raise(op, key)
             return await call()
 
 
@@ -1083,12 +1088,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tally = Tally()
     start = time.perf_counter()
 
+    from tests.campaigns.interleave_outage import OUTAGE, OUTAGE_TRIPLES
+
     async def everything() -> None:
-        for scenario in [*SCENARIOS, *INCREMENTAL]:
+        for scenario in [*SCENARIOS, *INCREMENTAL, *OUTAGE]:
             if args.only in scenario.name:
                 await explore_pairs(scenario, args.bound, tally)
                 _progress(scenario.name, tally, start)
-        for k, scenario in enumerate([*TRIPLES, *INCREMENTAL_TRIPLES]):
+        for k, scenario in enumerate([*TRIPLES, *INCREMENTAL_TRIPLES, *OUTAGE_TRIPLES]):
             if args.only in scenario.name:
                 await random_walks(scenario, args.walks, args.seed + k * 1_000_000, tally)
                 _progress(scenario.name, tally, start)
