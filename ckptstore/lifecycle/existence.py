@@ -81,11 +81,19 @@ async def durable_steps(durable: Backend, timeout: float) -> list[int] | None:
     """The steps committed on the durable tier, or None (with a warning) when it does not
     answer within `DURABLE_LIST_SECONDS` (at most ``timeout``) or fails: a manager opens,
     and lists its fast tier's steps, while object storage is down."""
+    return await durable_listing(committed_steps(durable), timeout, "its steps")
+
+
+async def durable_listing(
+    work: Coroutine[Any, Any, list[int]], timeout: float, what: str
+) -> list[int] | None:
+    """What the durable tier lists (``work``, listing ``what``), or None with a warning
+    when it does not answer within `DURABLE_LIST_SECONDS` (at most ``timeout``) or fails."""
     seconds = min(timeout, DURABLE_LIST_SECONDS)
     try:
-        return await _bounded(committed_steps(durable), seconds, "listing its steps", _DURABLE)
+        return await _bounded(work, seconds, f"listing {what}", _DURABLE)
     except StorageError as exc:  # unreachable, failing or too slow: the fast tier's steps
         log.warning(
-            "ckptstore: the durable tier did not list its steps (%s); the fast tier's only", exc
+            "ckptstore: the durable tier did not list %s (%s); the fast tier's only", what, exc
         )
         return None

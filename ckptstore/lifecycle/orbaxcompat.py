@@ -28,6 +28,7 @@ from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import rebuild
 from ckptstore.lifecycle import policies as P
+from ckptstore.lifecycle.existence import durable_listing
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.orbax import items as orbax_items
 from ckptstore.orbax import steps as orbax
@@ -285,10 +286,16 @@ class OrbaxCompat:
         )
 
     async def _find_orbax_steps(self) -> list[int]:
-        """Finalized Orbax steps on the target (either tier), ascending."""
-        found = await asyncio.gather(
-            *(orbax.finalized_steps(b) for b in (self.backend, self.durable) if b is not None)
-        )
+        """Finalized Orbax steps on the target (either tier; a durable tier that does not
+        answer, bounded as its listing of steps is, has none), ascending."""
+
+        async def on_durable() -> list[int]:
+            if self.durable is None:
+                return []
+            work = orbax.finalized_steps(self.durable)
+            return await durable_listing(work, self.options.timeout, "Orbax steps") or []
+
+        found = await asyncio.gather(orbax.finalized_steps(self.backend), on_durable())
         return sorted(set().union(*found))
 
 

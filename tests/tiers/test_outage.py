@@ -5,6 +5,7 @@ request, connections dropped, or a black hole)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -140,3 +141,63 @@ def test_ls_of_a_profile_lists_the_fast_tier_while_the_durable_one_is_down(
         doc = json.loads(capsys.readouterr().out)
         assert doc["steps"] == {"1": "fast"} and doc["unpromoted"] == [1]
         assert doc["durable_error"] and doc["lag_seconds"] >= 0
+
+
+OUTAGE_WORKER = """
+import json, os, signal, sys
+import numpy as np
+import ckptstore
+from tests.tiers.helpers import impatient_s3
+from tests.tiers.test_outage import tree
+
+fast, bucket, endpoint = sys.argv[1:4]
+tiered = ckptstore.Tiered(fast=fast, durable=impatient_s3(bucket, endpoint))
+options = ckptstore.ManagerOptions(handle_sigterm=False)
+mgr = ckptstore.CheckpointManager(tiered, options=options)
+for step in range(1, 6):
+    stats = mgr.save(step, tree(step), force=True).wait()
+    print(json.dumps({"step": step, "unpromoted": list(stats.unpromoted)}), flush=True)
+mgr.save(6, tree(6), force=True)  # in flight when the job dies
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_job_killed_during_an_outage_is_caught_up_by_its_successor(
+    tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str
+) -> None:
+    """SIGKILL while the durable tier is down, one save in flight: the fast tier holds
+    what was committed; once the durable tier is back, the next manager on these tiers
+    promotes all of it, each step bit-exact there."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    fast = str(tmp_path / "nvme")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with FaultProxy(endpoint) as proxy:
+        proxy.set_faults(Fault("drop", rate=1.0))  # down from the start
+        argv = [sys.executable, "-c", OUTAGE_WORKER, fast, ckptstore_s3_bucket, proxy.endpoint]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+        lines = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+        assert lines[-1]["unpromoted"][:3] == [1, 2, 3]  # the lag, as each save saw it
+        committed = ckptstore.list_steps_sync(fast)
+        assert committed[:5] == [1, 2, 3, 4, 5] and set(committed) <= {1, 2, 3, 4, 5, 6}
+
+        proxy.set_faults()  # back
+        durable = impatient_s3(ckptstore_s3_bucket, proxy.endpoint)
+        tiered = ckptstore.Tiered(fast=fast, durable=durable)
+        options = ckptstore.ManagerOptions(handle_sigterm=False)
+        with ckptstore.CheckpointManager(tiered, options=options) as successor:
+            successor.wait_until_finished()
+            assert successor.resumed_promotions == committed
+    direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
+    assert ckptstore.list_steps_sync(direct) == committed
+    for step in committed:
+        got = ckptstore.restore_sync(direct, step)
+        np.testing.assert_array_equal(got["w"], tree(step)["w"])
+        np.testing.assert_array_equal(got["b"], tree(step)["b"])
