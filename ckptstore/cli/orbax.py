@@ -180,7 +180,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         "several, or JSON items, as one Orbax Composite step)",
     )
     exp.add_argument(
-        "--manager", action="store_true", help="add the step to a CheckpointManager root DST"
+        "--manager",
+        action="store_true",
+        help="add the step to a CheckpointManager root DST (its metrics as Orbax's metrics)",
     )
     exp.add_argument("--copy", action="store_true", help="copy data even where links would do")
     exp.add_argument(
@@ -251,10 +253,12 @@ async def run(args: argparse.Namespace) -> int:
                     "copied": r.copied,
                     "copied_bytes": r.copied_bytes,
                     "items": list(r.items),
+                    "metrics": r.metrics,
                 }
             )
             return 0
         items = f" as a Composite of {', '.join(r.items)}" if r.items else ""
+        items += " with its metrics" if r.metrics else ""
         print(
             f"exported step {r.step}{items} ({r.leaves} leaves, {human(r.bytes)}) to {r.path}: "
             f"{r.linked} objects linked, {r.copied} copied ({human(r.copied_bytes)})"

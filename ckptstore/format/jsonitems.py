@@ -67,13 +67,38 @@ def _check(value: Any, where: str, depth: int) -> None:
 
 
 def is_array_tree(value: Any) -> bool:
-    """Whether ``value`` is saved as arrays: every pytree leaf an array or a number."""
+    """Whether ``value`` is saved as arrays: every pytree leaf an array or a number, and
+    some leaf an array (jax or numpy, numpy scalars too) or what JSON cannot hold.
+
+    Python values alone (a dict of floats, ints and bools) are configuration: a JSON item.
+    That is what restoring a JSON item gives, so saving it again keeps it JSON, and
+    ``export-orbax`` writes it as Orbax's ``JsonSave`` (as an array item it went out with
+    ``StandardCheckpointHandler``, where the user's ``JsonRestore`` fails). A tree of Python
+    numbers that JSON cannot hold (NaN, complex, an int dict key) stays arrays, as before.
+    """
     if isinstance(value, JsonItem):
         return False
     try:
-        return all(is_leaf_value(leaf) for leaf in jax.tree_util.tree_leaves(value))
+        paths = jax.tree_util.tree_flatten_with_path(value)[0]
     except Exception:  # let the array path name what is wrong (mixed keys, cycles)
         return True
+    if not all(is_leaf_value(leaf) for _, leaf in paths):
+        return False
+    if not paths or any(type(leaf) not in _PYTHON_SCALARS for _, leaf in paths):
+        return True  # an array, a numpy scalar, a complex: arrays (and an empty tree)
+    if any(not isinstance(k, _PLAIN_KEYS) for path, _ in paths for k in path):
+        return True  # a named tuple, a registered node: arrays keep what it was
+    try:
+        _encode(value, (), 0)
+    except TreeError:  # NaN, an int key: JSON cannot hold it, arrays can
+        return True
+    return False
+
+
+#: The leaves a JSON item's numbers are: a tree of these alone is configuration.
+_PYTHON_SCALARS = (bool, int, float)
+#: The containers a JSON item is made of (dicts, lists, tuples), as jax names their keys.
+_PLAIN_KEYS = (jax.tree_util.DictKey, jax.tree_util.SequenceKey)
 
 
 def as_json_item(name: str, value: Any) -> JsonItem:

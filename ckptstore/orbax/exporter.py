@@ -22,7 +22,11 @@ DST/                                   (or DST/<step>/default/ with manager=True
   _METADATA, _CHECKPOINT_METADATA      what Orbax needs to rebuild the tree
   commit_success.txt                   last
 DST/<item>/metadata                    a JSON item, as Orbax's ``JsonSave`` writes it
+DST/<step>/metrics/metrics             with manager=True: the step's metrics, as Orbax's
+                                       CheckpointManager writes them
 ```
+
+`ckptstore.orbax.exportitems` chooses the items and refuses the names Orbax reserves.
 
 `ckptstore.orbax.destination` says how the directory is finished (renamed into place on
 local disk). Copies are bounded by a byte budget; hard links share the source's immutable
@@ -50,11 +54,9 @@ from ckptstore.checkpoint.target import Target
 from ckptstore.datapath.packs import read_packed
 from ckptstore.datapath.stores import ocdbt_spec
 from ckptstore.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NotFoundError,
-    OrbaxExportError,
 )
 from ckptstore.format import chunks, layout
 from ckptstore.format.layout import (
@@ -66,10 +68,12 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest
 from ckptstore.orbax.destination import Destination
 from ckptstore.orbax.exportchunks import write_in_part
+from ckptstore.orbax.exportitems import METRICS_ITEM, choose_items
 from ckptstore.orbax.inspect import read_all
 from ckptstore.orbax.items import JSON_FILE
 from ckptstore.orbax.keys import ARRAY_METADATAS
 from ckptstore.orbax.metadata import (
+    DEFAULT_ITEM,
     HANDLER,
     JSON_HANDLER,
     OrbaxEntry,
@@ -97,6 +101,9 @@ class ExportResult:
     #: The Orbax items written, for a Composite export (a step of several items, or of
     #: JSON items); empty where the export is one tree.
     items: tuple[str, ...] = ()
+    #: The step's metrics were written as Orbax's ``metrics`` item (``manager=True``), where
+    #: Orbax's ``metrics(step)`` and ``best_step()`` read them.
+    metrics: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,9 +130,9 @@ async def export(
     """`export_orbax` from one backend."""
     started = time.time()
     manifest = await latest_manifest(src, step)
-    arrays, jsons = _choose_items(manifest, item, src.url)
-    composite = item is None and (len(arrays) != 1 or bool(jsons))
-    todo = [await _plan(src, manifest, name) for name in arrays]  # refuse before writing
+    chosen = choose_items(manifest, item, manager, src.url)  # refuse before writing
+    arrays, jsons, composite = chosen.arrays, chosen.jsons, chosen.composite
+    todo = [await _plan(src, manifest, name) for name in arrays]
     out = await Destination.open(destination, manifest.step, manager)
     try:
         objects = [o for planned in todo for _, listed in planned.copies for o in listed]
@@ -138,16 +145,18 @@ async def export(
             counts = [a + b for a, b in zip(counts, done, strict=True)]
             if manager or composite:
                 await out.backend.write(_join(item_dir, ORBAX_COMMIT_SUCCESS), out.success())
-            handlers[planned.name] = HANDLER
+            handlers[planned.name if composite else DEFAULT_ITEM] = HANDLER
         bar.close()
-        for name in jsons:
+        written = [(n, JSON_FILE, manifest.json_items[n].value) for n in jsons]
+        if chosen.metrics is not None:  # where Orbax's CheckpointManager keeps them
+            written.append((METRICS_ITEM, METRICS_ITEM, chosen.metrics))
+        for name, file, value in written:
             item_dir = out.item_dir(name)
-            value = manifest.json_items[name].value
-            await out.backend.write(_join(item_dir, JSON_FILE), json.dumps(value).encode())
+            await out.backend.write(_join(item_dir, file), json.dumps(value).encode())
             await out.backend.write(_join(item_dir, ORBAX_COMMIT_SUCCESS), out.success())
             handlers[name] = JSON_HANDLER
         doc = checkpoint_metadata(
-            handlers=dict(sorted(handlers.items())) if composite else None,
+            handlers=dict(sorted(handlers.items())) if composite or manager else None,
             manager=manager,
             started=started,
         )
@@ -166,6 +175,7 @@ async def export(
         copied=counts[1],
         copied_bytes=counts[2],
         items=tuple(sorted([*arrays, *jsons])) if composite else (),
+        metrics=chosen.metrics is not None,
     )
 
 
@@ -211,27 +221,6 @@ async def _write_item(
         await dst.write(_join(item_dir, ARRAY_METADATAS, "process_0"), keys)
     await dst.write(_join(item_dir, ORBAX_TREE_METADATA), tree_metadata(found))
     return counts[0], counts[1], counts[2]
-
-
-def _choose_items(manifest: Manifest, item: str | None, url: str) -> tuple[list[str], list[str]]:
-    """The array items and the JSON items to export: ``item`` alone (an array item), or
-    (None) every item of the step, as one Orbax Composite step where there are several or
-    any JSON item (`CheckpointNotFoundError` for an item the step lacks, `OrbaxExportError`
-    for a JSON item named alone: Orbax keeps those beside trees, not as a checkpoint)."""
-    if item is None:
-        return sorted(manifest.items), sorted(manifest.json_items)
-    if item in manifest.json_items:
-        raise OrbaxExportError(
-            f"item {item!r} of step {manifest.step} is a JSON item, not arrays: export it with "
-            f"the step's other items (no --item: one Orbax Composite step of "
-            f"{manifest.item_names}), or restore it with item={item!r}"
-        )
-    if item not in manifest.items:
-        raise CheckpointNotFoundError(
-            f"step {manifest.step} has no item {item!r} (it has {manifest.item_names})",
-            backend=url,
-        )
-    return [item], []
 
 
 def _join(*parts: str) -> str:

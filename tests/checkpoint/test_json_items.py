@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -42,6 +42,11 @@ AS_JSON = {
     "dropout": 0.1,
 }
 HPARAMS = {"lr": 1e-3, "schedule": "cosine", "warmup": 100, "clip": None, "betas": (0.9, 0.95)}
+
+
+class Pair(NamedTuple):
+    lr: float
+    warmup: int
 
 
 def state() -> dict[str, Any]:
@@ -146,3 +151,36 @@ def test_hand_edited_json_items_are_corrupt() -> None:
     ):
         with pytest.raises(CorruptCheckpointError):
             Manifest.from_bytes(json.dumps({**base, **bad}).encode(), where="test")
+
+
+def test_python_values_alone_are_a_json_item_and_stay_one(tmp_path: Path) -> None:
+    """A dict of floats (a config, or what restoring an Orbax ``JsonSave`` gives) is a JSON
+    item, and saving what it restores as makes a JSON item again (it was an array item: so
+    ``export-orbax`` wrote it with ``StandardCheckpointHandler`` and Orbax's ``JsonRestore``
+    failed). An array anywhere in the tree, or what JSON cannot hold, keeps it arrays."""
+    hparams = {"lr": 0.5, "decay": 0.25, "warmup": 100, "ema": True}
+    with ckptstore.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, items={"state": state(), "config": hparams}).wait()
+        again = mgr.restore(1, item="config")
+        assert again == hparams and [type(v) for v in again.values()] == [float, float, int, bool]
+        mgr.save(2, items={"state": state(), "config": again}).wait()
+    for step in (1, 2):
+        manifest = ckptstore.read_manifest_sync(tmp_path / "run", step)
+        assert sorted(manifest.items) == ["state"], step
+        assert manifest.json_items["config"].value == hparams, step
+    ckptstore.save_sync(tmp_path / "plain", [0.5, 2], step=1, item="config")
+    plain = ckptstore.read_manifest_sync(tmp_path / "plain", 1)
+    assert plain.json_items["config"].value == [0.5, 2] and not plain.items
+
+    arrays = {
+        "beside an array": {"w": np.ones(2), "lr": 0.5},
+        "a numpy scalar": {"lr": np.float32(0.5)},
+        "a NaN": {"loss": float("nan")},
+        "a complex": {"z": 1j},
+        "an int key": {7: 0.5},
+        "a named tuple": Pair(0.5, 2),
+    }
+    for n, (why, value) in enumerate(arrays.items()):
+        ckptstore.save_sync(tmp_path / "arrays", value, step=n, item="x")
+        stored = ckptstore.read_manifest_sync(tmp_path / "arrays", n)
+        assert list(stored.items) == ["x"] and not stored.json_items, why
