@@ -9,7 +9,7 @@ import inspect
 from pathlib import Path
 
 import ckptstore
-from ckptstore import api, errors
+from ckptstore import errors
 
 
 def _type_checking_imports() -> dict[str, set[str]]:
@@ -61,21 +61,24 @@ def test_every_error_class_is_listed() -> None:
 
 def test_each_operation_is_defined_once_in_api() -> None:
     """The public operations are `ckptstore.api`'s own functions (not re-exports of a
-    same-named function elsewhere), except `promote`, which is the tiers' own."""
-    for name in ckptstore._PUBLIC["ckptstore.api"]:
-        value = getattr(ckptstore, name)
-        if name in {"promote", "Promotion"}:
-            assert value.__module__ == "ckptstore.tiers.promote"
-        else:
-            assert value.__module__ == "ckptstore.api", name
+    same-named function elsewhere; the Orbax ones `ckptstore.api.orbax`'s), except
+    `promote`, which is the tiers' own."""
+    for module in ("ckptstore.api", "ckptstore.api.orbax"):
+        for name in ckptstore._PUBLIC[module]:
+            value = getattr(ckptstore, name)
+            if name in {"promote", "Promotion"}:
+                assert value.__module__ == "ckptstore.tiers.promote"
+            else:
+                assert value.__module__ == module, name
 
 
 def test_each_twin_stands_beside_its_async_function() -> None:
-    for name in ckptstore._PUBLIC["ckptstore.api"]:
+    names = [*ckptstore._PUBLIC["ckptstore.api"], *ckptstore._PUBLIC["ckptstore.api.orbax"]]
+    for name in names:
         if not name.endswith("_sync"):
             continue
-        twin = getattr(api, name)
-        fn = getattr(api, name.removesuffix("_sync"))
+        twin = getattr(ckptstore, name)
+        fn = getattr(ckptstore, name.removesuffix("_sync"))
         assert inspect.signature(twin).parameters == inspect.signature(fn).parameters
         assert inspect.iscoroutinefunction(fn) and not inspect.iscoroutinefunction(twin)
 

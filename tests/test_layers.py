@@ -52,10 +52,7 @@ def test_every_module_is_in_a_layer() -> None:
     loose = sorted(p.name for p in PACKAGE.glob("*.py")) + sorted(
         p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()
     )
-    assert set(loose) == {"__init__.py", "api.py", "errors.py", "testing", *LAYERS} - {
-        "api",
-        "errors",
-    }
+    assert set(loose) == {"__init__.py", "errors.py", "testing", *LAYERS} - {"errors"}
 
 
 def test_layers_import_downward_only() -> None:

@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from ckptstore.api import export_orbax, import_orbax, import_orbax_steps
+from ckptstore.api.orbax import export_orbax, import_orbax, import_orbax_steps
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.cli.output import Output, print_json
 from ckptstore.cli.storing import add_storing_options
