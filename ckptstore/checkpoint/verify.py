@@ -18,6 +18,7 @@ network outage is never reported as a corrupt checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 from collections.abc import Awaitable, Callable, Collection
@@ -221,9 +222,16 @@ async def _verify_leaves(
         report.problems[f"{name}/{leaf}"] = why
     todo = iter([info for info in infos if info.name not in coverage])
 
-    async def unpack(info: LeafInfo) -> int:
-        async with budget.hold(info.nbytes):
-            await read_packed(backend, prefix, [(info, item.packed[info.name])])
+    async def unpack(info: LeafInfo, table: PieceTable | None) -> int:
+        async with budget.hold(info.nbytes):  # the pack's leaf, read whole, then hashed
+            (arr,) = await read_packed(backend, prefix, [(info, item.packed[info.name])])
+            if table is not None:
+
+                async def read(index: Index) -> Any:
+                    return arr[index]
+
+                held = _held(item, info)
+                await _check_digests(read, info, table, None, _no, held)
         checked(info.nbytes)
         return info.nbytes
 
@@ -237,12 +245,13 @@ async def _verify_leaves(
                         k: await _chunk_source(backend, d) for k, d in in_part[info.name].items()
                     }
                     nbytes = await verify_in_part(item, info, source, holders, budget, checked)
-                elif table is not None:  # every byte read and compared with its save's digest
-                    read = await _reader(backend, prefix, spec, ctx, source, item, info)
-                    held = "the bytes it references" if info.name in item.refs else "its bytes"
-                    nbytes = await _check_digests(read, info, table, budget, checked, held)
                 elif info.name in item.packed:
-                    nbytes = await unpack(info)
+                    nbytes = await unpack(info, table)
+                elif table is not None:  # every byte read and compared with its save's digest
+                    assert source is not None  # a leaf not packed is in the store
+                    read = await _store_reader(spec, ctx, source, info)
+                    held = _held(item, info)
+                    nbytes = await _check_digests(read, info, table, budget, checked, held)
                 else:
                     assert source is not None  # a leaf not packed is in the store
                     nbytes = await _read_all(spec, ctx, source, info, budget, checked)
@@ -280,25 +289,13 @@ async def _chunk_source(backend: Backend, prefix: str) -> Chunks:
     return KvChunks(await ts.KvStore.open(spec, context=backend.ts_context), backend.ts_context)
 
 
-async def _reader(
-    backend: Backend,
-    prefix: str,
-    spec: dict[str, Any],
-    ctx: ts.Context,
-    source: Chunks | None,
-    item: ItemManifest,
-    info: LeafInfo,
-) -> Callable[[Index], Awaitable[Any]]:
-    """A function reading a region of the leaf as a restore reads it."""
-    if info.name in item.packed:
-        (arr,) = await read_packed(backend, prefix, [(info, item.packed[info.name])])
+def _held(item: ItemManifest, info: LeafInfo) -> str:
+    """What holds ``info``'s bytes, as a problem names it."""
+    return "the bytes it references" if info.name in item.refs else "its bytes"
 
-        async def from_pack(index: Index) -> Any:
-            return arr[index]
 
-        return from_pack
-    assert source is not None  # a leaf not packed is in the store
-    return await _store_reader(spec, ctx, source, info)
+def _no(nbytes: int) -> None:
+    """Progress not reported (bytes counted by the caller)."""
 
 
 async def _store_reader(
@@ -321,14 +318,15 @@ async def _check_digests(
     read: Callable[[Index], Awaitable[Any]],
     info: LeafInfo,
     table: PieceTable,
-    budget: ByteBudget,
+    budget: ByteBudget | None,
     checked: Callable[[int], None],
     held: str,
 ) -> int:
     """Read the leaf piece by piece as its saver digested it, each piece in slabs of at
     most `READ_BYTES` (`StreamedPiece`), and compare each piece's digest with the recorded
     one; `CorruptCheckpointError` on the first that differs, naming ``held`` (what holds
-    the bytes). Returns the bytes read."""
+    the bytes). Each slab is held in ``budget`` (None: the caller holds them all). Returns
+    the bytes read."""
     itemsize = dtype_of(info.dtype).itemsize
     total = 0
     for key, want in table.items():
@@ -338,7 +336,7 @@ async def _check_digests(
         piece = StreamedPiece(index, info.shape, info.chunk_shape, itemsize, READ_BYTES)
         for slab in piece.slabs:
             nbytes = itemsize * piece_size(slab, info.shape)
-            async with budget.hold(nbytes):
+            async with budget.hold(nbytes) if budget else contextlib.nullcontext():
                 data = await read(slab)
                 await off_loop(functools.partial(piece.add, data), nbytes)
             checked(nbytes)
