@@ -15,8 +15,9 @@ Unless the line right above the block is a marker naming the test that runs it i
         (runs it twice, against Orbax too, ...), so it is not run twice.
 
 `test_every_python_block_is_run` holds the docs to this: each marker sits right above a
-python block and names a test that exists and reads that document; every other python
-block is one `test_block_runs_as_written` runs; no block hides as ```py or untagged code.
+python block and names a test that exists, in a file that names that document; every
+other python block is one `test_block_runs_as_written` runs, and compiles and binds every
+name it reads; no python hides in a block tagged ```py or not tagged at all.
 Shell blocks (```sh, untagged usage lines) are not run here, except where a test says so.
 """
 
@@ -77,7 +78,7 @@ def fenced(text: str, doc: str) -> list[Block]:
         elif opened is not None and line.rstrip() == "```":
             start, lang = opened
             marker = MARKER.fullmatch(lines[start - 1].strip()) if start else None
-            code = "".join(f"{code}\n" for code in lines[start + 1 : n])
+            code = "".join(f"{row}\n" for row in lines[start + 1 : n])
             found.append(Block(doc, start + 1, lang, code, marker.groups() if marker else None))
             opened = None
     assert opened is None, f"{doc}:{opened[0] + 1}: a fence never closed"
