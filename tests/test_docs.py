@@ -1,11 +1,40 @@
-"""The examples in the docs stay true."""
+"""The examples in the docs stay true.
+
+Every ```python block of README.md and docs/*.md runs in this suite. A block runs as
+written, by `test_block_runs_as_written`: in a fresh namespace, with a temporary working
+directory (and `tempfile`'s), its ``"/tmp/NAME"`` paths moved below it, and every
+``print(...)  # output`` (or a print with its output on the comment line below) checked.
+Unless the line right above the block is a marker naming the test that runs it instead:
+
+    <!-- fragment: tests/test_docs.py::test_name -->
+        The block does not run alone: it awaits at the top level, or needs a checkpoint or
+        names from the text around it, or would write gigabytes. The test completes it
+        (supplies what it lacks, scales it down, says which) and runs it.
+    <!-- as written: tests/test_docs.py::test_name -->
+        The block runs alone; the test runs it as written and checks more than its prints
+        (runs it twice, against Orbax too, ...), so it is not run twice.
+
+`test_every_python_block_is_run` holds the docs to this: each marker sits right above a
+python block and names a test that exists, in a file that names that document; every
+other python block is one `test_block_runs_as_written` runs, and compiles and binds every
+name it reads; no python hides in a block tagged ```py or not tagged at all.
+Shell blocks (```sh, untagged usage lines) are not run here, except where a test says so.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import builtins
 import contextlib
 import io
 import re
+import symtable
+import tempfile
+import textwrap
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,9 +44,196 @@ import ckptstore
 from ckptstore.importers.safetensors import load_rules
 from tests.helpers import DOCS, run_block
 
+REPO = DOCS.parent
+DOC_FILES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+MARKER = re.compile(r"<!-- (fragment|as written): (tests/[\w/]+\.py)::(test_\w+) -->")
+
 
 def blocks(doc: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", (DOCS / doc).read_text(), re.S)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a document."""
+
+    doc: str  # "README.md", "docs/manager.md"
+    line: int  # of its opening fence, from 1
+    lang: str  # what follows the fence: "python", "toml", "" ...
+    code: str
+    marker: tuple[str, str, str] | None  # (kind, test file, test name) from the line above
+
+    def __str__(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def fenced(text: str, doc: str) -> list[Block]:
+    """The fenced blocks of ``text`` (a document named ``doc``)."""
+    found: list[Block] = []
+    lines = text.splitlines()
+    opened: tuple[int, str] | None = None
+    for n, line in enumerate(lines):
+        if opened is None and line.startswith("```"):
+            opened = (n, line[3:].strip())
+        elif opened is not None and line.rstrip() == "```":
+            start, lang = opened
+            marker = MARKER.fullmatch(lines[start - 1].strip()) if start else None
+            code = "".join(f"{row}\n" for row in lines[start + 1 : n])
+            found.append(Block(doc, start + 1, lang, code, marker.groups() if marker else None))
+            opened = None
+    assert opened is None, f"{doc}:{opened[0] + 1}: a fence never closed"
+    return found
+
+
+def python_blocks() -> list[Block]:
+    return [
+        b
+        for path in DOC_FILES
+        for b in fenced(path.read_text(), str(path.relative_to(REPO)))
+        if b.lang == "python"
+    ]
+
+
+AS_WRITTEN = [b for b in python_blocks() if b.marker is None]
+
+
+def unbound(code: str) -> set[str]:
+    """The names ``code`` reads that it never binds (imports, assigns, defines) and that
+    are not builtins: what a script made of it would lack (SyntaxError: not one)."""
+    compile(code, "block", "exec", dont_inherit=True)  # `await` at the top level, say
+    top = symtable.symtable(code, "block", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    bound |= {s.get_name() for s in top.get_symbols() if s.is_namespace()}  # def, class
+    read: set[str] = set()
+    tables = [top]
+    while tables:
+        table = tables.pop()
+        read |= {
+            s.get_name()
+            for s in table.get_symbols()
+            if s.is_referenced() and (table is top or s.is_global())
+        }
+        tables += table.get_children()
+    return read - bound - set(dir(builtins))
+
+
+def marker_problems(text: str, doc: str) -> list[str]:
+    """What keeps ``text``'s python blocks from all being run: a marker not right above a
+    python block, or naming a test that is not there (or does not read ``doc``); a block
+    without a marker that cannot run as written (a name it never binds, top-level
+    `await`); python in a block not tagged ``python``."""
+    name = Path(doc).name
+    found = fenced(text, doc)
+    problems = []
+    marked = [b for b in found if b.marker]
+    for b in marked:
+        kind, file, test = b.marker or ("", "", "")
+        source = (REPO / file).read_text() if (REPO / file).is_file() else ""
+        if b.lang != "python":
+            problems.append(f"{b}: a marker above a {b.lang or 'untagged'} block")
+        elif not re.search(rf"^(async )?def {test}\(", source, re.M):
+            problems.append(f"{b}: {kind}: no test {file}::{test}")
+        elif name not in source:
+            problems.append(f"{b}: {file} never names {name}")
+    if len(MARKER.findall(text)) != len(marked):
+        problems.append(f"{doc}: a marker that is not right above a fenced block")
+    for b in found:
+        if b.lang == "python" and not b.marker:
+            try:
+                missing = unbound(b.code)
+            except SyntaxError as e:
+                problems.append(f"{b}: does not run as written ({e.msg}): mark it a fragment")
+            else:
+                if missing:
+                    names = ", ".join(sorted(missing))
+                    problems.append(f"{b}: never binds {names}: bind them, or mark a fragment")
+        elif b.lang in ("py", "python3", "pycon", "ipython"):
+            problems.append(f"{b}: ```{b.lang}: tag it python")
+        elif not b.lang and re.search(r"^(import \w|from [\w.]+ import )", b.code, re.M):
+            problems.append(f"{b}: python in an untagged block")
+    return problems
+
+
+def test_every_python_block_is_run() -> None:
+    every = python_blocks()
+    assert len(every) > 20 and len(AS_WRITTEN) > 5
+    kinds = {b.marker[0] for b in every if b.marker}
+    assert kinds == {"fragment", "as written"}
+    problems = [p for path in DOC_FILES for p in marker_problems(path.read_text(), str(path))]
+    assert not problems, "\n".join(problems)
+    # Each python block is run as written by test_block_runs_as_written, or by the test
+    # its marker names.
+    for b in every:
+        assert (b in AS_WRITTEN) != (b.marker is not None), b
+    # ... and what is wrong is found: a test that is not there, a stray marker, a fragment
+    # without its marker, a block in disguise.
+    wrong = textwrap.dedent("""\
+        <!-- fragment: tests/test_docs.py::test_no_such_test -->
+        ```python
+        x = await y
+        ```
+
+        <!-- as written: tests/test_docs.py::test_every_python_block_is_run -->
+
+        ```python
+        import os
+        ```
+
+        ```python
+        session = await ckptstore.partial_save(target, step=0)
+        ```
+
+        ```python
+        import numpy as np
+        f = lambda: np.asarray(state, like=jnp)
+        for step in range(3):
+            mgr.save(step, state)
+        ```
+
+        ```
+        import os
+        ```
+        """)
+    assert [p.split(": ", 1)[1] for p in marker_problems(wrong, "docs/x.md")] == [
+        "fragment: no test tests/test_docs.py::test_no_such_test",
+        "a marker that is not right above a fenced block",
+        "does not run as written ('await' outside function): mark it a fragment",
+        "never binds jnp, mgr, state: bind them, or mark a fragment",
+        "python in an untagged block",
+    ]
+    elsewhere = "tests/backends/test_conformance_downstream.py"  # testing.md's, not ours
+    marker = f"<!-- as written: {elsewhere}::test_a_third_party_backend_runs_the_shipped_suite -->"
+    assert marker_problems(f"{marker}\n```python\npass\n```\n", "docs/manager.md") == [
+        f"docs/manager.md:2: {elsewhere} never names manager.md"
+    ]
+    # The page's markers taken away, its three fragments that await at the top level are
+    # found here. (Other fragments, unmarked, fail in test_block_runs_as_written: no
+    # checkpoint at /ckpt, no imported run; `build` only defines a coroutine.)
+    unmarked = MARKER.sub("", (DOCS / "partial-saves.md").read_text())
+    found = [p.split(": ", 1)[1] for p in marker_problems(unmarked, "docs/partial-saves.md")]
+    assert found == ["does not run as written ('await' outside function): mark it a fragment"] * 3
+
+
+@pytest.mark.parametrize("block", AS_WRITTEN, ids=str)
+def test_block_runs_as_written(
+    block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    got, said = run_block(block.code, tmp_path, str(block))
+    assert got == said
+
+
+def completed(code: str, *names: str) -> Callable[..., Coroutine[Any, Any, dict[str, Any]]]:
+    """A fragment that awaits at the top level, as the body of a coroutine function taking
+    ``names`` (with ``ckptstore`` imported, as the page's first block did): called, it runs
+    the block and returns the block's names."""
+    params = ", ".join(names)
+    source = f"async def block({params}):\n{textwrap.indent(code, '    ')}    return locals()\n"
+    namespace: dict[str, Any] = {"ckptstore": ckptstore}
+    exec(compile(source, "fragment", "exec", dont_inherit=True), namespace)
+    block: Callable[..., Coroutine[Any, Any, dict[str, Any]]] = namespace["block"]
+    return block
 
 
 def test_rule_file_example_parses_and_maps(tmp_path: Path) -> None:
@@ -40,7 +256,10 @@ def test_plain_tensorstore_example_reads_a_leaf(tmp_path: Path) -> None:
     ckptstore.save_sync(str(tmp_path), {"params": {"dense": {"kernel": w}}}, step=100)
     code = example.replace("/ckpt/", f"{tmp_path}/")
     namespace: dict[str, object] = {}
-    exec(compile(code.replace("print(", "result = ("), "example", "exec"), namespace)
+    exec(
+        compile(code.replace("print(", "result = ("), "example", "exec", dont_inherit=True),
+        namespace,
+    )
     arr = namespace["arr"]
     assert isinstance(arr, ts.TensorStore)
     np.testing.assert_array_equal(arr.read().result(), w)
@@ -64,11 +283,14 @@ def test_readme_quick_start_runs_as_written_twice(
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its mkdtemp: below tmp_path
     readme = (DOCS.parent / "README.md").read_text()
-    (code,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", readme, re.S)
+    (code,) = re.findall(r"## Quick start\n\n(?:<!--.*-->\n)?```python\n(.*?)```", readme, re.S)
     for _ in range(2):  # a second run works as the first did
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            exec(compile(code, "README quick start", "exec"), {"__name__": "readme"})
+            exec(
+                compile(code, "README quick start", "exec", dont_inherit=True),
+                {"__name__": "readme"},
+            )
         assert printed.getvalue().splitlines() == ["[100]", "True", "[28, 29, 30]"]
     assert "# committed steps only: [100]" in code and "all_steps())  " in code
     assert code.rstrip().endswith("# [28, 29, 30]")  # as commented: the last saves committed
@@ -285,10 +507,7 @@ def test_layers_name_every_module() -> None:
         assert counted.get(folder, len(mine)) == len(mine), (folder, counted[folder], mine)
 
 
-def test_codecs_example_runs_and_its_profile_is_valid(tmp_path: Path) -> None:
-    (example,) = blocks("codecs.md", "python")
-    got, said = run_block(example, tmp_path)
-    assert got == said
+def test_codecs_profile_is_valid(tmp_path: Path) -> None:
     (profile,) = blocks("codecs.md", "toml")
     file = tmp_path / "run.toml"
     file.write_text(profile)
@@ -298,7 +517,101 @@ def test_codecs_example_runs_and_its_profile_is_valid(tmp_path: Path) -> None:
     assert rules == (("params/*", kernel), ("opt/*", ckptstore.Zstd(1)), ("*", None))
 
 
-def test_declared_changes_example_runs_as_written(tmp_path: Path) -> None:
-    (example,) = [b for b in blocks("incremental.md", "python") if "changed=" in b]
-    got, said = run_block(example, tmp_path)
-    assert got == said
+# ---- docs/partial-saves.md: its blocks await at the top level ----
+
+
+def partial_saves_block(contains: str) -> str:
+    (block,) = [b for b in blocks("partial-saves.md", "python") if contains in b]
+    return block
+
+
+def test_partial_save_example_builds_a_step(tmp_path: Path) -> None:
+    """The session of 32 layers and an embedding, each part 64 MiB there, here 512 B."""
+    example = partial_saves_block("async def build(target):")
+    code = example.replace("(4096, 4096)", "(16, 8)").replace("(32000, 4096)", "(32, 8)")
+    assert code.count("(16, 8)") == code.count("(32, 8)") == 1  # what is scaled down
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "partial-saves.md", "exec", dont_inherit=True), namespace)
+    target = str(tmp_path / "run")
+    asyncio.run(namespace["build"](target))
+    tree = ckptstore.restore_sync(target, 0)
+    assert sorted(tree["layers"], key=int) == [str(i) for i in range(32)]
+    assert tree["layers"]["31"]["w"].shape == (16, 8) and tree["embed"].shape == (32, 8)
+    assert ckptstore.verify_sync(target).ok
+
+
+def test_partial_save_resume_example_finds_the_parts(tmp_path: Path) -> None:
+    """A session whose process died after its first part, opened again as the docs say."""
+    resume = completed(partial_saves_block("# the newest uncommitted session"), "target")
+    target = str(tmp_path / "run")
+    a, b = np.arange(4.0), np.ones(3, np.float32)
+
+    async def died_then_resumed() -> tuple[str, dict[str, Any]]:
+        async with await ckptstore.partial_save(target, step=0) as dead:
+            await dead.add({"a": a})  # then the process dies: no finalize
+        names = await resume(target)
+        session = names["session"]
+        await session.add({"b": b})  # continue adding what is missing
+        await session.finalize()
+        await session.close()
+        return dead.attempt, names
+
+    attempt, names = asyncio.run(died_then_resumed())
+    session = names["session"]
+    assert session.attempt == attempt and [p.index for p in session.parts] == [0, 1]
+    restored = ckptstore.restore_sync(target, 0)
+    assert restored["a"].tobytes() == a.tobytes() and restored["b"].tobytes() == b.tobytes()
+
+
+def test_incremental_partial_save_example_references_the_base(tmp_path: Path) -> None:
+    """A frozen leaf that step 7 holds, added to a session with base=7: referenced."""
+    incremental = completed(partial_saves_block("base=7)"), "target", "frozen")
+    target = str(tmp_path / "run")
+    frozen = {"w": np.arange(64, dtype=np.float32).reshape(8, 8), "norm": np.ones(8)}
+    step7 = ckptstore.save_sync(target, {"base": frozen}, step=7)
+
+    async def run() -> dict[str, Any]:
+        names = await incremental(target, frozen)
+        session = names["session"]
+        await session.add({"adapters": np.zeros(4, np.float32)})
+        await session.finalize()
+        await session.close()
+        return names
+
+    part = asyncio.run(run())["part"]
+    assert set(part.refs) == {"base/w", "base/norm"}  # nothing of the base written again
+    assert {(r.step, r.attempt) for r in part.refs.values()} == {(7, step7.attempt)}
+    restored = ckptstore.restore_sync(target, 8)
+    assert restored["base"]["w"].tobytes() == frozen["w"].tobytes()
+
+
+def test_import_safetensors_example_runs_on_s3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ckptstore_s3_bucket: str
+) -> None:
+    """The Python import, of a four-tensor model with the page's rule file, into a bucket
+    on moto's S3 server (the block's ``s3://models/``)."""
+    from safetensors.numpy import save_file
+
+    example = partial_saves_block("import_safetensors(")
+    assert '"s3://models/llama"' in example
+    code = example.replace("s3://models/", f"s3://{ckptstore_s3_bucket}/")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").mkdir()
+    up = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tensors = {
+        "model.layers.3.mlp.up.weight": up,
+        "model.norm.scale": np.full(3, 0.5, np.float32),
+        "model.embed.weight": np.ones((4, 2), np.float32),
+        "lm_head.weight": np.zeros((2, 2), np.float32),
+    }
+    save_file(tensors, str(tmp_path / "llama" / "model.safetensors"))
+    (tmp_path / "rules.toml").write_text(blocks("partial-saves.md", "toml")[0])
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        asyncio.run(completed(code)())
+    assert printed.getvalue().split() == ["3", "1", "1"]  # tensors, skipped (lm_head), parts
+    got = ckptstore.restore_sync(f"s3://{ckptstore_s3_bucket}/llama", 0)
+    assert got["layers"]["3"]["up"]["kernel"].tobytes() == up.T.tobytes()  # transposed
+    assert str(got["final_norm"]["scale"].dtype) == "bfloat16"
+    assert sorted(got) == ["final_norm", "layers", "model"]

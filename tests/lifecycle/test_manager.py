@@ -158,6 +158,22 @@ def ctx(step: int, **kw: Any) -> SaveContext:
     return SaveContext(step=step, **{**base, **kw})
 
 
+def test_clock_policies_save_the_first_step_each_manager_is_given(tmp_path: Path) -> None:
+    """`EveryNSeconds` and `Continuous` save a manager's first step: step 1 of a fresh run,
+    and the first step after a restart (docs/manager.md, "Policies")."""
+    state = {"w": np.zeros(4, np.float32)}
+    for policy, start, steps in (
+        (pol.EveryNSeconds(3600), 1, [1]),
+        (pol.EveryNSeconds(3600), 11, [1, 11]),  # restarted: its first step
+        (pol.Continuous(3600), 21, [1, 11, 21]),
+    ):
+        with ckptstore.CheckpointManager(tmp_path, save_policy=policy) as mgr:
+            for step in range(start, start + 5):
+                mgr.save(step, state)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == steps
+
+
 def test_save_policies() -> None:
     assert [s for s in range(10) if pol.EveryNSteps(3).should_save(ctx(s))] == [0, 3, 6, 9]
     every = pol.EveryNSeconds(10)

@@ -1,15 +1,20 @@
 """docs/migrating-from-orbax.md, "Move an existing run", run as written: a real Orbax 0.12.8
-Composite run (a model, an optimizer state, a JSON config) imported with the commands the
-page gives, then continued by a ckptstore manager that restores every item and saves two
-more steps, which restore."""
+Composite run (a model, an optax state, a JSON config) imported with the commands the page
+gives, then continued by a ckptstore manager that restores every item (the optax state
+with ``like=``, so that ``tx.update`` takes it) and saves two more steps, which restore."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 import ckptstore
@@ -25,7 +30,7 @@ def section() -> str:
 
 
 def test_moving_a_composite_orbax_run_as_the_docs_say(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     text = section()
     orbax_run, continued, in_place = re.findall(r"```python\n(.*?)```", text, re.S)
@@ -51,25 +56,66 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
     imported = ckptstore.read_manifest_sync(dst, 20)
     assert imported.item_names == ["config", "model", "opt"]
     got, said = run_block(continued, tmp_path)  # continuing in ckptstore
-    assert got == said == ["20 mlp 16.0", "[20, 21, 22]", "0.0", "2"]
+    assert got == said == ["20 mlp 16.0 ScaleByAdamState", "[20, 21, 22]", "0.0", "2"]
 
-    # Every item of the continued steps, and the imported one, restores as it was saved.
+    # Every item of the continued steps, and the imported one, restores as it was saved:
+    # the steps tx.update took on the restored optax state, replayed here.
+    tx = optax.adam(0.5)
+    params = {"w": np.ones((4, 4), np.float32), "b": np.zeros(4, np.float32)}
+    opt_like = jax.eval_shape(tx.init, params)
+    expected = [(params, tx.init(params))]
+    for _ in range(2):
+        model, opt = expected[-1]
+        updates, opt = tx.update(jax.tree.map(np.ones_like, model), opt, model)
+        expected.append((optax.apply_updates(model, updates), opt))
     assert ckptstore.list_steps_sync(dst) == [20, 21, 22]
-    for step, w, count in ((20, 1.0, 0), (21, 0.5, 1), (22, 0.0, 2)):
-        model = ckptstore.restore_sync(dst, step, item="model")
-        opt = ckptstore.restore_sync(dst, step, item="opt")
-        np.testing.assert_array_equal(model["w"], np.full((4, 4), w, np.float32))
-        assert model["w"].dtype == np.float32 and opt["count"] == count
-        np.testing.assert_array_equal(opt["mu"]["b"], np.zeros(4, np.float32))
+    for step, (model, opt) in zip((20, 21, 22), expected, strict=True):
+        assert_same(ckptstore.restore_sync(dst, step, item="model"), model)
+        restored = ckptstore.restore_sync(dst, step, item="opt", like=opt_like)
+        assert isinstance(restored[0], optax.ScaleByAdamState)
+        assert_same(restored, opt)
+        assert int(restored[0].count) == step - 20
         config = ckptstore.restore_sync(dst, step, item="config")
         assert config == {"lr": 0.5, "model": "mlp", "layers": [4, 4]}
+    # Without like= the optax state is dicts and lists: what tx.update cannot take.
+    bare = ckptstore.restore_sync(dst, 20, item="opt")
+    assert isinstance(bare, list) and isinstance(bare[0], dict) and bare[1] is None
+    with pytest.raises(AttributeError):
+        tx.update(params, bare, params)
     assert ckptstore.list_steps_sync(src) == [10, 20]  # the Orbax run is untouched
 
-    # Continuing from the Orbax root in place, into a new root.
-    assert "import orbax" not in in_place
-    got, said = run_block(in_place, tmp_path)
+    # Continuing from the Orbax root in place, into a new root. The manager's word that it
+    # does not save there is a log record, which the block's logging line quiets.
+    assert "import orbax" not in in_place and "warnings" not in in_place
+    with caplog.at_level(logging.INFO):
+        ckptstore.CheckpointManager(src).close()
+    assert any("does not save" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO), logger_level_restored():
+        got, said = run_block(in_place, tmp_path)
     assert got == said == ["[21, 22]", "2 mlp"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     again = tmp_path / "ckptstore-continued"
-    model = ckptstore.restore_sync(again, 22, item="model")
-    np.testing.assert_array_equal(model["w"], np.zeros((4, 4), np.float32))
+    for step, (model, opt) in zip((21, 22), expected[1:], strict=True):
+        assert_same(ckptstore.restore_sync(again, step, item="model"), model)
+        assert_same(ckptstore.restore_sync(again, step, item="opt", like=opt_like), opt)
     assert ckptstore.list_steps_sync(src) == [10, 20]
+
+
+def assert_same(got: object, expected: object) -> None:
+    """The same tree structure, and bit-identical leaves."""
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@contextlib.contextmanager
+def logger_level_restored() -> Iterator[None]:
+    """Give the ``ckptstore`` logger its level back after a block that sets it."""
+    logger = logging.getLogger("ckptstore")
+    level = logger.level
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
