@@ -38,7 +38,7 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
     assert orbax_run.startswith("# The Orbax run to move\n") and "ocp.args.JsonSave" in orbax_run
     assert "import orbax" not in continued
 
-    run_block(orbax_run, tmp_path)  # the real Orbax run
+    assert run_block(orbax_run, tmp_path) == (["10"], ["10"])  # the real Orbax run
     src, dst = tmp_path / "orbax-composite", tmp_path / "ckptstore-moved"
     assert ckptstore.list_steps_sync(src) == [10, 20]
     lines = [line for line in commands.splitlines() if line.strip()]
@@ -55,8 +55,19 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
 
     imported = ckptstore.read_manifest_sync(dst, 20)
     assert imported.item_names == ["config", "model", "opt"]
+    assert ckptstore.list_steps_sync(dst) == [10, 20]  # every step, with its metrics
     got, said = run_block(continued, tmp_path)  # continuing in ckptstore
-    assert got == said == ["20 mlp 16.0 ScaleByAdamState", "[20, 21, 22]", "0.0", "2"]
+    assert (
+        got
+        == said
+        == [
+            "20 mlp 16.0 ScaleByAdamState",
+            "10 {'eval_loss': 0.3}",
+            "[10, 21, 22] 10",  # KeepBest(3): 20 (the worst) went, the best stayed
+            "0.0",
+            "2",
+        ]
+    )
 
     # Every item of the continued steps, and the imported one, restores as it was saved:
     # the steps tx.update took on the restored optax state, replayed here.
@@ -68,17 +79,17 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
         model, opt = expected[-1]
         updates, opt = tx.update(jax.tree.map(np.ones_like, model), opt, model)
         expected.append((optax.apply_updates(model, updates), opt))
-    assert ckptstore.list_steps_sync(dst) == [20, 21, 22]
-    for step, (model, opt) in zip((20, 21, 22), expected, strict=True):
+    assert ckptstore.list_steps_sync(dst) == [10, 21, 22]
+    for step, (model, opt) in zip((10, 21, 22), expected, strict=True):
         assert_same(ckptstore.restore_sync(dst, step, item="model"), model)
         restored = ckptstore.restore_sync(dst, step, item="opt", like=opt_like)
         assert isinstance(restored[0], optax.ScaleByAdamState)
         assert_same(restored, opt)
-        assert int(restored[0].count) == step - 20
+        assert int(restored[0].count) == max(0, step - 20)
         config = ckptstore.restore_sync(dst, step, item="config")
         assert config == {"lr": 0.5, "model": "mlp", "layers": [4, 4]}
     # Without like= the optax state is dicts and lists: what tx.update cannot take.
-    bare = ckptstore.restore_sync(dst, 20, item="opt")
+    bare = ckptstore.restore_sync(dst, 10, item="opt")
     assert isinstance(bare, list) and isinstance(bare[0], dict) and bare[1] is None
     with pytest.raises(AttributeError):
         tx.update(params, bare, params)
@@ -93,7 +104,7 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
     caplog.clear()
     with caplog.at_level(logging.INFO), logger_level_restored():
         got, said = run_block(in_place, tmp_path)
-    assert got == said == ["[21, 22]", "2 mlp"]
+    assert got == said == ["10 {'eval_loss': 0.5}", "[21, 22]", "2 mlp"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     again = tmp_path / "ckptstore-continued"
     for step, (model, opt) in zip((21, 22), expected[1:], strict=True):
