@@ -60,9 +60,26 @@ class Retention:
         if isinstance(on, Tiered) and await self._promote_or_defer(on, step) is None:
             await self._keep_on_fast_tier()  # the durable tier is down: the fast tier alone
             return
-        handoff = Handoff(f"manager/keep/{step}", self.options.timeout)
-        seconds = await handoff.primary(self._apply_keep_policy)
-        log.debug("ckptstore: keep policy after step %d took %s s", step, seconds)
+        await self._keep(f"manager/keep/{step}")
+
+    async def _keep(self, name: str) -> None:
+        """The keep policy over both tiers (or the target), process 0 applying it. On tiers
+        with one process, a durable tier that goes away meanwhile (after the promotion that
+        came before) leaves it to the fast tier alone, with a warning: the next save's turn
+        applies it to both once the durable tier answers."""
+        try:
+            seconds = await Handoff(name, self.options.timeout).primary(self._apply_keep_policy)
+        except TransientStorageError as exc:
+            if self._count > 1 or self.durable is None:
+                raise
+            log.warning(
+                "ckptstore: the durable tier did not answer the keep policy (%s); applied to "
+                "the fast tier alone, to both once it answers again",
+                exc,
+            )
+            await self._keep_on_fast_tier()
+            return
+        log.debug("ckptstore: keep policy (%s) took %s s", name, seconds)
 
     async def _promote_or_defer(self, on: Tiered, step: int | None) -> list[Promotion] | None:
         """Promote ``step`` (None: every step the durable tier lacks), and whatever an
@@ -109,7 +126,7 @@ class Retention:
                 "ckptstore: promoted steps %s that an earlier run left on the fast tier only",
                 self.resumed_promotions,
             )
-        await Handoff("manager/keep/resume", self.options.timeout).primary(self._apply_keep_policy)
+        await self._keep("manager/keep/resume")
 
     async def _catch_up(self, seconds: float) -> None:
         """Promote what waits (`unpromoted`) and apply the keep policy, if the durable tier
@@ -128,7 +145,7 @@ class Retention:
                 sorted(self.unpromoted),
             )
             return
-        await Handoff("manager/keep/close", self.options.timeout).primary(self._apply_keep_policy)
+        await self._keep("manager/keep/close")
 
     async def _keep_on_fast_tier(self) -> None:
         """The keep policy over the fast tier's steps alone, while the durable tier is down:

@@ -201,3 +201,38 @@ def test_a_job_killed_during_an_outage_is_caught_up_by_its_successor(
         got = ckptstore.restore_sync(direct, step)
         np.testing.assert_array_equal(got["w"], tree(step)["w"])
         np.testing.assert_array_equal(got["b"], tree(step)["b"])
+
+
+def test_an_outage_between_promotion_and_keep_policy_leaves_it_to_the_fast_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The durable tier answers the promotion, then goes away while the keep policy
+    deletes there: the fast tier is kept alone, no save fails, and the next save's turn
+    applies the policy to both tiers (found by `make outage`)."""
+    from ckptstore.errors import RetriesExhaustedError
+    from ckptstore.lifecycle import retention
+
+    real, failed = retention.delete_step, []
+
+    async def durable_gone_once(target: object, step: int) -> object:
+        if isinstance(target, ckptstore.Tiered) and not failed:
+            failed.append(step)
+            raise RetriesExhaustedError("gave up after 2 attempts: the durable tier is down")
+        return await real(target, step)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(retention, "delete_step", durable_gone_once)
+    fast, durable = tmp_path / "nvme", tmp_path / "bucket"
+    tiered = ckptstore.Tiered(fast=str(fast), durable=str(durable))
+    options = ckptstore.ManagerOptions(handle_sigterm=False)
+    keep = ckptstore.policies.KeepLatest(2)
+    with ckptstore.CheckpointManager(tiered, keep_policy=keep, options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, tree(step), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()  # the keep policy after step 3 met the outage: no error
+        assert failed == [1]
+        assert ckptstore.list_steps_sync(str(fast)) == [2, 3]
+        assert ckptstore.list_steps_sync(str(durable)) == [1, 2, 3]
+        mgr.save(4, tree(4), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()
+    assert ckptstore.list_steps_sync(str(fast)) == [3, 4]
+    assert ckptstore.list_steps_sync(str(durable)) == [3, 4]
