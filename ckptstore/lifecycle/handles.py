@@ -33,8 +33,9 @@ class SaveStats:
     #: and why that way.
     staging_mode: str = "host"
     staging_reason: str = ""
-    #: On tiers: the steps committed on the fast tier that wait for the durable tier when
-    #: this save committed (it did not answer their promotion: `CheckpointManager.unpromoted`).
+    #: On tiers: the other steps committed on the fast tier that waited for the durable tier
+    #: when this save committed: their promotion deferred (it did not answer:
+    #: `CheckpointManager.unpromoted`) or not ended yet (a slow or silent durable tier).
     unpromoted: tuple[int, ...] = ()
 
 

@@ -157,6 +157,8 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
             #: Steps committed on the fast tier while the durable tier was down, promoted at
             #: the next save's turn once it answers (one process; `Retention`).
             self.unpromoted: set[int] = set()
+            #: Steps committed whose promotion has not ended yet (`Retention._retain`).
+            self._promoting: set[int] = set()
             if self.durable is not None and self.tiered is not None and committed:
                 self._retention = asyncio.run_coroutine_threadsafe(self._resume(), self._loop)
         except BaseException:

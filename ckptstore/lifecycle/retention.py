@@ -43,6 +43,7 @@ class Retention:
         options: ManagerOptions
         resumed_promotions: list[int]
         unpromoted: set[int]
+        _promoting: set[int]
         _count: int
         _retention: concurrent.futures.Future[None] | None
         _records: dict[int, P.StepRecord]
@@ -54,10 +55,14 @@ class Retention:
         """The step is promoted (tiered; every process takes part, see `tiers.promote`), then
         process 0 applies the keep policy; every process waits until it has. While the
         durable tier is down (one process), what it lacks is promoted at the next chance."""
-        if previous is not None:
-            await asyncio.wrap_future(previous)  # its failure is this one's too
-        on = self._target()
-        if isinstance(on, Tiered) and await self._promote_or_defer(on, step) is None:
+        try:
+            if previous is not None:
+                await asyncio.wrap_future(previous)  # its failure is this one's too
+            on = self._target()
+            deferred = isinstance(on, Tiered) and await self._promote_or_defer(on, step) is None
+        finally:
+            self._promoting.discard(step)  # promoted, deferred (`unpromoted`) or failed
+        if deferred:
             await self._keep_on_fast_tier()  # the durable tier is down: the fast tier alone
             return
         await self._keep(f"manager/keep/{step}")
@@ -91,9 +96,10 @@ class Retention:
             on = dataclasses.replace(on, keep_fast=None)
         try:
             done = await promote(on, None if behind else step, timeout=self.options.timeout)
-        except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`): nothing to do
+        except CheckpointNotFoundError:  # deleted meanwhile (`ckptstore rm`, the keep policy)
             log.info("ckptstore: step %s was deleted before its promotion", step)
-            done = []
+            self.unpromoted.discard(step)  # what else waits still does: the next turn's
+            return []
         except TransientStorageError as exc:
             if self._count > 1:  # promotion is collective: every process must learn it
                 raise

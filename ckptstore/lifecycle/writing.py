@@ -48,6 +48,8 @@ class Writing:
         _base_attempt: str | None
         _objects: dict[tuple[str, str], weakref.ref[Any]]
         unpromoted: set[int]
+        _promoting: set[int]
+        durable: Backend | None
 
         def _target(self) -> Backend | Tiered: ...
         async def _retain(
@@ -107,6 +109,8 @@ class Writing:
         # The step is committed: the handle completes now. The keep policy runs after it,
         # beside the next save if there is one (it only ever deletes committed steps), and
         # after the previous keep-policy run.
+        if self.durable is not None:
+            self._promoting.add(step)  # until its turn in `_retain` ends
         self._retention = asyncio.run_coroutine_threadsafe(
             self._retain(step, self._retention), self._loop
         )
@@ -126,7 +130,7 @@ class Writing:
             base=base if result.bytes_referenced else None,
             staging_mode=staged.mode,
             staging_reason=staged.reason,
-            unpromoted=tuple(sorted(self.unpromoted)),
+            unpromoted=tuple(sorted((self.unpromoted | self._promoting) - {step})),
         )
         self.stats.append(stats)
         return stats
