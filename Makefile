@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # cores run it in ~0.55x the time of one worker.
 WORKERS := -n 2
 
-.PHONY: test test-loaded test-wheel demo lint typecheck bench scale torture races clean
+.PHONY: test test-loaded test-wheel demo lint typecheck bench scale torture outage races clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,15 @@ scale: $(STAMP)
 # committed step must restore bit-exact. Results: benchmarks/results/torture.json.
 torture: $(STAMP)
 	$(PY) -m tests.campaigns.torture --points 300
+
+# `make outage`: a tiered training loop (local fast tier, moto S3 behind a fault proxy) through
+# a 60 s outage of its durable tier, once per fault (503s, dropped connections, a black hole):
+# saves go on, the durable tier catches up. Results: benchmarks/results/outage_<fault>.json.
+outage: $(STAMP)
+	for fault in status drop blackhole; do \
+		$(PY) -m tests.campaigns.outage --outage 60 --fault $$fault \
+			--out benchmarks/results/outage_$$fault.json || exit 1; \
+	done
 
 # `make races`: commit protocol v3's proof. The interleaving checker in full (every schedule
 # of each pair of actors with up to two preemptions, 20,000 seeded random walks over each
