@@ -328,17 +328,24 @@ class Goodput(SavePolicy):
         step, then, last, busy = seen
         took = (ctx.now - then) / (ctx.step - step)  # seconds per step since the last call
         started = ctx.last_time is not None and ctx.last_time != last
+        if started and self._extra is not None:  # back to back: the last one ended as it began
+            self._measured(self._extra)
         if started or self._extra is not None:
             extra = (ctx.now - then) - (ctx.step - step) * (self.step_time or took)
             self._extra = (0.0 if started or self._extra is None else self._extra) + extra
             if not ctx.in_flight:  # finished: one more cost measured
-                cost, self._extra = max(self._extra, 0.0), None
-                old = self.save_cost
-                self.save_cost = cost if old is None else self.decay * old + (1 - self.decay) * cost
-                self.saves_measured += 1
+                self._measured(self._extra)
         elif not busy and not ctx.in_flight:
             old = self.step_time
             self.step_time = took if old is None else 0.8 * old + 0.2 * took
+
+    def _measured(self, cost: float) -> None:
+        """One more save's cost known (a save that ended when the next began, saves back
+        to back, counts then): folded into ``save_cost``."""
+        cost, self._extra = max(cost, 0.0), None
+        old = self.save_cost
+        self.save_cost = cost if old is None else self.decay * old + (1 - self.decay) * cost
+        self.saves_measured += 1
 
 
 # ---- keep policies ----

@@ -245,7 +245,10 @@ def test_a_restarted_manager_resumes_the_policy_from_the_latest_step(tmp_path: P
     options = ckptstore.ManagerOptions(handle_sigterm=False)
     first = P.Goodput(prior_mtbf=600, min_interval=0.02, max_interval=0.05)
     policy = P.AnyOf(P.OnPreemption(), first)
-    with ckptstore.CheckpointManager(tmp_path, save_policy=policy, options=options) as mgr:
+    keep = P.KeepLatest(2)  # each keep-policy turn lists a few steps, however long it runs
+    with ckptstore.CheckpointManager(
+        tmp_path, save_policy=policy, keep_policy=keep, options=options
+    ) as mgr:
         step = 0
         while first.saves_measured < 2 and step < 5_000:  # bounded: never a hang
             mgr.save(step, state)
