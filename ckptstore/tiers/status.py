@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import committed_steps, read_marker
+from ckptstore.checkpoint.commit import Marker, committed_steps, read_marker
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.errors import CorruptCheckpointError, NotFoundError, TransientStorageError
 from ckptstore.format import layout
@@ -81,12 +81,18 @@ async def status(tiered: Tiered) -> TierStatus:
 
 
 async def _saved(fast: Backend, step: int) -> float | None:
-    """When ``step`` was committed or staged on the fast tier (None: gone meanwhile)."""
-    marker = await read_marker(fast, step)
+    """When ``step`` was committed or staged on the fast tier (None: deleted or damaged
+    meanwhile)."""
     try:
-        return (await fast.stat(marker.key if marker is not None else staged_key(step))).mtime
-    except NotFoundError:
+        return (await fast.stat(_record_key(await read_marker(fast, step), step))).mtime
+    except (NotFoundError, CorruptCheckpointError):
         return None
+
+
+def _record_key(marker: Marker | None, step: int) -> str:
+    """What says when ``step`` was saved on the fast tier: its marker, or (no marker: a
+    step staged on host-local tiers) this host's staged record."""
+    return marker.key if marker is not None else staged_key(step)
 
 
 async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, float | None]:
@@ -95,16 +101,14 @@ async def _progress(fast: Backend, durable: Backend, step: int) -> tuple[float, 
     try:
         marker = await read_marker(fast, step)
         if marker is not None:
-            key = marker.key
             root, objects = marker.where.root, await attempt_objects(fast, marker)
         else:
-            key = staged_key(step)
             mine = await read_staged(fast, step)
             if mine is None:
                 return 0.0, None
             root = layout.AttemptDir(step, mine.attempt).root
             objects = [i async for i in fast.list(root) if promoted_part(i.key, root, mine.process)]
-        saved = (await fast.stat(key)).mtime
+        saved = (await fast.stat(_record_key(marker, step))).mtime
     except (NotFoundError, CorruptCheckpointError):  # deleted or damaged meanwhile
         return 0.0, None
     have = {i.key: i.size async for i in durable.list(root)}
