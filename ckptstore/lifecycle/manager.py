@@ -42,11 +42,7 @@ from ckptstore.format.jsonitems import as_json_item, is_array_tree
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.changes import ChangedRows
-from ckptstore.lifecycle.existence import (
-    DURABLE_LIST_SECONDS,
-    durable_steps,
-    ensure_uncommitted_on,
-)
+from ckptstore.lifecycle.existence import durable_steps, ensure_uncommitted_on
 from ckptstore.lifecycle.handles import SaveHandle, SaveStats
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
@@ -57,6 +53,7 @@ from ckptstore.lifecycle.writing import Writing
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS
 from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
 from ckptstore.tiers.read import read_manifest
 from ckptstore.tiers.target import Tiered, as_tiered, check_distinct

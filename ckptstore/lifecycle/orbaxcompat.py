@@ -28,11 +28,11 @@ from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import rebuild
 from ckptstore.lifecycle import policies as P
-from ckptstore.lifecycle.existence import durable_listing
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.orbax import items as orbax_items
 from ckptstore.orbax import steps as orbax
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.bounded import durable_listing
 from ckptstore.tiers.target import Tiered
 
 if TYPE_CHECKING:

@@ -1,8 +1,10 @@
 """The keep policy and promotion after each committed step, on `CheckpointManager`
 (which inherits `Retention`): each step is promoted (tiers), then process 0 applies the keep
 policy over the committed steps, a step dropped going from every tier; at start on tiers,
-what a predecessor left unpromoted is promoted first. It runs on the manager's loop beside
-the next save; its failure surfaces at the next `save` or `wait_until_finished`.
+what a predecessor left unpromoted is promoted first. While the durable tier is down, the
+promotion waits (`unpromoted`) and the keep policy applies to the fast tier alone. It runs
+on the manager's loop beside the next save; its failure surfaces at the next `save` or
+`wait_until_finished`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Coroutine
@@ -54,7 +57,7 @@ class Retention:
     async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
         """The step is promoted (tiered; every process takes part, see `tiers.promote`), then
         process 0 applies the keep policy; every process waits until it has. While the
-        durable tier is down (one process), what it lacks is promoted at the next chance."""
+        durable tier is down, what it lacks is promoted at the next chance."""
         try:
             if previous is not None:
                 await asyncio.wrap_future(previous)  # its failure is this one's too
@@ -62,35 +65,36 @@ class Retention:
             deferred = isinstance(on, Tiered) and await self._promote_or_defer(on, step) is None
         finally:
             self._promoting.discard(step)  # promoted, deferred (`unpromoted`) or failed
-        if deferred:
-            await self._keep_on_fast_tier()  # the durable tier is down: the fast tier alone
+        if deferred:  # the durable tier is down: the fast tier alone
+            await self._keep_on_fast_tier(f"manager/keep/{step}")
             return
         await self._keep(f"manager/keep/{step}")
 
     async def _keep(self, name: str) -> None:
-        """The keep policy over both tiers (or the target), process 0 applying it. On tiers
-        with one process, a durable tier that goes away meanwhile (after the promotion that
-        came before) leaves it to the fast tier alone, with a warning: the next save's turn
-        applies it to both once the durable tier answers."""
+        """The keep policy over both tiers (or the target), process 0 applying it. On tiers,
+        a durable tier that goes away meanwhile (after the promotion that came before) leaves
+        it to the fast tier alone, with a warning (every process learns of it from process
+        0): the next save's turn applies it to both once the durable tier answers."""
         try:
             seconds = await Handoff(name, self.options.timeout).primary(self._apply_keep_policy)
         except TransientStorageError as exc:
-            if self._count > 1 or self.durable is None:
+            if self.durable is None:
                 raise
             log.warning(
                 "ckptstore: the durable tier did not answer the keep policy (%s); applied to "
                 "the fast tier alone, to both once it answers again",
                 exc,
             )
-            await self._keep_on_fast_tier()
+            await self._keep_on_fast_tier(name)
             return
         log.debug("ckptstore: keep policy (%s) took %s s", name, seconds)
 
     async def _promote_or_defer(self, on: Tiered, step: int | None) -> list[Promotion] | None:
         """Promote ``step`` (None: every step the durable tier lacks), and whatever an
         earlier promotion left while the durable tier was down; what was promoted, or None
-        if the durable tier did not answer (one process: the promotion is deferred, with a
-        warning, and `unpromoted` says what waits)."""
+        if the durable tier did not answer: the promotion is deferred, with a warning, and
+        `unpromoted` says what waits. Promotion is collective (`tiers.promote`): a process
+        that meets the outage publishes it, and every process defers alike."""
         behind = step is None or bool(self.unpromoted)
         if self._count == 1:  # ``keep_fast`` trims after the keep policy (`_trim_fast`)
             on = dataclasses.replace(on, keep_fast=None)
@@ -101,8 +105,6 @@ class Retention:
             self.unpromoted.discard(step)  # what else waits still does: the next turn's
             return []
         except TransientStorageError as exc:
-            if self._count > 1:  # promotion is collective: every process must learn it
-                raise
             if step is not None:
                 self.unpromoted.add(step)
             log.warning(
@@ -153,11 +155,19 @@ class Retention:
             return
         await self._keep("manager/keep/close")
 
-    async def _keep_on_fast_tier(self) -> None:
-        """The keep policy over the fast tier's steps alone, while the durable tier is down:
-        a step it drops leaves the fast tier (on the durable tier, if it is there, the keep
-        policy drops it once that tier answers again)."""
-        await self._drop_unkept(await self._step_records(self.backend), self.backend)
+    async def _keep_on_fast_tier(self, name: str) -> None:
+        """The keep policy over the fast tier's steps alone, while the durable tier is down,
+        process 0 applying it: a step it drops leaves the fast tier (on the durable tier, if
+        it is there, the keep policy drops it once that tier answers again). Host-local fast
+        tiers hold staged parts, never committed steps: they wait for their promotion."""
+
+        async def drop() -> str:
+            dropped = await self._drop_unkept(await self._step_records(self.backend), self.backend)
+            return json.dumps(dropped or [])
+
+        # Every process learns what was dropped: none waits for its promotion any more.
+        dropped = json.loads(await Handoff(f"{name}/fast", self.options.timeout).agree(drop))
+        self.unpromoted.difference_update(dropped)
 
     async def _apply_keep_policy(self) -> float:
         """Keep policy over the durable tier's steps (tiered) or the target's; a dropped step
@@ -166,15 +176,19 @@ class Retention:
         # On tiers, the one tier-aware delete: the fast tier first, leaving the deletion
         # record that stops a promotion in flight in any process (`promote_step`).
         target = self._target()
-        if await self._drop_unkept(await self._step_records(self.durable or self.backend), target):
+        records = await self._step_records(self.durable or self.backend)
+        if await self._drop_unkept(records, target) is not None:
             await self._trim_fast(target)
         return time.perf_counter() - start
 
-    async def _drop_unkept(self, records: list[P.StepRecord], target: Backend | Tiered) -> bool:
+    async def _drop_unkept(
+        self, records: list[P.StepRecord], target: Backend | Tiered
+    ) -> list[int] | None:
         """Delete from ``target`` the steps of ``records`` the keep policy does not keep
-        (never the latest); False if there were no records."""
+        (never the latest); the steps deleted, None if there were no records."""
         if not records:
-            return False
+            return None
+        dropped = []
         keep = self.keep_policy.keep(records, time.time())
         keep.add(max(r.step for r in records))  # never the latest committed step
         for record in records:
@@ -185,7 +199,8 @@ class Retention:
                     log.info("ckptstore: step %d was already deleted", record.step)
                 self._records.pop(record.step, None)
                 self.unpromoted.discard(record.step)
-        return True
+                dropped.append(record.step)
+        return dropped
 
     async def _trim_fast(self, target: Backend | Tiered) -> None:
         """``keep_fast``: the latest promoted steps the keep policy kept stay on the fast

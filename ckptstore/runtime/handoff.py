@@ -25,8 +25,12 @@ from ckptstore.runtime import distributed
 T = TypeVar("T")
 
 #: Errors re-raised with their own type on the processes that learn of them remotely,
-#: so that, say, losing a commit race is `AlreadyExistsError` on every process.
+#: so that, say, losing a commit race is `AlreadyExistsError` on every process and a
+#: durable tier that is down is `TransientStorageError` on every process (each defers the
+#: promotion alike). A failure is published as the first of these it is an instance of:
+#: subclasses come before their bases.
 _TYPED = (
+    errors.FencedError,
     errors.AlreadyExistsError,
     errors.BaseStepGoneError,  # the manager's incremental saves retry on this one
     errors.CheckpointNotFoundError,
@@ -34,18 +38,21 @@ _TYPED = (
     errors.PermissionDeniedError,
     errors.CoordinationError,
     errors.InsufficientSpaceError,
+    errors.RetriesExhaustedError,
+    errors.TransientStorageError,
 )
 
 
 def _failure(exc: BaseException) -> str:
-    return json.dumps({"ok": False, "type": type(exc).__name__, "error": str(exc)})
+    typed = next((cls.__name__ for cls in _TYPED if isinstance(exc, cls)), None)
+    return json.dumps({"ok": False, "type": type(exc).__name__, "typed": typed, "error": str(exc)})
 
 
 def _remote_error(outcome: dict[str, Any], where: str) -> CkptStoreError:
     """The error a peer published, as the most specific type we can rebuild."""
     text = f"{where}: {outcome.get('type', 'Error')}: {outcome.get('error')}"
     for cls in _TYPED:
-        if outcome.get("type") == cls.__name__:
+        if outcome.get("typed") == cls.__name__:
             return cls(text)
     return CkptStoreError(text)
 

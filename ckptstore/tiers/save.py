@@ -5,7 +5,8 @@ on the fast tier that `refuse_host_local` checks first.
 What a save on tiers adds, by phase of the save protocol:
 
 1. every process measures whether the fast tier is host-local (`hostlocal.fast_is_shared`);
-   there, the step must be uncommitted on the durable tier too and not staged already.
+   there, the step must be uncommitted on the durable tier too (process 0 asks it, for a
+   few seconds: `tiers.bounded`) and not staged already.
    Every process checks its own fast tier has room for what it writes (`room.ensure_room`,
    evicting promoted steps if that is what it takes); one failing fails all, before
    anything is written;
@@ -26,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import Fate, ensure_uncommitted
+from ckptstore.checkpoint.commit import Fate
 from ckptstore.checkpoint.incremental import Unchanged
 from ckptstore.checkpoint.save import (
     PreparedItem,
@@ -38,6 +39,7 @@ from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.bounded import durable_uncommitted
 from ckptstore.tiers.hostlocal import (
     can_write_host_view,
     fast_is_shared,
@@ -71,8 +73,9 @@ class TierHooks(SaveHooks):
                 "shares"
             )
         values = [value for item in items.values() for _, value in item.named]
-        if self.host_local:
-            await ensure_uncommitted(self.room.durable, step)
+        if self.host_local:  # process 0 asks; a durable tier that is down is left out
+            durable = self.room.durable
+            await handoff.primary(lambda: durable_uncommitted(durable, step, handoff.timeout))
             self.host_view = can_write_host_view(values, handoff.me)
         self.packs = self.merge = not self.host_local
 

@@ -1,0 +1,73 @@
+"""One process of a two-process tiered training job through an outage of its durable tier
+(run by tests/multiprocess/test_multiprocess_outage.py).
+
+Usage: outage_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID ROOT ENDPOINT BUCKET FAST
+The durable tier is the S3 bucket BUCKET behind ENDPOINT (a `FaultProxy` the test turns on
+and off); the fast tier is ROOT/fast<PROCESS_ID> (FAST "own": each host's disk) or ROOT/fast
+(FAST "shared"). The job saves steps 1-2, prints "up" and waits for a line on stdin (the
+test takes the durable tier away); saves steps 3-7, each within `BOUND` seconds, opens a
+second manager on the same tiers, prints "down" with what both see, and waits again (the
+test brings the durable tier back); saves step 8 and prints "back" with what waits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ckptstore
+from tests.multiprocess.mp_worker import own_stdout
+from tests.tiers.helpers import impatient_s3
+
+#: Seconds one save may take while the durable tier is down (generous: a loaded machine).
+BOUND = 30.0
+
+
+def main() -> None:
+    own_stdout()
+    coordinator, num, pid, root, endpoint, bucket, fast_kind = sys.argv[1:8]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax starts
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=int(num), process_id=int(pid))
+    fast = f"{root}/fast" if fast_kind == "shared" else f"{root}/fast{pid}"
+    tiers = ckptstore.Tiered(fast, impatient_s3(bucket, endpoint))
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+
+    def state(step: int) -> dict[str, jax.Array]:
+        values = np.arange(64, dtype=np.float32) + step
+        return {"w": jax.make_array_from_callback((64,), sharding, lambda i: values[i])}
+
+    options = ckptstore.ManagerOptions(timeout=60, handle_sigterm=False)
+    keep = ckptstore.policies.KeepLatest(3)
+    with ckptstore.CheckpointManager(tiers, keep_policy=keep, options=options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()
+        print("up", flush=True)
+        sys.stdin.readline()
+        for step in range(3, 8):
+            start = time.monotonic()
+            mgr.save(step, state(step), force=True).wait()  # type: ignore[union-attr]
+            assert time.monotonic() - start < BOUND, (step, time.monotonic() - start)
+        mgr.wait_until_finished()
+        lag = sorted(mgr.unpromoted)
+        again = ckptstore.CheckpointManager(tiers, keep_policy=keep, options=options)
+        listed = again.all_steps()
+        again.close()
+        print(f"down unpromoted {lag} reopened {listed}", flush=True)
+        sys.stdin.readline()
+        mgr.save(8, state(8), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()
+        print(f"back unpromoted {sorted(mgr.unpromoted)} steps {mgr.all_steps()}", flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

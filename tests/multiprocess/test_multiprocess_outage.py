@@ -1,0 +1,85 @@
+"""Two real JAX processes keep saving to their fast tier while the durable tier (moto's S3
+server behind a `FaultProxy`) answers 503 to everything, and it catches up once it is back:
+promotion is collective, so every process learns that it failed and defers it alike."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore.backends.s3 import S3Backend
+from ckptstore.testing.faultproxy import Fault, FaultProxy
+from ckptstore.testing.servers import free_port
+
+WORKER = "tests.multiprocess.outage_worker"
+ROOT = Path(__file__).parents[2]
+
+
+def say(procs: list[subprocess.Popen[str]], line: str) -> list[str]:
+    """Send ``line`` to every worker (none for the first read); what each prints next."""
+    if line:
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+    return [proc.stdout.readline().strip() for proc in procs if proc.stdout is not None]
+
+
+@pytest.mark.parametrize(
+    ("fast", "waiting", "reopened"),
+    # A shared fast tier holds committed steps: the keep policy applies to it alone, and a
+    # restart lists them. Each host's own fast tier holds staged parts, which all wait for
+    # their promotion, and a restart lists none of them before it (docs/reliability.md).
+    [("own", [3, 4, 5, 6, 7], []), ("shared", [5, 6, 7], [5, 6, 7])],
+)
+def test_two_processes_save_through_an_outage_of_the_durable_tier(
+    tmp_path: Path,
+    ckptstore_s3_server: object,
+    ckptstore_s3_bucket: str,
+    fast: str,
+    waiting: list[int],
+    reopened: list[int],
+) -> None:
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    coordinator = f"127.0.0.1:{free_port()}"
+    with FaultProxy(endpoint) as proxy:
+        args = [str(tmp_path), proxy.endpoint, ckptstore_s3_bucket, fast]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", WORKER, coordinator, "2", str(i), *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=(tmp_path / f"{i}.err").open("w"),
+                text=True,
+                cwd=ROOT,
+            )
+            for i in range(2)
+        ]
+        try:
+            assert say(procs, "") == ["up", "up"], errors(tmp_path)
+            proxy.set_faults(Fault("status", rate=1.0))  # the durable tier goes away
+            down = say(procs, "go")
+            assert proxy.injected["status"] > 0
+            proxy.set_faults()  # it is back
+            back = say(procs, "go")
+            for i, proc in enumerate(procs):
+                assert proc.wait(timeout=120) == 0, f"process {i}:\n{errors(tmp_path)}"
+        finally:
+            proxy.set_faults()
+            for proc in procs:
+                proc.kill()
+    # While it was down every save committed (or, own fast tiers, staged) on the fast
+    # tier, the steps kept waited for the durable tier, and a restart listed what it saw.
+    assert down == [f"down unpromoted {waiting} reopened {reopened}"] * 2, down
+    assert back == ["back unpromoted [] steps [6, 7, 8]"] * 2, back
+    direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
+    assert ckptstore.list_steps_sync(direct) == [6, 7, 8]
+    assert ckptstore.verify_sync(direct, 8).ok
+
+
+def errors(tmp_path: Path) -> str:
+    return "\n".join((tmp_path / f"{i}.err").read_text()[-3000:] for i in range(2))
