@@ -386,7 +386,8 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
     async def _committed_steps(self) -> list[int]:
         steps = set(await committed_steps(self.backend))
         if self.durable is not None:  # while it is down: the fast tier's (a warning says so)
-            steps |= set(await durable_steps(self.durable, self.options.timeout) or [])
+            durable = await durable_steps(self.durable, self.options.timeout, self.backend)
+            steps |= set(durable or [])
         return sorted(steps)
 
     def _restore(self, step: int | None, like: Any, options: RestoreOptions) -> Any:

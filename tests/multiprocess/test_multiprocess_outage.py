@@ -75,6 +75,9 @@ def test_two_processes_save_through_an_outage_of_the_durable_tier(
     # While it was down every save committed (or, own fast tiers, staged) on the fast
     # tier, the steps kept waited for the durable tier, and a restart listed what it saw.
     assert down == [f"down unpromoted {waiting} reopened {reopened}"] * 2, down
+    if fast == "own":  # the restart says what it cannot list yet
+        for i in range(2):
+            assert "holds steps [1, 2, 3, 4, 5, 6, 7] staged" in (tmp_path / f"{i}.err").read_text()
     assert back == ["back unpromoted [] steps [6, 7, 8]"] * 2, back
     direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
     assert ckptstore.list_steps_sync(direct) == [6, 7, 8]
