@@ -305,7 +305,8 @@ def loops(args: argparse.Namespace, scratch: Path, mib: int, reps: int) -> dict[
     """The loop part in each of ``--loop-dirs``."""
     from benchmarks.accelerator_loop import loop_part
 
-    every, saves = (4, 2) if args.dry else (args.every, args.saves)
+    # --dry checks the code paths: one round of each contender (16 runs per directory)
+    every, saves, reps = (4, 2, 1) if args.dry else (args.every, args.saves, reps)
     out = {}
     for where in args.loop_dirs.split(","):
         # --dry: the scratch directory for both (a container's /dev/shm may be 64 MiB)

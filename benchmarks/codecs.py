@@ -33,7 +33,7 @@ bound with that direct raw save in place of the local one is judged beside the f
 server's limit (moto shares the machine's two cores with the proxy and the saves).
 
     python benchmarks/codecs.py               # 8 copies (103 MiB), 5 rounds, local + S3
-    python benchmarks/codecs.py --quick       # 20 steps, 1 copy, 2 rounds; S3: none, zstd:1
+    python benchmarks/codecs.py --quick       # 20 steps, 1 copy, 1 round; S3: none, zstd:1
 """
 
 from __future__ import annotations
@@ -525,13 +525,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--targets", default="local,s3", help="local,s3 or one of them")
     parser.add_argument("--link-mbps", type=float, default=100.0, help="S3 link cap, MB/s")
-    parser.add_argument("--quick", action="store_true", help="20 steps, 1 copy, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="20 steps, 1 copy, 1 round")
     parser.add_argument("--no-orbax", action="store_true", help="ckptstore's contenders only")
     parser.add_argument("--no-write-results", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "codecs.json")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.copies, args.mib, args.rounds = 20, 1, 16, 2
+        args.steps, args.copies, args.mib, args.rounds = 20, 1, 16, 1
     targets = set(args.targets.split(","))
     rate = args.link_mbps * 1e6
     with Timer() as training:

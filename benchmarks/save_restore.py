@@ -43,7 +43,7 @@ memory <= 0.25x the state; merge <= 1.5x the bare transaction.
 
     python benchmarks/save_restore.py                 # all trees, 5 reps
     python benchmarks/save_restore.py --trees a,c     # some trees
-    python benchmarks/save_restore.py --quick         # 1/16 size, 2 reps (smoke test)
+    python benchmarks/save_restore.py --quick         # 1/16 size, 1 rep (smoke test)
 """
 
 from __future__ import annotations
@@ -825,7 +825,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: 1/16 size (or --scale), 2 reps, 16 stores merged",
+        help="smoke run: 1/16 size (or --scale), 1 rep, 16 stores merged",
     )
     p.add_argument("--memory-reps", type=int, help="fresh-process saves (default min(reps, 3))")
     p.add_argument("--merge-stores", type=int, default=64, help="stores merged (default 64)")
@@ -854,7 +854,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.trees:
         p.error(f"unknown trees {unknown}; choose from {sorted(TREES)}")
     if args.quick:
-        args.reps, args.merge_stores, args.merge_store_mib = 2, 16, 1
+        args.reps, args.merge_stores, args.merge_store_mib = 1, 16, 1
         args.scale = 1 / 16 if args.scale is None else args.scale
         args.reclaim_wait = 0.1
         args.memory_reps = 1 if args.memory_reps is None else args.memory_reps
