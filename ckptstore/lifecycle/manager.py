@@ -39,6 +39,7 @@ from ckptstore.checkpoint.target import Target, open_target
 from ckptstore.errors import CkptStoreError, ConfigError, CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.jsonitems import as_json_item, is_array_tree
+from ckptstore.format.manifest import Manifest
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.changes import ChangedRows
@@ -55,6 +56,7 @@ from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS
 from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
+from ckptstore.tiers.offline import StagedSteps, restore_staged_or_durable, staged_at_start
 from ckptstore.tiers.read import read_manifest
 from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
@@ -115,7 +117,16 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         #: The finalized steps of an Orbax `CheckpointManager` root at the target (none
         #: when a ckptstore step is committed there): read like ckptstore's, never written.
         self._orbax_steps: list[int] = []
+        #: Host-local fast tiers with several processes: the newest step staged on every
+        #: host that the durable tier does not list (yet), with its manifest, read from the
+        #: hosts' own copies (`tiers.offline`); until its promotion.
+        self._staged: dict[int, Manifest] = {}
+        staged = StagedSteps()
         try:
+            if self.durable is not None:
+                staged = self._call(staged_at_start(self.backend, self.durable, options.timeout))
+                if staged.newest is not None:
+                    self._staged[staged.newest.step] = staged.newest
             committed = self._call(self._committed_steps())
             if not committed:
                 self._orbax_steps = self._call(self._find_orbax_steps())
@@ -153,7 +164,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
             self.resumed_promotions: list[int] = []
             #: Steps committed on the fast tier while the durable tier was down, promoted at
             #: the next save's turn once it answers (one process; `Retention`).
-            self.unpromoted: set[int] = set()
+            self.unpromoted: set[int] = set(staged.waiting)
             #: Steps committed whose promotion has not ended yet (`Retention._retain`).
             self._promoting: set[int] = set()
             if self.durable is not None and self.tiered is not None and committed:
@@ -384,17 +395,18 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         return await self._committed_steps() or await self._find_orbax_steps()
 
     async def _committed_steps(self) -> list[int]:
-        steps = set(await committed_steps(self.backend))
+        steps = set(await committed_steps(self.backend)) | set(self._staged)
         if self.durable is not None:  # while it is down: the fast tier's (a warning says so)
-            durable = await durable_steps(self.durable, self.options.timeout, self.backend)
-            steps |= set(durable or [])
+            steps |= set(await durable_steps(self.durable, self.options.timeout) or [])
         return sorted(steps)
 
     def _restore(self, step: int | None, like: Any, options: RestoreOptions) -> Any:
         """From the target, or from the nearest tier with a good copy."""
         where = self.backend if self.durable is None else Tiered(self.backend, self.durable)
-        if self.durable is not None and step is None and self._orbax_steps:
-            step = self.latest_step()  # tiers name a step to read Orbax's
+        if self.durable is not None and step is None:  # the steps this manager lists
+            step = self.latest_step()
+        if isinstance(where, Tiered) and step in self._staged:  # not on the durable tier yet
+            return self._call(restore_staged_or_durable(where, self._staged[step], like, options))
         return self._call(restore_with(where, step, like, options))
 
     def restore(
@@ -429,6 +441,8 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         copy, as `restore` reads it: `tiers.read`)."""
         if self.durable is None:
             return self._call(load_committed(self.backend, step)).metadata
+        if step in self._staged:  # not on the durable tier yet: process 0's manifest
+            return self._staged[step].metadata
         return self._call(read_manifest(Tiered(self.backend, self.durable), step)).metadata
 
     # ---- life cycle ----

@@ -26,6 +26,7 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     TransientStorageError,
 )
+from ckptstore.format.manifest import Manifest
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.runtime.handoff import Handoff
@@ -47,6 +48,7 @@ class Retention:
         resumed_promotions: list[int]
         unpromoted: set[int]
         _promoting: set[int]
+        _staged: dict[int, Manifest]
         _count: int
         _retention: concurrent.futures.Future[None] | None
         _records: dict[int, P.StepRecord]
@@ -117,6 +119,7 @@ class Retention:
         if self.unpromoted:
             log.info("ckptstore: the durable tier caught up: %s", [p.step for p in done])
         self.unpromoted.clear()
+        self._staged.clear()  # promoted: read like any committed step from now on
         return done
 
     async def _resume(self) -> None:

@@ -6,12 +6,17 @@ The durable tier is the S3 bucket BUCKET behind ENDPOINT (a `FaultProxy` the tes
 and off); the fast tier is ROOT/fast<PROCESS_ID> (FAST "own": each host's disk) or ROOT/fast
 (FAST "shared"). The job saves steps 1-2, prints "up" and waits for a line on stdin (the
 test takes the durable tier away); saves steps 3-7, each within `BOUND` seconds, opens a
-second manager on the same tiers, prints "down" with what both see, and waits again (the
+second manager on the same tiers, restores the latest step it lists with it, prints
+"down" with what both see, and waits again (the
 test brings the durable tier back); saves step 8 and prints "back" with what waits.
+FAST "split": one fast tier both share, and the durable tier answers process 0 only (process
+1 reaches it through a closed port); step 5, committed there, is saved again: each process
+prints how that save was refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -22,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
+from ckptstore.testing.servers import free_port
 from tests.multiprocess.mp_worker import own_stdout
 from tests.tiers.helpers import impatient_s3
 
@@ -31,11 +37,14 @@ BOUND = 30.0
 
 def main() -> None:
     own_stdout()
+    logging.basicConfig(level=logging.INFO)  # to stderr: the test reads where restores read
     coordinator, num, pid, root, endpoint, bucket, fast_kind = sys.argv[1:8]
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax starts
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=int(num), process_id=int(pid))
-    fast = f"{root}/fast" if fast_kind == "shared" else f"{root}/fast{pid}"
+    fast = f"{root}/fast" if fast_kind in ("shared", "split") else f"{root}/fast{pid}"
+    if fast_kind == "split" and pid == "1":
+        endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     tiers = ckptstore.Tiered(fast, impatient_s3(bucket, endpoint))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     sharding = NamedSharding(mesh, P("x"))
@@ -44,6 +53,10 @@ def main() -> None:
         values = np.arange(64, dtype=np.float32) + step
         return {"w": jax.make_array_from_callback((64,), sharding, lambda i: values[i])}
 
+    if fast_kind == "split":
+        save_again(tiers, state(5))
+        jax.distributed.shutdown()
+        return
     options = ckptstore.ManagerOptions(timeout=60, handle_sigterm=False)
     keep = ckptstore.policies.KeepLatest(3)
     with ckptstore.CheckpointManager(tiers, keep_policy=keep, options=options) as mgr:
@@ -60,13 +73,30 @@ def main() -> None:
         lag = sorted(mgr.unpromoted)
         again = ckptstore.CheckpointManager(tiers, keep_policy=keep, options=options)
         listed = again.all_steps()
+        like = {"w": jax.ShapeDtypeStruct((64,), np.float32, sharding=sharding)}
+        restored = again.restore(like=like)  # the latest, as a restarted job asks
+        for shard in restored["w"].addressable_shards:
+            want = np.arange(64, dtype=np.float32)[shard.index] + listed[-1]
+            np.testing.assert_array_equal(np.asarray(shard.data), want)
         again.close()
-        print(f"down unpromoted {lag} reopened {listed}", flush=True)
+        print(f"down unpromoted {lag} reopened {listed} restored {listed[-1]}", flush=True)
         sys.stdin.readline()
         mgr.save(8, state(8), force=True).wait()  # type: ignore[union-attr]
         mgr.wait_until_finished()
         print(f"back unpromoted {sorted(mgr.unpromoted)} steps {mgr.all_steps()}", flush=True)
     jax.distributed.shutdown()
+
+
+def save_again(tiers: ckptstore.Tiered, state: dict[str, jax.Array]) -> None:
+    """Save step 5, committed on the durable tier, through a manager: how it is refused."""
+    options = ckptstore.ManagerOptions(timeout=20, handle_sigterm=False)
+    with ckptstore.CheckpointManager(tiers, options=options) as mgr:
+        try:
+            mgr.save(5, state, force=True).wait()  # type: ignore[union-attr]
+        except ckptstore.errors.CkptStoreError as exc:
+            print(f"refused: {type(exc).__name__}", flush=True)
+        else:
+            print("saved", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ckptstore
@@ -33,8 +34,8 @@ def say(procs: list[subprocess.Popen[str]], line: str) -> list[str]:
     ("fast", "waiting", "reopened"),
     # A shared fast tier holds committed steps: the keep policy applies to it alone, and a
     # restart lists them. Each host's own fast tier holds staged parts, which all wait for
-    # their promotion, and a restart lists none of them before it (docs/reliability.md).
-    [("own", [3, 4, 5, 6, 7], []), ("shared", [5, 6, 7], [5, 6, 7])],
+    # their promotion; a restart lists the newest, and reads it from each host's own copy.
+    [("own", [3, 4, 5, 6, 7], [7]), ("shared", [5, 6, 7], [5, 6, 7])],
 )
 def test_two_processes_save_through_an_outage_of_the_durable_tier(
     tmp_path: Path,
@@ -74,14 +75,40 @@ def test_two_processes_save_through_an_outage_of_the_durable_tier(
                 proc.kill()
     # While it was down every save committed (or, own fast tiers, staged) on the fast
     # tier, the steps kept waited for the durable tier, and a restart listed what it saw.
-    assert down == [f"down unpromoted {waiting} reopened {reopened}"] * 2, down
-    if fast == "own":  # the restart says what it cannot list yet
+    assert down == [f"down unpromoted {waiting} reopened {reopened} restored 7"] * 2, down
+    if fast == "own":
         for i in range(2):
-            assert "holds steps [1, 2, 3, 4, 5, 6, 7] staged" in (tmp_path / f"{i}.err").read_text()
+            assert "step 7 read from this host's staged copy" in (tmp_path / f"{i}.err").read_text()
     assert back == ["back unpromoted [] steps [6, 7, 8]"] * 2, back
     direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
     assert ckptstore.list_steps_sync(direct) == [6, 7, 8]
     assert ckptstore.verify_sync(direct, 8).ok
+
+
+def test_a_durable_tier_answering_one_process_only_refuses_a_committed_step_on_both(
+    tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str
+) -> None:
+    """Whether the step is committed is process 0's answer for every process: process 1,
+    whose durable tier does not answer, would otherwise go into the save alone and wait for
+    process 0 until the manager's timeout."""
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
+    ckptstore.save_sync(direct, {"w": np.zeros(64, np.float32)}, step=5)
+    args = [str(tmp_path), endpoint, ckptstore_s3_bucket, "split"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", WORKER, coordinator, "2", str(i), *args],
+            stdout=subprocess.PIPE,
+            stderr=(tmp_path / f"{i}.err").open("w"),
+            text=True,
+            cwd=ROOT,
+        )
+        for coordinator in [f"127.0.0.1:{free_port()}"]
+        for i in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), errors(tmp_path)
+    assert outputs == ["refused: AlreadyExistsError\n"] * 2, outputs
 
 
 def errors(tmp_path: Path) -> str:

@@ -1,0 +1,154 @@
+"""Steps staged on host-local fast tiers, restored on the same hosts while the durable tier
+is down.
+
+On host-local fast tiers (`ckptstore.tiers.hostlocal`) a step is committed only when its
+promotion merges the hosts' parts on the durable tier; until then each host holds its part,
+staged, and (where its devices' slices fit) its own copy of every slice its devices hold
+(`hostlocal.write_host_view`), and process 0 holds the step's manifest. A job restarted on
+the same hosts while the durable tier does not answer reads those copies:
+
+- `staged_at_start` (collective, at a manager's start): the staged steps every process
+  holds a host copy of, from one attempt, that process 0 holds the manifest of
+  (`agreed_staged`), and the durable tier does not list (they wait for their promotion);
+  of the newest of them, process 0 reads the manifest, checked against the digest its
+  ``STAGED`` record holds, and every process gets it (`StagedSteps`);
+- `restore_staged_or_durable`: each process restores its devices' slices of that step from
+  its own copy with that manifest (where that cannot serve, another topology say, the
+  tiers are read as usual).
+
+Both hold the same attempt promotion commits later, so either read gives the same tree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.backends.base import Backend
+from ckptstore.checkpoint import restore as plain
+from ckptstore.checkpoint.commit import committed_steps, digest
+from ckptstore.checkpoint.restore import RestoreOptions
+from ckptstore.checkpoint.staged import read_staged, staged_steps
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError, TreeMismatchError
+from ckptstore.format import layout
+from ckptstore.format.manifest import Manifest
+from ckptstore.runtime import distributed
+from ckptstore.runtime.handoff import Handoff
+from ckptstore.tiers.bounded import durable_listing
+from ckptstore.tiers.hostlocal import fast_is_shared
+from ckptstore.tiers.read import restore as tiers_restore
+from ckptstore.tiers.target import Tiered
+
+log = logging.getLogger("ckptstore")
+
+
+async def agreed_staged(fast: Backend, handoff: Handoff) -> dict[int, str]:
+    """``{step: attempt}`` of the steps staged with a host copy on every process's fast
+    tier, from the same attempt, with process 0's manifest (every process gets the same)."""
+
+    async def mine() -> dict[str, Any]:
+        held = {}
+        for step in await staged_steps(fast):
+            try:
+                record = await read_staged(fast, step)
+            except CorruptCheckpointError as exc:
+                log.warning("ckptstore: ignoring this host's staged step %d: %s", step, exc)
+                continue
+            if record is None or not record.host_view:
+                continue
+            if handoff.me == 0 and record.manifest_digest is None:
+                continue
+            held[str(step)] = record.attempt
+        return {"staged": held}
+
+    await handoff.everyone(mine)
+
+    async def decide() -> str:
+        reports = [r["staged"] for r in await handoff.reports()]
+        common = {
+            step: attempt
+            for step, attempt in reports[0].items()
+            if all(other.get(step) == attempt for other in reports[1:])
+        }
+        return json.dumps(common)
+
+    return {int(step): attempt for step, attempt in json.loads(await handoff.agree(decide)).items()}
+
+
+@dataclass
+class StagedSteps:
+    """What `staged_at_start` found: the steps staged on every host that the durable tier
+    does not list (they wait for their promotion), and the newest one's manifest (process
+    0's, every process gets it), which a restore reads with this host's own copy."""
+
+    waiting: list[int] = field(default_factory=list)
+    newest: Manifest | None = None
+
+
+async def staged_at_start(fast: Backend, durable: Backend, timeout: float) -> StagedSteps:
+    """At a manager's start on tiers with several processes (collective): the staged steps
+    the durable tier does not list (not promoted yet, or it does not answer process 0),
+    of those every host holds a copy of (`agreed_staged`); none on a fast tier every
+    process shares."""
+    if distributed.process_count() == 1:
+        return StagedSteps()
+    handoff = Handoff("manager/staged", timeout)
+    if await fast_is_shared(fast, handoff):
+        return StagedSteps()
+
+    async def listed() -> str:
+        steps = await durable_listing(committed_steps(durable), timeout, "its steps")
+        return json.dumps(steps)
+
+    on_durable = set(json.loads(await handoff.agree(listed)) or [])
+    staged = await agreed_staged(fast, handoff)
+    waiting = sorted(step for step in staged if step not in on_durable)
+    if not waiting:
+        return StagedSteps()
+    step, attempt = waiting[-1], staged[waiting[-1]]
+    where = layout.AttemptDir(step, attempt)
+
+    async def manifest_text() -> str:
+        record = await read_staged(fast, step)
+        if record is None or record.attempt != attempt or record.manifest_digest is None:
+            raise CorruptCheckpointError(f"step {step} is no longer staged on {fast.url}")
+        data = await fast.read(where.manifest)
+        if digest(data) != record.manifest_digest:
+            raise CorruptCheckpointError(f"{fast.url}/{where.manifest} is not the staged manifest")
+        return data.decode()
+
+    text = await handoff.agree(manifest_text)
+    newest = Manifest.from_bytes(text.encode(), where=f"process 0's {fast.url}/{where.manifest}")
+    return StagedSteps(waiting, newest)
+
+
+async def restore_staged_or_durable(
+    tiers: Tiered, manifest: Manifest, like: Any, options: RestoreOptions
+) -> Any:
+    """Restore the staged step ``manifest`` describes (`StagedSteps.newest`) from this
+    host's own copy; where it cannot serve (another topology, damage, no longer staged
+    here) from the tiers (`tiers.read.restore`), with a warning."""
+    step = manifest.step
+    async with tiers.opened() as (fast, _):
+        try:
+            mine = await read_staged(fast, step)
+            if mine is None or mine.attempt != manifest.attempt or not mine.host_view:
+                raise CorruptCheckpointError(
+                    f"this host's fast tier {fast.url} holds no copy of step {step} attempt "
+                    f"{manifest.attempt}"
+                )
+            result = await plain.restore_manifest(fast, manifest, like, options)
+            log.info("ckptstore: step %d read from this host's staged copy", step)
+            return result
+        except TreeMismatchError:
+            raise  # the caller's request: any copy holds the same tree
+        except CkptStoreError as exc:
+            log.warning(
+                "ckptstore: this host's staged copy of step %d cannot serve this restore, "
+                "reading the tiers: %s",
+                step,
+                exc,
+            )
+    return await tiers_restore(tiers, step, like, options)
