@@ -46,7 +46,8 @@ log = logging.getLogger("ckptstore")
 
 async def agreed_staged(fast: Backend, handoff: Handoff) -> dict[int, str]:
     """``{step: attempt}`` of the steps staged with a host copy on every process's fast
-    tier, from the same attempt, with process 0's manifest (every process gets the same)."""
+    tier, from the same attempt, by a job of as many processes with this one's index, with
+    process 0's manifest (every process gets the same)."""
 
     async def mine() -> dict[str, Any]:
         held = {}
@@ -58,6 +59,8 @@ async def agreed_staged(fast: Backend, handoff: Handoff) -> dict[int, str]:
                 continue
             if record is None or not record.host_view:
                 continue
+            if (record.process, record.processes) != (handoff.me, handoff.count):
+                continue  # saved by another topology: its copy holds other slices
             if handoff.me == 0 and record.manifest_digest is None:
                 continue
             held[str(step)] = record.attempt
