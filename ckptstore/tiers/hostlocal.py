@@ -23,6 +23,8 @@ object and every process looks for it (`fast_is_shared`).
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import secrets
 import time
@@ -41,7 +43,7 @@ from ckptstore.checkpoint.commit import (
 )
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.staged import STAGED as STAGED
-from ckptstore.checkpoint.staged import Staged, staged_key
+from ckptstore.checkpoint.staged import Staged, read_staged, staged_key, staged_steps
 from ckptstore.datapath.arrays import (
     addressable_indices,
     host_view_slices,
@@ -53,6 +55,7 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
 from ckptstore.runtime.handoff import Handoff
 
+log = logging.getLogger("ckptstore")
 _PROBE = ".ckptstore-probe-"
 #: Fast tiers (by URL) this process already probed, with the answer every process agreed on.
 _probed: dict[tuple[str, int], bool] = {}
@@ -108,6 +111,50 @@ async def fast_is_shared(fast: Backend, handoff: Handoff) -> bool:
     shared = await handoff.agree(decide) == "shared"
     _probed[(fast.url, handoff.count)] = shared
     return shared
+
+
+async def staged_everywhere(
+    fast: Backend, handoff: Handoff, *, host_view: bool = False
+) -> list[int]:
+    """The steps every process has staged from the same attempt, by a job of as many
+    processes with the same index (``host_view``: each with its host's own copy), ascending:
+    a step staged on some processes only is a save that never finished, never promoted nor
+    read. Collective: every process gets process 0's answer."""
+
+    async def mine() -> dict[str, Any]:
+        held = {}
+        for step in await staged_steps(fast):
+            try:
+                record = await read_staged(fast, step)
+            except CorruptCheckpointError as exc:
+                log.warning("ckptstore: ignoring this host's staged step %d: %s", step, exc)
+                continue
+            if record is None or (host_view and not record.host_view):
+                continue
+            if (record.process, record.processes) != (handoff.me, handoff.count):
+                continue  # staged by another topology
+            held[str(step)] = record.attempt
+        return {"staged": held}
+
+    await handoff.everyone(mine)
+
+    async def decide() -> str:
+        reports = [r["staged"] for r in await handoff.reports()]
+        common, partial = [], []
+        for step, attempt in reports[0].items():
+            if all(other.get(step) == attempt for other in reports[1:]):
+                common.append(int(step))
+            else:
+                partial.append(int(step))
+        if partial:
+            log.warning(
+                "ckptstore: steps %s are staged on process 0's fast tier but not by every "
+                "process (saves that did not finish): not promoted, not listed",
+                sorted(partial),
+            )
+        return json.dumps(sorted(common))
+
+    return [int(step) for step in json.loads(await handoff.agree(decide))]
 
 
 def can_write_host_view(values: Iterable[Any], me: int) -> bool:

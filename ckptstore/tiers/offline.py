@@ -9,7 +9,8 @@ the same hosts while the durable tier does not answer reads those copies:
 
 - `staged_at_start` (collective, at a manager's start): the staged steps every process
   holds a host copy of, from one attempt, that process 0 holds the manifest of
-  (`agreed_staged`), and the durable tier does not list (they wait for their promotion);
+  (`hostlocal.staged_everywhere`), and the durable tier does not list (they wait for their
+  promotion);
   of the newest of them, process 0 reads the manifest, checked against the digest its
   ``STAGED`` record holds, and every process gets it (`StagedSteps`);
 - `restore_staged_or_durable`: each process restores its devices' slices of that step from
@@ -30,54 +31,18 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint.commit import committed_steps, digest
 from ckptstore.checkpoint.restore import RestoreOptions
-from ckptstore.checkpoint.staged import read_staged, staged_steps
+from ckptstore.checkpoint.staged import read_staged
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError, TreeMismatchError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import durable_listing
-from ckptstore.tiers.hostlocal import fast_is_shared
+from ckptstore.tiers.hostlocal import fast_is_shared, staged_everywhere
 from ckptstore.tiers.read import restore as tiers_restore
 from ckptstore.tiers.target import Tiered
 
 log = logging.getLogger("ckptstore")
-
-
-async def agreed_staged(fast: Backend, handoff: Handoff) -> dict[int, str]:
-    """``{step: attempt}`` of the steps staged with a host copy on every process's fast
-    tier, from the same attempt, by a job of as many processes with this one's index, with
-    process 0's manifest (every process gets the same)."""
-
-    async def mine() -> dict[str, Any]:
-        held = {}
-        for step in await staged_steps(fast):
-            try:
-                record = await read_staged(fast, step)
-            except CorruptCheckpointError as exc:
-                log.warning("ckptstore: ignoring this host's staged step %d: %s", step, exc)
-                continue
-            if record is None or not record.host_view:
-                continue
-            if (record.process, record.processes) != (handoff.me, handoff.count):
-                continue  # saved by another topology: its copy holds other slices
-            if handoff.me == 0 and record.manifest_digest is None:
-                continue
-            held[str(step)] = record.attempt
-        return {"staged": held}
-
-    await handoff.everyone(mine)
-
-    async def decide() -> str:
-        reports = [r["staged"] for r in await handoff.reports()]
-        common = {
-            step: attempt
-            for step, attempt in reports[0].items()
-            if all(other.get(step) == attempt for other in reports[1:])
-        }
-        return json.dumps(common)
-
-    return {int(step): attempt for step, attempt in json.loads(await handoff.agree(decide)).items()}
 
 
 @dataclass
@@ -93,7 +58,7 @@ class StagedSteps:
 async def staged_at_start(fast: Backend, durable: Backend, timeout: float) -> StagedSteps:
     """At a manager's start on tiers with several processes (collective): the staged steps
     the durable tier does not list (not promoted yet, or it does not answer process 0),
-    of those every host holds a copy of (`agreed_staged`); none on a fast tier every
+    of those every host holds a copy of (`hostlocal.staged_everywhere`); none on a fast tier every
     process shares."""
     if distributed.process_count() == 1:
         return StagedSteps()
@@ -106,24 +71,24 @@ async def staged_at_start(fast: Backend, durable: Backend, timeout: float) -> St
         return json.dumps(steps)
 
     on_durable = set(json.loads(await handoff.agree(listed)) or [])
-    staged = await agreed_staged(fast, handoff)
-    waiting = sorted(step for step in staged if step not in on_durable)
+    staged = await staged_everywhere(fast, handoff, host_view=True)
+    waiting = [step for step in staged if step not in on_durable]
     if not waiting:
         return StagedSteps()
-    step, attempt = waiting[-1], staged[waiting[-1]]
-    where = layout.AttemptDir(step, attempt)
+    step = waiting[-1]
 
     async def manifest_text() -> str:
         record = await read_staged(fast, step)
-        if record is None or record.attempt != attempt or record.manifest_digest is None:
+        if record is None or record.manifest_digest is None:
             raise CorruptCheckpointError(f"step {step} is no longer staged on {fast.url}")
+        where = layout.AttemptDir(step, record.attempt)
         data = await fast.read(where.manifest)
         if digest(data) != record.manifest_digest:
             raise CorruptCheckpointError(f"{fast.url}/{where.manifest} is not the staged manifest")
         return data.decode()
 
     text = await handoff.agree(manifest_text)
-    newest = Manifest.from_bytes(text.encode(), where=f"process 0's {fast.url}/{where.manifest}")
+    newest = Manifest.from_bytes(text.encode(), where=f"process 0's staged step {step}")
     return StagedSteps(waiting, newest)
 
 

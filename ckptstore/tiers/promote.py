@@ -58,6 +58,7 @@ from ckptstore.tiers.hostlocal import (
     fast_is_shared,
     merge_on_durable,
     promoted_part,
+    staged_everywhere,
 )
 from ckptstore.tiers.target import AnyTarget, Tiered, as_tiered
 
@@ -158,11 +159,14 @@ async def promote_staged(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Promotion]:
     """Host-local fast tiers (every process calls this): each process uploads its part of
-    each staged step (default: every one process 0 has staged and the durable tier lacks),
+    each staged step (default: every one all processes staged and the durable tier lacks),
     then process 0 merges on the durable tier and commits there, last."""
+    if step is None:  # a step staged by some processes only is a save that never finished
+        steps = await staged_everywhere(fast, handoff)
+    else:
+        steps = [layout.check_step(step)]
 
     async def plan() -> str:
-        steps = [layout.check_step(step)] if step is not None else await staged_steps(fast)
         on_durable = set(await committed_steps(durable))
         todo = []
         for s in steps:

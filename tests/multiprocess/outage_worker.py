@@ -11,7 +11,9 @@ second manager on the same tiers, restores the latest step it lists with it, pri
 test brings the durable tier back); saves step 8 and prints "back" with what waits.
 FAST "split": one fast tier both share, and the durable tier answers process 0 only (process
 1 reaches it through a closed port); step 5, committed there, is saved again: each process
-prints how that save was refused.
+prints how that save was refused. FAST "stage" (the durable tier down from the start, each
+host's own fast tier) stages steps 1-3; FAST "resume" (it is back) resumes from the latest
+step every host staged, saves step 4 and prints what the tiers list then.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -53,8 +56,10 @@ def main() -> None:
         values = np.arange(64, dtype=np.float32) + step
         return {"w": jax.make_array_from_callback((64,), sharding, lambda i: values[i])}
 
-    if fast_kind == "split":
-        save_again(tiers, state(5))
+    if fast_kind == "stage":
+        tiers = ckptstore.Tiered(fast, impatient_s3(bucket, f"http://127.0.0.1:{free_port()}"))
+    if fast_kind in ("split", "stage", "resume"):
+        {"split": save_again, "stage": stage, "resume": resume}[fast_kind](tiers, state, sharding)
         jax.distributed.shutdown()
         return
     options = ckptstore.ManagerOptions(timeout=60, handle_sigterm=False)
@@ -87,16 +92,40 @@ def main() -> None:
     jax.distributed.shutdown()
 
 
-def save_again(tiers: ckptstore.Tiered, state: dict[str, jax.Array]) -> None:
+State = Callable[[int], dict[str, jax.Array]]
+OPTIONS = ckptstore.ManagerOptions(timeout=20, handle_sigterm=False)
+
+
+def save_again(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> None:
     """Save step 5, committed on the durable tier, through a manager: how it is refused."""
-    options = ckptstore.ManagerOptions(timeout=20, handle_sigterm=False)
-    with ckptstore.CheckpointManager(tiers, options=options) as mgr:
+    with ckptstore.CheckpointManager(tiers, options=OPTIONS) as mgr:
         try:
-            mgr.save(5, state, force=True).wait()  # type: ignore[union-attr]
+            mgr.save(5, state(5), force=True).wait()  # type: ignore[union-attr]
         except ckptstore.errors.CkptStoreError as exc:
             print(f"refused: {type(exc).__name__}", flush=True)
         else:
             print("saved", flush=True)
+
+
+def stage(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> None:
+    with ckptstore.CheckpointManager(tiers, options=OPTIONS) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()
+        print(f"staged, unpromoted {sorted(mgr.unpromoted)}", flush=True)
+
+
+def resume(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> None:
+    with ckptstore.CheckpointManager(tiers, options=OPTIONS) as mgr:
+        listed = mgr.all_steps()
+        like = {"w": jax.ShapeDtypeStruct((64,), np.float32, sharding=sharding)}
+        restored = mgr.restore(like=like)
+        for shard in restored["w"].addressable_shards:
+            expected = np.arange(64, dtype=np.float32)[shard.index] + listed[-1]
+            np.testing.assert_array_equal(np.asarray(shard.data), expected)
+        mgr.save(4, state(4), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()
+        print(f"resumed {listed}, then {mgr.all_steps()}", flush=True)
 
 
 if __name__ == "__main__":

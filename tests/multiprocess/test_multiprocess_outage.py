@@ -94,21 +94,42 @@ def test_a_durable_tier_answering_one_process_only_refuses_a_committed_step_on_b
     endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
     direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
     ckptstore.save_sync(direct, {"w": np.zeros(64, np.float32)}, step=5)
-    args = [str(tmp_path), endpoint, ckptstore_s3_bucket, "split"]
+    args = [str(tmp_path), endpoint, ckptstore_s3_bucket]
+    assert run(args, "split", tmp_path) == ["refused: AlreadyExistsError\n"] * 2
+
+
+def test_a_step_staged_by_some_processes_only_is_neither_listed_nor_promoted(
+    tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str
+) -> None:
+    """Each host's own fast tier, the durable tier down: steps 1-3 are staged; then process
+    1's record of step 3 is gone (killed before it staged it). The restarted job, the
+    durable tier back, resumes from step 2, and promotes 1 and 2 beside its new step 4."""
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    args = [str(tmp_path), endpoint, ckptstore_s3_bucket]
+    assert run(args, "stage", tmp_path) == ["staged, unpromoted [1, 2, 3]\n"] * 2
+    (tmp_path / "fast1" / "3" / "STAGED").unlink()
+    assert run(args, "resume", tmp_path) == ["resumed [2], then [1, 2, 4]\n"] * 2
+    assert "steps [3] are staged on process 0's fast tier but not by every" in errors(tmp_path)
+    direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
+    assert ckptstore.list_steps_sync(direct) == [1, 2, 4]
+
+
+def run(args: list[str], mode: str, tmp_path: Path) -> list[str]:
+    """Two workers in ``mode`` (the FAST argument); what each printed."""
+    coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", WORKER, coordinator, "2", str(i), *args],
+            [sys.executable, "-m", WORKER, coordinator, "2", str(i), *args, mode],
             stdout=subprocess.PIPE,
             stderr=(tmp_path / f"{i}.err").open("w"),
             text=True,
             cwd=ROOT,
         )
-        for coordinator in [f"127.0.0.1:{free_port()}"]
         for i in range(2)
     ]
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), errors(tmp_path)
-    assert outputs == ["refused: AlreadyExistsError\n"] * 2, outputs
+    return outputs
 
 
 def errors(tmp_path: Path) -> str:
