@@ -11,7 +11,7 @@ from tests.campaigns import outage
 
 def test_a_short_outage_run_keeps_saving_and_catches_up(tmp_path: Path) -> None:
     out = tmp_path / "outage.json"
-    argv = ["--outage", "3", "--before", "2", "--after", "4", "--every", "0.5", "--out", str(out)]
+    argv = ["--outage", "2", "--before", "1", "--after", "4", "--every", "0.5", "--out", str(out)]
     assert outage.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["saves_during_outage"] >= 1 and result["problems"] == []
