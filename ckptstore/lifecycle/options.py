@@ -76,6 +76,9 @@ class ManagerOptions:
     #: the devices have room, else "host" (ckptstore.lifecycle.staging).
     staging: Literal["auto", "device", "host", "view"] = "auto"
     max_staging_bytes: int | None = None
+    #: Seconds a process waits for another's part of a collective step (a save, a
+    #: promotion, the keep policy) past that process's last sign of life: one that works
+    #: longer (a large promotion) is waited for (`ckptstore.runtime.beats`).
     timeout: float = 600.0
     gc_on_start: bool = True
     gc_grace: float = 600.0

@@ -68,3 +68,14 @@ async def kv_get(key: str, timeout: float = DEFAULT_TIMEOUT) -> str:
             f"process {process_index()}: no value for {key!r} within {timeout:g} s: {exc}"
         ) from exc
     return str(value)
+
+
+async def kv_try_get(key: str) -> str | None:
+    """The value published under ``key``, or None if none is (without waiting)."""
+    try:
+        value = await asyncio.to_thread(_client().key_value_try_get, key)
+    except Exception as exc:
+        if "NOT_FOUND" in str(exc):
+            return None
+        raise CoordinationError(f"could not read {key!r}: {exc}") from exc
+    return str(value)

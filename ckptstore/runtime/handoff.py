@@ -7,7 +7,9 @@ A save alternates two kinds of rounds:
   and publishes the outcome, which every other process waits for.
 
 A failure is published instead of a report or an outcome, so the other processes
-stop at once with the error rather than waiting for a barrier to time out.
+stop at once with the error rather than waiting for a barrier to time out. A process doing
+a round's work beats meanwhile (`ckptstore.runtime.beats`): those waiting for it wait as
+long as it works (a promotion of a large step, say), and ``timeout`` past its last beat.
 With one process nothing is published: reports and errors stay in this process.
 """
 
@@ -21,6 +23,7 @@ from typing import Any, TypeVar
 from ckptstore import errors
 from ckptstore.errors import CkptStoreError
 from ckptstore.runtime import distributed
+from ckptstore.runtime.beats import beating, wait_while_beating
 
 T = TypeVar("T")
 
@@ -80,11 +83,16 @@ class Handoff:
     def _report_key(self, process: int, round_: int | None = None) -> str:
         return f"{self.tag}/report/{self._round if round_ is None else round_}/{process}"
 
+    def _beats(self, kind: str, process: int) -> str:
+        """Where ``process`` beats while it does this round's ``kind`` of work (`beats`)."""
+        return f"{self.tag}/beat/{self._round}/{kind}/{process}"
+
     async def everyone(self, work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         """Run this process's share and publish its report (or its failure)."""
         self._reported = self._round
         try:
-            report = await work()
+            async with beating(self._beats("share", self.me), self.timeout, self.count == 1):
+                report = await work()
         except Exception as exc:
             await self._publish(self._report_key(self.me), _failure(exc))
             if self.me == 0:  # the others wait for process 0's next outcome: fail it now
@@ -100,7 +108,8 @@ class Handoff:
             return [self._mine]
         out = []
         for i in range(self.count):
-            report = json.loads(await distributed.kv_get(self._report_key(i), self.timeout))
+            key, beats = self._report_key(i), self._beats("share", i)
+            report = json.loads(await wait_while_beating(key, beats, self.timeout))
             if not report.pop("ok"):
                 raise _remote_error(report, f"process {i} failed")
             out.append(report)
@@ -138,14 +147,17 @@ class Handoff:
         try:
             if self.me == 0:
                 try:
-                    result = await work()
+                    async with beating(self._beats("outcome", 0), self.timeout, self.count == 1):
+                        result = await work()
                 except Exception as exc:
                     await self._publish(key, _failure(exc))
                     raise
                 shared = {"value": result} if share else {}
                 await self._publish(key, json.dumps({"ok": True, **shared}))
                 return result
-            outcome = json.loads(await distributed.kv_get(key, self.timeout))
+            outcome = json.loads(
+                await wait_while_beating(key, self._beats("outcome", 0), self.timeout)
+            )
             if not outcome["ok"]:
                 raise _remote_error(outcome, f"{self.label} failed on process 0")
             return outcome.get("value")  # type: ignore[no-any-return]

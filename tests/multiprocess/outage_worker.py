@@ -13,7 +13,9 @@ FAST "split": one fast tier both share, and the durable tier answers process 0 o
 1 reaches it through a closed port); step 5, committed there, is saved again: each process
 prints how that save was refused. FAST "stage" (the durable tier down from the start, each
 host's own fast tier) stages steps 1-3; FAST "resume" (it is back) resumes from the latest
-step every host staged, saves step 4 and prints what the tiers list then.
+step every host staged, saves step 4 and prints what the tiers list then. FAST "slow" (one
+shared fast tier, the durable tier's marker writes slowed past the manager's 3 s timeout)
+saves step 1 and prints what the tiers list once it is promoted.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ckptstore
+from ckptstore.backends.s3 import S3Backend
 from ckptstore.testing.servers import free_port
 from tests.multiprocess.mp_worker import own_stdout
 from tests.tiers.helpers import impatient_s3
@@ -45,7 +48,7 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax starts
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=int(num), process_id=int(pid))
-    fast = f"{root}/fast" if fast_kind in ("shared", "split") else f"{root}/fast{pid}"
+    fast = f"{root}/fast" if fast_kind in ("shared", "split", "slow") else f"{root}/fast{pid}"
     if fast_kind == "split" and pid == "1":
         endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     tiers = ckptstore.Tiered(fast, impatient_s3(bucket, endpoint))
@@ -58,8 +61,11 @@ def main() -> None:
 
     if fast_kind == "stage":
         tiers = ckptstore.Tiered(fast, impatient_s3(bucket, f"http://127.0.0.1:{free_port()}"))
-    if fast_kind in ("split", "stage", "resume"):
-        {"split": save_again, "stage": stage, "resume": resume}[fast_kind](tiers, state, sharding)
+    if fast_kind == "slow":  # an S3 client that waits for slow answers
+        durable = S3Backend(bucket, "run", endpoint_url=endpoint, credentials="env")
+        tiers = ckptstore.Tiered(fast, durable)
+    if fast_kind in MODES:
+        MODES[fast_kind](tiers, state, sharding)
         jax.distributed.shutdown()
         return
     options = ckptstore.ManagerOptions(timeout=60, handle_sigterm=False)
@@ -126,6 +132,17 @@ def resume(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> No
         mgr.save(4, state(4), force=True).wait()  # type: ignore[union-attr]
         mgr.wait_until_finished()
         print(f"resumed {listed}, then {mgr.all_steps()}", flush=True)
+
+
+def slow(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> None:
+    options = ckptstore.ManagerOptions(timeout=3, handle_sigterm=False)
+    with ckptstore.CheckpointManager(tiers, options=options) as mgr:
+        mgr.save(1, state(1), force=True).wait()  # type: ignore[union-attr]
+        mgr.wait_until_finished()  # its promotion, which process 0 does for both
+        print(f"promoted, listed {mgr.all_steps()}", flush=True)
+
+
+MODES = {"split": save_again, "stage": stage, "resume": resume, "slow": slow}
 
 
 if __name__ == "__main__":

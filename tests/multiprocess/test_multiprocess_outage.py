@@ -114,6 +114,20 @@ def test_a_step_staged_by_some_processes_only_is_neither_listed_nor_promoted(
     assert ckptstore.list_steps_sync(direct) == [1, 2, 4]
 
 
+def test_the_others_wait_for_a_promotion_longer_than_the_timeout(
+    tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str
+) -> None:
+    """Process 0 promotes for both (one shared fast tier) and its durable marker takes 5 s
+    to write, past the manager's 3 s timeout: process 1 waits while process 0 works (it
+    beats), where it gave up with `CoordinationError` at the timeout."""
+    endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
+    slow = Fault("latency", rate=1.0, delay=5.0, methods=("PUT",), path="COMMITTED")
+    with FaultProxy(endpoint, faults=[slow]) as proxy:
+        args = [str(tmp_path), proxy.endpoint, ckptstore_s3_bucket]
+        assert run(args, "slow", tmp_path) == ["promoted, listed [1]\n"] * 2
+        assert proxy.injected["latency"] == 1
+
+
 def run(args: list[str], mode: str, tmp_path: Path) -> list[str]:
     """Two workers in ``mode`` (the FAST argument); what each printed."""
     coordinator = f"127.0.0.1:{free_port()}"
