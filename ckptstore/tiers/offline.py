@@ -57,9 +57,10 @@ class StagedSteps:
 
 async def staged_at_start(fast: Backend, durable: Backend, timeout: float) -> StagedSteps:
     """At a manager's start on tiers with several processes (collective): the staged steps
-    the durable tier does not list (not promoted yet, or it does not answer process 0),
-    of those every host holds a copy of (`hostlocal.staged_everywhere`); none on a fast tier every
-    process shares."""
+    the durable tier does not list (not promoted yet, or it does not answer process 0), of
+    those every host holds a copy of (`hostlocal.staged_everywhere`); none on a fast tier
+    every process shares. A newest step whose manifest process 0 cannot read is left to
+    its promotion, with a warning: the manager opens all the same."""
     if distributed.process_count() == 1:
         return StagedSteps()
     handoff = Handoff("manager/staged", timeout)
@@ -87,8 +88,12 @@ async def staged_at_start(fast: Backend, durable: Backend, timeout: float) -> St
             raise CorruptCheckpointError(f"{fast.url}/{where.manifest} is not the staged manifest")
         return data.decode()
 
-    text = await handoff.agree(manifest_text)
-    newest = Manifest.from_bytes(text.encode(), where=f"process 0's staged step {step}")
+    try:  # every process learns process 0's failure alike
+        text = await handoff.agree(manifest_text)
+        newest = Manifest.from_bytes(text.encode(), where=f"process 0's staged step {step}")
+    except CorruptCheckpointError as exc:
+        log.warning("ckptstore: staged step %d is not listed before its promotion: %s", step, exc)
+        return StagedSteps(waiting)
     return StagedSteps(waiting, newest)
 
 

@@ -15,7 +15,8 @@ prints how that save was refused. FAST "stage" (the durable tier down from the s
 host's own fast tier) stages steps 1-3; FAST "resume" (it is back) resumes from the latest
 step every host staged, saves step 4 and prints what the tiers list then. FAST "slow" (one
 shared fast tier, the durable tier's marker writes slowed past the manager's 3 s timeout)
-saves step 1 and prints what the tiers list once it is promoted.
+saves step 1 and prints what the tiers list once it is promoted. FAST "open" (as "stage")
+opens a manager and prints what it lists.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main() -> None:
         values = np.arange(64, dtype=np.float32) + step
         return {"w": jax.make_array_from_callback((64,), sharding, lambda i: values[i])}
 
-    if fast_kind == "stage":
+    if fast_kind in ("stage", "open"):
         tiers = ckptstore.Tiered(fast, impatient_s3(bucket, f"http://127.0.0.1:{free_port()}"))
     if fast_kind == "slow":  # an S3 client that waits for slow answers
         durable = S3Backend(bucket, "run", endpoint_url=endpoint, credentials="env")
@@ -142,7 +143,18 @@ def slow(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> None
         print(f"promoted, listed {mgr.all_steps()}", flush=True)
 
 
-MODES = {"split": save_again, "stage": stage, "resume": resume, "slow": slow}
+def open_only(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> None:
+    with ckptstore.CheckpointManager(tiers, options=OPTIONS) as mgr:
+        print(f"opened, listed {mgr.all_steps()}", flush=True)
+
+
+MODES = {
+    "split": save_again,
+    "stage": stage,
+    "resume": resume,
+    "slow": slow,
+    "open": open_only,
+}
 
 
 if __name__ == "__main__":

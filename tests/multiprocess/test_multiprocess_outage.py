@@ -109,9 +109,25 @@ def test_a_step_staged_by_some_processes_only_is_neither_listed_nor_promoted(
     assert run(args, "stage", tmp_path) == ["staged, unpromoted [1, 2, 3]\n"] * 2
     (tmp_path / "fast1" / "3" / "STAGED").unlink()
     assert run(args, "resume", tmp_path) == ["resumed [2], then [1, 2, 4]\n"] * 2
-    assert "steps [3] are staged on process 0's fast tier but not by every" in errors(tmp_path)
+    said = (tmp_path / "0.err").read_text()  # process 0 decides what is staged everywhere
+    assert "steps [3] are staged on process 0's fast tier but not by every" in said
     direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
     assert ckptstore.list_steps_sync(direct) == [1, 2, 4]
+
+
+def test_a_damaged_staged_manifest_never_stops_a_manager_from_opening(
+    tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str
+) -> None:
+    """Each host's own fast tier, the durable tier down: steps 1-3 staged, then process 0's
+    manifest of step 3 damaged. A manager opens (it raised `CorruptCheckpointError`) and
+    lists nothing it cannot read: step 3 waits for its promotion."""
+    args = [str(tmp_path), ckptstore_s3_server.endpoint, ckptstore_s3_bucket]  # type: ignore[attr-defined]
+    assert run(args, "stage", tmp_path) == ["staged, unpromoted [1, 2, 3]\n"] * 2
+    (manifest,) = (tmp_path / "fast0" / "3").glob("*/manifest.json")
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step"', b'"steb"'))
+    assert run(args, "open", tmp_path) == ["opened, listed []\n"] * 2
+    said = (tmp_path / "1.err").read_text()  # process 1 learnt process 0's failure
+    assert "staged step 3 is not listed before its promotion" in said
 
 
 def test_the_others_wait_for_a_promotion_longer_than_the_timeout(
