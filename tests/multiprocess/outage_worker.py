@@ -14,7 +14,7 @@ FAST "split": one fast tier both share, and the durable tier answers process 0 o
 prints how that save was refused. FAST "stage" (the durable tier down from the start, each
 host's own fast tier) stages steps 1-3; FAST "resume" (it is back) resumes from the latest
 step every host staged, saves step 4 and prints what the tiers list then. FAST "slow" (one
-shared fast tier, the durable tier's marker writes slowed past the manager's 3 s timeout)
+shared fast tier, the durable tier's marker writes slowed past the manager's 5 s timeout)
 saves step 1 and prints what the tiers list once it is promoted. FAST "open" (as "stage")
 opens a manager and prints what it lists.
 """
@@ -136,7 +136,7 @@ def resume(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> No
 
 
 def slow(tiers: ckptstore.Tiered, state: State, sharding: NamedSharding) -> None:
-    options = ckptstore.ManagerOptions(timeout=3, handle_sigterm=False)
+    options = ckptstore.ManagerOptions(timeout=5, handle_sigterm=False)
     with ckptstore.CheckpointManager(tiers, options=options) as mgr:
         mgr.save(1, state(1), force=True).wait()  # type: ignore[union-attr]
         mgr.wait_until_finished()  # its promotion, which process 0 does for both

@@ -133,11 +133,11 @@ def test_a_damaged_staged_manifest_never_stops_a_manager_from_opening(
 def test_the_others_wait_for_a_promotion_longer_than_the_timeout(
     tmp_path: Path, ckptstore_s3_server: object, ckptstore_s3_bucket: str
 ) -> None:
-    """Process 0 promotes for both (one shared fast tier) and its durable marker takes 5 s
-    to write, past the manager's 3 s timeout: process 1 waits while process 0 works (it
+    """Process 0 promotes for both (one shared fast tier) and its durable marker takes 8 s
+    to write, past the manager's 5 s timeout: process 1 waits while process 0 works (it
     beats), where it gave up with `CoordinationError` at the timeout."""
     endpoint = ckptstore_s3_server.endpoint  # type: ignore[attr-defined]
-    slow = Fault("latency", rate=1.0, delay=5.0, methods=("PUT",), path="COMMITTED")
+    slow = Fault("latency", rate=1.0, delay=8.0, methods=("PUT",), path="COMMITTED")
     with FaultProxy(endpoint, faults=[slow]) as proxy:
         args = [str(tmp_path), proxy.endpoint, ckptstore_s3_bucket]
         assert run(args, "slow", tmp_path) == ["promoted, listed [1]\n"] * 2
