@@ -6,9 +6,9 @@ The durable tier is the S3 bucket BUCKET behind ENDPOINT (a `FaultProxy` the tes
 and off); the fast tier is ROOT/fast<PROCESS_ID> (FAST "own": each host's disk) or ROOT/fast
 (FAST "shared"). The job saves steps 1-2, prints "up" and waits for a line on stdin (the
 test takes the durable tier away); saves steps 3-7, each within `BOUND` seconds, opens a
-second manager on the same tiers, restores the latest step it lists with it, prints
-"down" with what both see, and waits again (the
-test brings the durable tier back); saves step 8 and prints "back" with what waits.
+second manager on the same tiers, restores the latest step it lists with it, prints "down"
+with what both see, and waits again (the test brings the durable tier back); saves step 8
+and prints "back" with what waits.
 FAST "split": one fast tier both share, and the durable tier answers process 0 only (process
 1 reaches it through a closed port); step 5, committed there, is saved again: each process
 prints how that save was refused. FAST "stage" (the durable tier down from the start, each
