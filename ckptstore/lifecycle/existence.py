@@ -12,10 +12,10 @@ for every process.
 from __future__ import annotations
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted
+from ckptstore.checkpoint.commit import ensure_uncommitted
 from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.bounded import bounded, checking, durable_listing, durable_uncommitted
+from ckptstore.tiers.bounded import bounded, checking, durable_uncommitted
 
 
 async def ensure_uncommitted_on(
@@ -34,10 +34,3 @@ async def ensure_uncommitted_on(
         await gather_first_error(checks)
 
     await Handoff(f"manager/exists/{step}", timeout).primary(check)
-
-
-async def durable_steps(durable: Backend, timeout: float) -> list[int] | None:
-    """The steps committed on the durable tier, or None (with a warning) when it does not
-    answer in time or fails (`durable_listing`): a manager opens, and lists its fast
-    tier's steps, while object storage is down."""
-    return await durable_listing(committed_steps(durable), timeout, "its steps")

@@ -43,7 +43,7 @@ from ckptstore.format.manifest import Manifest
 from ckptstore.lifecycle import atexit as at_exit
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.changes import ChangedRows
-from ckptstore.lifecycle.existence import durable_steps, ensure_uncommitted_on
+from ckptstore.lifecycle.existence import ensure_uncommitted_on
 from ckptstore.lifecycle.handles import SaveHandle, SaveStats
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
@@ -54,7 +54,7 @@ from ckptstore.lifecycle.writing import Writing
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS
+from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS, durable_steps
 from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
 from ckptstore.tiers.offline import StagedSteps, restore_staged_or_durable, staged_at_start
 from ckptstore.tiers.read import read_manifest

@@ -8,7 +8,8 @@ does not answer (or fails) is warned about and left out, never waited on for min
   on the durable tier alone is then refused by its promotion, which never replaces a
   committed step);
 - `durable_listing`: what the durable tier lists, asked for at most `DURABLE_LIST_SECONDS`;
-  no answer is None, and the caller goes on with the fast tier's.
+  no answer is None, and the caller goes on with the fast tier's (`durable_steps`: its
+  committed steps).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import ensure_uncommitted
+from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted
 from ckptstore.errors import AlreadyExistsError, RetriesExhaustedError, StorageError
 
 T = TypeVar("T")
@@ -79,3 +80,10 @@ async def durable_listing(
             "ckptstore: the durable tier did not list %s (%s); the fast tier's only", what, exc
         )
         return None
+
+
+async def durable_steps(durable: Backend, timeout: float) -> list[int] | None:
+    """The steps committed on the durable tier, or None (with a warning) when it does not
+    answer in time or fails (`durable_listing`): a manager opens, and a restore finds the
+    latest step, with the fast tier's while object storage is down."""
+    return await durable_listing(committed_steps(durable), timeout, "its steps")

@@ -29,7 +29,7 @@ from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import restore as plain
-from ckptstore.checkpoint.commit import committed_steps, digest
+from ckptstore.checkpoint.commit import digest
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.staged import read_staged
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError, TreeMismatchError
@@ -37,7 +37,7 @@ from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.bounded import durable_listing
+from ckptstore.tiers.bounded import durable_steps
 from ckptstore.tiers.hostlocal import fast_is_shared, staged_everywhere
 from ckptstore.tiers.read import restore as tiers_restore
 from ckptstore.tiers.target import Tiered
@@ -68,8 +68,7 @@ async def staged_at_start(fast: Backend, durable: Backend, timeout: float) -> St
         return StagedSteps()
 
     async def listed() -> str:
-        steps = await durable_listing(committed_steps(durable), timeout, "its steps")
-        return json.dumps(steps)
+        return json.dumps(await durable_steps(durable, timeout))
 
     on_durable = set(json.loads(await handoff.agree(listed)) or [])
     staged = await staged_everywhere(fast, handoff, host_view=True)

@@ -40,7 +40,7 @@ from ckptstore.errors import (
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.runtime.distributed import DEFAULT_TIMEOUT
-from ckptstore.tiers.bounded import durable_listing
+from ckptstore.tiers.bounded import durable_steps
 from ckptstore.tiers.target import Tiered
 
 T = TypeVar("T")
@@ -55,11 +55,11 @@ async def tier_steps(fast: Backend, durable: Backend) -> list[int]:
 
 async def _step(fast: Backend, durable: Backend, step: int | None) -> int:
     """``step``, or the latest committed on either tier; while the durable tier does not
-    answer (`bounded.durable_listing`), the fast tier's latest, with a warning: a restart
+    answer (`bounded.durable_steps`), the fast tier's latest, with a warning: a restart
     during an outage restores what the fast tier holds (its newest steps)."""
     if step is not None:
         return layout.check_step(step)
-    on_durable = await durable_listing(committed_steps(durable), DEFAULT_TIMEOUT, "its steps")
+    on_durable = await durable_steps(durable, DEFAULT_TIMEOUT)
     steps = sorted(set(await committed_steps(fast)) | set(on_durable or []))
     if not steps:
         raise CheckpointNotFoundError(
