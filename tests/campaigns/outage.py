@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 import ckptstore
-from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.runtime.blocking import run as blocking_run
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from ckptstore.testing.servers import MotoS3Server
+from tests.tiers.helpers import impatient_s3
 
 
 def state(step: int) -> dict[str, Any]:
@@ -45,12 +45,12 @@ def state(step: int) -> dict[str, Any]:
 def durable_s3(bucket: str, endpoint: str) -> S3Backend:
     """The durable tier as a job would configure it, with timeouts short enough that a
     black hole is noticed within seconds."""
-    return S3Backend(
+    return impatient_s3(
         bucket,
-        "run",
-        endpoint_url=endpoint,
-        credentials="env",
-        retry=RetryPolicy(max_attempts=3, base_delay=0.05, max_delay=0.5),
+        endpoint,
+        attempts=3,
+        base_delay=0.05,
+        max_delay=0.5,
         connect_timeout=1.0,
         read_timeout=2.0,
     )

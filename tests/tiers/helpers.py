@@ -58,15 +58,25 @@ def tiers_on(tmp_path: Path, capacity: int, margin: int = 4096) -> ckptstore.Tie
 # ---- a durable tier that gives up fast (test_outage.py, lifecycle/test_existence.py) ----
 
 
-def impatient_s3(bucket: str, endpoint: str) -> S3Backend:
+def impatient_s3(
+    bucket: str,
+    endpoint: str,
+    *,
+    attempts: int = 2,
+    base_delay: float = 0.01,
+    max_delay: float = 0.05,
+    connect_timeout: float = 0.5,
+    read_timeout: float = 0.5,
+) -> S3Backend:
     """An S3 backend on ``endpoint`` (a `FaultProxy` in front of moto) that gives up on a
-    dead server within about a second: two attempts, 0.5 s connect and read timeouts."""
+    dead server within about a second by default: two attempts, 0.5 s connect and read
+    timeouts (`tests/campaigns/outage.py` gives it a job's more patient settings)."""
     return S3Backend(
         bucket,
         "run",
         endpoint_url=endpoint,
         credentials="env",
-        retry=RetryPolicy(max_attempts=2, base_delay=0.01, max_delay=0.05),
-        connect_timeout=0.5,
-        read_timeout=0.5,
+        retry=RetryPolicy(max_attempts=attempts, base_delay=base_delay, max_delay=max_delay),
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
     )
