@@ -56,8 +56,9 @@ from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS, durable_steps
 from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
-from ckptstore.tiers.offline import StagedSteps, restore_staged_or_durable, staged_at_start
+from ckptstore.tiers.offline import StagedSteps, staged_at_start
 from ckptstore.tiers.read import read_manifest
+from ckptstore.tiers.read import restore as tiers_restore
 from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
 T = TypeVar("T")
@@ -406,7 +407,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         if self.durable is not None and step is None:  # the steps this manager lists
             step = self.latest_step()
         if isinstance(where, Tiered) and step in self._staged:  # not on the durable tier yet
-            return self._call(restore_staged_or_durable(where, self._staged[step], like, options))
+            return self._call(tiers_restore(where, step, like, options, self._staged[step]))
         return self._call(restore_with(where, step, like, options))
 
     def restore(

@@ -13,8 +13,8 @@ the same hosts while the durable tier does not answer reads those copies:
   promotion);
   of the newest of them, process 0 reads the manifest, checked against the digest its
   ``STAGED`` record holds, and every process gets it (`StagedSteps`);
-- `restore_staged_or_durable`: each process restores its devices' slices of that step from
-  its own copy with that manifest (where that cannot serve, another topology say, the
+- a restore of that step (`tiers.read.restore` given that manifest) reads each process's
+  devices' slices from its own copy (where that cannot serve, another topology say, the
   tiers are read as usual).
 
 Both hold the same attempt promotion commits later, so either read gives the same tree.
@@ -25,22 +25,17 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint.commit import digest
-from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.staged import read_staged
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError, TreeMismatchError
+from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import durable_steps
 from ckptstore.tiers.hostlocal import fast_is_shared, staged_everywhere
-from ckptstore.tiers.read import restore as tiers_restore
-from ckptstore.tiers.target import Tiered
 
 log = logging.getLogger("ckptstore")
 
@@ -94,33 +89,3 @@ async def staged_at_start(fast: Backend, durable: Backend, timeout: float) -> St
         log.warning("ckptstore: staged step %d is not listed before its promotion: %s", step, exc)
         return StagedSteps(waiting)
     return StagedSteps(waiting, newest)
-
-
-async def restore_staged_or_durable(
-    tiers: Tiered, manifest: Manifest, like: Any, options: RestoreOptions
-) -> Any:
-    """Restore the staged step ``manifest`` describes (`StagedSteps.newest`) from this
-    host's own copy; where it cannot serve (another topology, damage, no longer staged
-    here) from the tiers (`tiers.read.restore`), with a warning."""
-    step = manifest.step
-    async with tiers.opened() as (fast, _):
-        try:
-            mine = await read_staged(fast, step)
-            if mine is None or mine.attempt != manifest.attempt or not mine.host_view:
-                raise CorruptCheckpointError(
-                    f"this host's fast tier {fast.url} holds no copy of step {step} attempt "
-                    f"{manifest.attempt}"
-                )
-            result = await plain.restore_manifest(fast, manifest, like, options)
-            log.info("ckptstore: step %d read from this host's staged copy", step)
-            return result
-        except TreeMismatchError:
-            raise  # the caller's request: any copy holds the same tree
-        except CkptStoreError as exc:
-            log.warning(
-                "ckptstore: this host's staged copy of step %d cannot serve this restore, "
-                "reading the tiers: %s",
-                step,
-                exc,
-            )
-    return await tiers_restore(tiers, step, like, options)

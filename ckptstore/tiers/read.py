@@ -73,13 +73,15 @@ async def nearest(
     step: int | None,
     read: Callable[[Backend, int], Awaitable[T]],
     read_host: Callable[[Backend, Manifest], Awaitable[T]] | None = None,
+    staged: Manifest | None = None,
 ) -> T:
     """``read(backend, step)`` on the fast tier if it has ``step`` (the latest on either tier
     when None) committed and the read passes its checks, else on the durable tier.
 
     ``read_host(fast, manifest)``: where the step is staged on a host-local fast tier
-    (`hostlocal`) with this host's own copy of the attempt the durable tier committed,
-    that copy is tried first (same hosts, same topology: it holds every slice this host's
+    (`hostlocal`) with this host's own copy of the attempt the durable tier committed (or
+    of the attempt ``staged`` describes, a step not promoted yet: `tiers.offline`), that
+    copy is tried first (same hosts, same topology: it holds every slice this host's
     devices held); a read it cannot serve (another topology, damage) goes to the durable
     tier with a warning.
     """
@@ -100,7 +102,7 @@ async def nearest(
                     step,
                     exc,
                 )
-        elif read_host is not None and (manifest := await host_copy(fast, durable, step)):
+        elif read_host is not None and (manifest := await host_copy(fast, durable, step, staged)):
             try:
                 result = await read_host(fast, manifest)
                 log.info("ckptstore: step %d read from this host's fast copy", step)
@@ -119,18 +121,24 @@ async def nearest(
         return result
 
 
-async def host_copy(fast: Backend, durable: Backend, step: int) -> Manifest | None:
-    """The durable tier's verified manifest of ``step`` when this host's fast tier holds
-    its own copy (`hostlocal.write_host_view`) of the very attempt committed there."""
+async def host_copy(
+    fast: Backend, durable: Backend, step: int, staged: Manifest | None = None
+) -> Manifest | None:
+    """The durable tier's verified manifest of ``step`` (or ``staged``, given: the manifest
+    of a step not promoted yet) when this host's fast tier holds its own copy
+    (`hostlocal.write_host_view`) of the very attempt it describes."""
     try:
         mine = await read_staged(fast, step)
     except CorruptCheckpointError as exc:
         log.warning("ckptstore: ignoring this host's fast copy of step %d: %s", step, exc)
         return None
-    if mine is None or not mine.host_view or not await is_committed(durable, step):
+    if mine is None or not mine.host_view:
         return None
-    manifest = await load_committed(durable, step)
-    return manifest if manifest.attempt == mine.attempt else None
+    if staged is None:
+        if not await is_committed(durable, step):
+            return None
+        staged = await load_committed(durable, step)
+    return staged if staged.attempt == mine.attempt else None
 
 
 async def list_steps(tiers: Tiered) -> list[int]:
@@ -145,9 +153,17 @@ async def read_manifest(tiers: Tiered, step: int | None = None) -> Manifest:
     return await nearest(tiers, step, load_committed)
 
 
-async def restore(tiers: Tiered, step: int | None, like: Any, options: RestoreOptions) -> Any:
+async def restore(
+    tiers: Tiered,
+    step: int | None,
+    like: Any,
+    options: RestoreOptions,
+    staged: Manifest | None = None,
+) -> Any:
     """Restore a committed step (the latest when None) from the nearest tier with a good
-    copy, as `ckptstore.checkpoint.restore.restore` does on one backend."""
+    copy, as `ckptstore.checkpoint.restore.restore` does on one backend; ``staged``: the
+    manifest of ``step`` staged on host-local fast tiers and not promoted yet, read from
+    this host's own copy (`tiers.offline`)."""
 
     async def read(backend: Backend, at: int) -> Any:
         return await plain.restore(backend, at, like, options)
@@ -155,7 +171,7 @@ async def restore(tiers: Tiered, step: int | None, like: Any, options: RestoreOp
     async def read_host(fast: Backend, manifest: Manifest) -> Any:
         return await plain.restore_manifest(fast, manifest, like, options)
 
-    return await nearest(tiers, step, read, read_host)
+    return await nearest(tiers, step, read, read_host, staged)
 
 
 async def verify(

@@ -78,7 +78,7 @@ def test_two_processes_save_through_an_outage_of_the_durable_tier(
     assert down == [f"down unpromoted {waiting} reopened {reopened} restored 7"] * 2, down
     if fast == "own":
         for i in range(2):
-            assert "step 7 read from this host's staged copy" in (tmp_path / f"{i}.err").read_text()
+            assert "step 7 read from this host's fast copy" in (tmp_path / f"{i}.err").read_text()
     assert back == ["back unpromoted [] steps [6, 7, 8]"] * 2, back
     direct = S3Backend(ckptstore_s3_bucket, "run", endpoint_url=endpoint, credentials="env")
     assert ckptstore.list_steps_sync(direct) == [6, 7, 8]
