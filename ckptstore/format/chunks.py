@@ -34,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.format.codecs import Codec, compress, decompress_into
+from ckptstore.format.codecs import Codec
 from ckptstore.format.leaves import LeafInfo, dtype_of, zarr_spec
 from ckptstore.runtime.hostpool import aligned_empty
 
@@ -88,7 +88,7 @@ def as_written(info: LeafInfo, meta: bytes | bytearray | np.ndarray[Any, Any]) -
     return known(info) and bytes(meta) == encode_metadata(info)
 
 
-_TEMPLATES: dict[tuple[str, Codec], str | None] = {}
+_TEMPLATES: dict[tuple[str, Codec | None], str | None] = {}
 _SHAPE, _CHUNKS = '"shape":[1]', '"chunk_shape":[1]'
 
 
@@ -107,7 +107,7 @@ def encode_metadata(info: LeafInfo) -> bytes:
     return text.replace(_CHUNKS, '"chunk_shape":' + chunks, 1).encode()
 
 
-def _template(dtype: str, codec: Codec = None) -> str | None:
+def _template(dtype: str, codec: Codec | None = None) -> str | None:
     """TensorStore's ``zarr.json`` for ``dtype``, ``codec`` and shape ``[1]``; None if it is
     not the document this module knows how to adapt (then such leaves take TensorStore's
     path)."""
@@ -117,7 +117,7 @@ def _template(dtype: str, codec: Codec = None) -> str | None:
     return _TEMPLATES[key]
 
 
-def _probe(dtype: str, codec: Codec) -> str | None:
+def _probe(dtype: str, codec: Codec | None) -> str | None:
     probe = LeafInfo("t", (1,), dtype, (1,), "numpy", codec=codec)
     ctx = ts.Context()
     ts.open(zarr_spec({"driver": "memory"}, probe), create=True, context=ctx).result()
@@ -150,7 +150,7 @@ def chunk_parts(info: LeafInfo, data: np.ndarray[Any, Any]) -> tuple[memoryview,
     arr = np.ascontiguousarray(data, dtype=_little(dtype_of(info.dtype)))
     raw = arr.reshape(-1).view(np.uint8)
     if info.codec is not None:
-        packed = np.frombuffer(compress(info.codec, raw.data), np.uint8)
+        packed = np.frombuffer(info.codec.encode(raw.data), np.uint8)
         return packed.data, checksum(packed)
     return raw.data, checksum(raw)
 
@@ -159,8 +159,8 @@ def stored_size(info: LeafInfo) -> int:
     """Bytes of a stored chunk of a raw ``info`` (its data and checksum); of a compressed
     one, the most a chunk may hold (what a reader may allocate for one)."""
     size = math.prod(info.chunk_shape) * dtype_of(info.dtype).itemsize
-    if info.codec is not None:  # zstd's bound on a frame of ``size`` bytes, generously
-        size += (size >> 7) + 1024
+    if info.codec is not None:
+        size = info.codec.bound(size)
     return size + _CRC_BYTES
 
 
@@ -214,14 +214,15 @@ def _decode_compressed(
     packed = whole[: whole.size - _CRC_BYTES]
     if checksum(packed) != whole[packed.size :].tobytes():
         raise CorruptCheckpointError(f"{chunk}: checksum (crc32c) mismatch", leaf=info.name)
-    dtype = dtype_of(info.dtype)
+    dtype, codec = dtype_of(info.dtype), info.codec
+    assert codec is not None
     out = aligned_empty(info.chunk_shape, dtype)
     stored_as = _little(dtype)
     if stored_as == dtype:  # decoded where it stays
-        decompress_into(packed.data, out, info.name)
+        codec.decode_into(packed.data, out, info.name)
         return out
     little = np.empty(info.chunk_shape, stored_as)  # a big-endian dtype: swapped after
-    decompress_into(packed.data, little, info.name)
+    codec.decode_into(packed.data, little, info.name)
     np.copyto(out, little)
     return out
 

@@ -69,7 +69,7 @@ class LeafInfo:
     #: Shape, dtype and chunks are then those of the key data (`jax.random.key_data`).
     prng_impl: str | None = None
     #: How its chunks are compressed (`ckptstore.format.codecs`); None: raw.
-    codec: Codec = None
+    codec: Codec | None = None
     #: The dtype the leaf had before a save stored it as ``dtype`` (a lossy cast asked for:
     #: `ckptstore.format.casts`); a restore gives it back in this dtype. None: not cast.
     cast_from: str | None = None
@@ -96,7 +96,7 @@ class LeafInfo:
             out["cast_from"] = self.cast_from
         return out
 
-    def with_codec(self, codec: Codec) -> LeafInfo:
+    def with_codec(self, codec: Codec | None) -> LeafInfo:
         """This leaf stored with ``codec``."""
         return dataclasses.replace(self, codec=codec)
 
