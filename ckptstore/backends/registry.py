@@ -1,7 +1,8 @@
 """Opening backends from URLs and per-environment TOML profiles.
 
 URLs: ``/abs/path``, ``relative/path``, ``file:///abs/path``, ``memory://NAME``,
-``s3://bucket/prefix``, ``gs://bucket/prefix`` (also ``gcs://``).
+``s3://bucket/prefix``, ``gs://bucket/prefix`` (also ``gcs://``), and the schemes other
+packages register (`ckptstore.backends.schemes`).
 
 A profile is a small TOML file naming a backend and its options::
 
@@ -32,11 +33,12 @@ import importlib.util
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ckptstore.backends import schemes
 from ckptstore.backends._errors import redact_text, redact_url
 from ckptstore.backends.base import Backend
 from ckptstore.backends.endpoints import check_endpoint
@@ -46,24 +48,6 @@ from ckptstore.errors import ConfigError, InvalidURLError
 PROFILE_ENV = "CKPTSTORE_PROFILE"
 PROFILES_DIR_ENV = "CKPTSTORE_PROFILES_DIR"
 
-_COMMON = {"concurrency", "retry"}
-_OBJECT = {
-    "read_part_size",
-    "read_concurrency",
-    "ts_request_concurrency",
-    "connect_timeout",
-    "read_timeout",
-}
-_OPTIONS: dict[str, set[str]] = {
-    "local": _COMMON | {"fsync", "drop_cache", "create"},
-    "memory": _COMMON,
-    "s3": _COMMON
-    | _OBJECT
-    | {"endpoint", "region", "credentials", "profile", "multipart_threshold", "part_size"},
-    "gcs": _COMMON
-    | _OBJECT
-    | {"endpoint", "emulator", "project", "credentials", "resumable_threshold", "chunk_size"},
-}
 #: Option types checked before a backend sees them (the rest check themselves).
 _OPTION_TYPES: dict[str, type] = {
     **dict.fromkeys(("endpoint", "region", "credentials", "profile", "project"), str),
@@ -71,9 +55,6 @@ _OPTION_TYPES: dict[str, type] = {
     **dict.fromkeys(("multipart_threshold", "part_size", "resumable_threshold", "chunk_size"), int),
     **dict.fromkeys(("read_part_size", "read_concurrency"), int),
 }
-#: The packages each object-store backend needs, installed by the extra of the same name.
-_EXTRAS = {"s3": ("s3fs",), "gcs": ("gcsfs",)}
-_SCHEMES = {"file": "local", "memory": "memory", "s3": "s3", "gs": "gcs", "gcs": "gcs"}
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -118,12 +99,13 @@ def parse_url(url: str) -> tuple[str, tuple[str, str]]:
     parts = urlsplit(url)
     shown = redact(url)
     scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
-        known = ", ".join(f"{s}://" for s in _SCHEMES)
+    found = schemes.lookup(scheme)
+    if found is None:
+        known = ", ".join(f"{s}://" for s in schemes.known())
         raise InvalidURLError(f"unknown scheme {scheme!r} in {shown!r}; use a path or {known}")
     if parts.query or parts.fragment:
         raise InvalidURLError(f"{shown!r}: query strings and fragments are not supported")
-    kind = _SCHEMES[scheme]
+    kind = found.kind
     if kind == "local":
         if parts.netloc not in ("", "localhost"):
             raise InvalidURLError(f"{shown!r}: file URLs must be file:///absolute/path")
@@ -292,9 +274,9 @@ def _expand(value: Any, file: Path) -> Any:
 
 
 def _check_options(kind: str, options: Mapping[str, Any], *, source: str) -> None:
-    unknown = set(options) - _OPTIONS[kind]
+    unknown = set(options) - schemes.of_kind(kind).allowed
     if unknown:
-        allowed = ", ".join(sorted(_OPTIONS[kind]))
+        allowed = ", ".join(sorted(schemes.of_kind(kind).allowed))
         raise ConfigError(
             f"{source}: unknown option(s) {sorted(unknown)} for a {kind} backend "
             f"(allowed: {allowed})"
@@ -332,7 +314,7 @@ def _retry(value: Any, source: str) -> RetryPolicy:
 def require_extra(kind: str) -> None:
     """Raise `ConfigError` naming the extra to install if a ``kind`` backend's packages are
     missing (s3fs and gcsfs are optional: ``pip install 'ckptstore[s3]'``)."""
-    missing = [m for m in _EXTRAS.get(kind, ()) if importlib.util.find_spec(m) is None]
+    missing = [m for m in schemes.of_kind(kind).extras if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(
             f"{kind} backends need {', '.join(missing)}, which is not installed: "
@@ -349,36 +331,4 @@ def _build(kind: str, location: tuple[str, str], options: dict[str, Any], source
     if "endpoint" in opts:
         opts["endpoint_url"] = opts.pop("endpoint")
     root, prefix = location
-    return _BUILDERS[kind](root, prefix, opts)
-
-
-def _local(root: str, _prefix: str, opts: dict[str, Any]) -> Backend:
-    from ckptstore.backends.local import LocalBackend
-
-    return LocalBackend(root, **opts)
-
-
-def _memory(name: str, _prefix: str, opts: dict[str, Any]) -> Backend:
-    from ckptstore.backends.memory import MemoryBackend
-
-    return MemoryBackend(name or None, **opts)
-
-
-def _s3(bucket: str, prefix: str, opts: dict[str, Any]) -> Backend:
-    from ckptstore.backends.s3 import S3Backend
-
-    return S3Backend(bucket, prefix, **opts)
-
-
-def _gcs(bucket: str, prefix: str, opts: dict[str, Any]) -> Backend:
-    from ckptstore.backends.gcs import GcsBackend
-
-    return GcsBackend(bucket, prefix, **opts)
-
-
-_BUILDERS: dict[str, Callable[[str, str, dict[str, Any]], Backend]] = {
-    "local": _local,
-    "memory": _memory,
-    "s3": _s3,
-    "gcs": _gcs,
-}
+    return schemes.of_kind(kind).build(root, prefix, opts)
