@@ -92,7 +92,9 @@ def walks() -> dict[str, Any]:
         tiered = ckptstore.Tiered(fast=str(Path(tmp) / "fast"), durable=str(Path(tmp) / "dur"))
         for name, target in (("plain", plain), ("tiered", tiered)):
             asyncio.run(ckptstore.save(target, state, step=0))  # imports, caches
-            out[f"{name} save"] = _walk(lambda t=target: asyncio.run(ckptstore.save(t, state, step=1)))
+            out[f"{name} save"] = _walk(
+                lambda t=target: asyncio.run(ckptstore.save(t, state, step=1))
+            )
             out[f"{name} restore"] = _walk(lambda t=target: asyncio.run(ckptstore.restore(t, 1)))
     return out
 
