@@ -101,6 +101,7 @@ class Simulated:
 def counting_backend(inner: Any, counts: Counter[str]) -> Any:
     """``inner`` behind a `Backend` that counts each byte-API call (and directory syncs)
     in ``counts`` by operation; nothing else changes (a `FaultyBackend` with no faults)."""
+    from ckptstore.backends import supports
     from ckptstore.testing.faults import FaultyBackend
 
     class Counting(FaultyBackend):
@@ -112,7 +113,7 @@ def counting_backend(inner: Any, counts: Counter[str]) -> Any:
 
         async def sync_dirs(self, prefix: str) -> None:
             counts["sync_dirs"] += 1
-            await self.inner.sync_dirs(prefix)
+            await supports.sync_dirs(self.inner, prefix)
 
     return Counting(inner, ops=())
 

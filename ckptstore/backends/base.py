@@ -235,43 +235,6 @@ class Backend(ABC):
         """The context `ts_context` creates; backends with their own resources override it."""
         return ts.Context()
 
-    def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
-        """A context to hold while writing below ``prefix`` through TensorStore.
-
-        Backends with a local page cache drop written data from it; others do nothing.
-        """
-        return contextlib.nullcontext()
-
-    async def free_bytes(self) -> int | None:
-        """Bytes a writer can still add below the root, where the storage can tell (a local
-        filesystem); None where it cannot (object stores: no such limit to check)."""
-        return None
-
-    async def sync_dirs(self, prefix: str) -> None:  # noqa: B027 - optional hook
-        """Make every directory below ``prefix`` (and its ancestors up to the root) durable,
-        whoever created it, TensorStore included: a commit calls it before its marker, so a
-        crash of the machine cannot keep the marker and lose a directory entry it relies on.
-        Nothing here: object stores have no directories."""
-
-    async def prune_dirs(self, prefix: str) -> None:  # noqa: B027 - optional hook
-        """Remove the empty directories below ``prefix``, then ``prefix`` and each ancestor
-        below the root, each only while it is empty (a directory a writer has put something
-        into stays), so deleting the last object of a step leaves no empty directory behind.
-        Nothing here: object stores have no directories."""
-
-    async def escapes(self, prefix: str) -> Names:
-        """Keys below ``prefix`` that lead out of the root (symbolic links on a local
-        disk), which every read refuses; `verify` reports them instead of reading through
-        TensorStore, which would follow them. None here: object stores have no links."""
-        return []
-
-    async def remove_temporaries(self, older_than: float, *, dry_run: bool = False) -> Infos:
-        """Remove what writes killed midway left behind: temporary objects `list` never
-        shows, untouched for ``older_than`` seconds (0: every one, so only while no writer
-        runs). Returns them. None here: object stores make an upload visible whole or not
-        at all, with nothing on the side."""
-        return []
-
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and other resources."""
 

@@ -7,7 +7,7 @@
 - `collect` (``ckptstore.gc`` on one backend) removes what no commit marker names:
   uncommitted attempts, leftovers of format-version-1 saves that never committed, part
   directories a committed attempt does not use, and the temporary files of writes
-  killed midway (local disk: `Backend.remove_temporaries`). Only what nobody has
+  killed midway (local disk: `SupportsTemporaries.remove_temporaries`). Only what nobody has
   written to for ``older_than`` seconds goes, and never anything a committed attempt's
   manifest lists under ``references``.
 
@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from ckptstore.backends import supports
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint import commit as protocol
 from ckptstore.checkpoint.commit import (
@@ -325,7 +326,7 @@ async def remove_step(
             else:
                 await _remove(backend, entry.key, entry.objects)
             removal.add(entry.key, entry.objects)
-    await backend.prune_dirs(layout.step_dir(step))  # gone unless a tombstone stays
+    await supports.prune_dirs(backend, layout.step_dir(step))  # gone unless a tombstone stays
     return removal
 
 
@@ -400,7 +401,7 @@ async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal
                 await _remove(backend, key, objects)
             removal.add(key, objects)
     removed = tuple(f"{key}/" for key in removal.entries)
-    temporaries = await backend.remove_temporaries(older_than, dry_run=dry_run)
+    temporaries = await supports.remove_temporaries(backend, older_than, dry_run=dry_run)
     for info in temporaries:
         if not info.key.startswith(removed):  # else part of an entry named already
             removal.add(info.key, [info])
@@ -410,7 +411,7 @@ async def collect(backend: Backend, older_than: float, dry_run: bool) -> Removal
         empty = {layout.step_dir(s.step) for s in scans if not s.committed}
         empty |= {info.key.rpartition("/")[0] for info in temporaries if "/" in info.key}
         for prefix in sorted(empty):
-            await backend.prune_dirs(prefix)
+            await supports.prune_dirs(backend, prefix)
     return removal
 
 

@@ -40,6 +40,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ckptstore.backends import supports
 from ckptstore.backends.base import Backend
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -269,7 +270,7 @@ async def clear_attempt(backend: Backend, where: AttemptDir, *, keep_fate: bool)
                 removed += 1
         # Only empty directories are left: pruned, never deleted blindly (once the records
         # are gone a promotion may claim the attempt afresh and copy a holder into it).
-        await backend.prune_dirs(where.root)
+        await supports.prune_dirs(backend, where.root)
     return removed
 
 
@@ -392,7 +393,7 @@ async def commit(backend: Backend, manifest: Manifest, fate: Fate) -> Marker:
     # Every directory the attempt created is made durable before the marker, while the
     # manifest is encoded, written (its own directory with it) and the base checked.
     try:
-        data, _ = await gather_first_error([written(), backend.sync_dirs(where.root)])
+        data, _ = await gather_first_error([written(), supports.sync_dirs(backend, where.root)])
     except BaseStepGoneError:
         await _give_up(backend, where, fate)
         raise

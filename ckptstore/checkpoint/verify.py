@@ -27,6 +27,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from ckptstore.backends import supports
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
 from ckptstore.checkpoint.commit import load_committed
@@ -132,7 +133,7 @@ async def verify_step(
         roots = [layout.AttemptDir(step, manifest.attempt).root]
         roots += [ref.dir.root for ref in manifest.references]
         for root in roots:  # the attempt, and those holding leaves it references
-            for key in await backend.escapes(root):
+            for key in await supports.escapes(backend, root):
                 report.problems[key] = "leads outside the checkpoint's root (a link): not read"
         if report.problems:
             return report

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from ckptstore.backends import supports
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import policy_of, within
 from ckptstore.backends.tserrors import write_error
@@ -139,8 +140,8 @@ async def write_store(
 ) -> WriteStats:
     """`write_leaves` into the OCDBT store at key ``store`` of ``backend`` (a process's
     store of an attempt or a part), with the backend's page-cache handling around it
-    (`Backend.write_behind`). ``options``: `write_leaves`' keyword arguments."""
-    with backend.write_behind(store):
+    (`supports.write_behind`). ``options``: `write_leaves`' keyword arguments."""
+    with supports.write_behind(backend, store):
         return await write_leaves(
             ocdbt_spec(backend.kvstore_spec(store), fresh=True),
             backend.ts_context,

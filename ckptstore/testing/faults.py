@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 
 import tensorstore as ts
 
+from ckptstore.backends import supports
 from ckptstore.backends.base import Backend, Buffer, ObjectInfo
 from ckptstore.errors import StorageError, TransientStorageError
 
@@ -93,18 +94,18 @@ class FaultyBackend(Backend):
         return self.inner.ts_context
 
     def write_behind(self, prefix: str) -> contextlib.AbstractContextManager[object]:
-        return self.inner.write_behind(prefix)
+        return supports.write_behind(self.inner, prefix)
 
     async def remove_temporaries(
         self, older_than: float, *, dry_run: bool = False
     ) -> list[ObjectInfo]:
-        return await self.inner.remove_temporaries(older_than, dry_run=dry_run)
+        return await supports.remove_temporaries(self.inner, older_than, dry_run=dry_run)
 
     async def sync_dirs(self, prefix: str) -> None:
-        await self.inner.sync_dirs(prefix)
+        await supports.sync_dirs(self.inner, prefix)
 
     async def prune_dirs(self, prefix: str) -> None:
-        await self.inner.prune_dirs(prefix)
+        await supports.prune_dirs(self.inner, prefix)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from ckptstore.backends import supports
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.cleanup import trim_step
 from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker, same_commit
@@ -129,7 +130,7 @@ async def ensure_room(
     Raises `InsufficientSpaceError` (naming the tier, the bytes needed and free) when even
     evicting every promoted step would not be enough; then nothing is evicted.
     """
-    free = await fast.free_bytes()
+    free = await supports.free_bytes(fast)
     needed = nbytes + room.margin
     if free is None or free >= needed:
         return []
@@ -153,7 +154,7 @@ async def ensure_room(
     for step in candidates:
         await _evict(fast, step)
         evicted.append(step)
-        free = await fast.free_bytes()
+        free = await supports.free_bytes(fast)
         if free is None or free >= needed:
             break
     else:
