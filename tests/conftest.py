@@ -14,6 +14,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from ckptstore.backends.base import Backend
 from ckptstore.backends.retry import RetryPolicy
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long tests (marked ``slow``, each 30 s or more) first: the workers start them
+    together while the short ones fill the gaps after, instead of one of them starting last
+    and holding up the end of the run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 BACKENDS = ["local", "memory", "s3", "gcs"]
 FAST_RETRY = RetryPolicy(max_attempts=4, base_delay=0.01, max_delay=0.1)
 

@@ -159,6 +159,7 @@ def test_declared_device_benchmark_quick_run(tmp_path: Path) -> None:
     ("where", "extra"),
     [("tmpfs", ["--profile", "--variants", ",nogc"]), ("disk", ["--parts", "loop,memory"])],
 )
+@pytest.mark.slow
 def test_accelerator_loop_part_dry_run(where: str, extra: list[str]) -> None:
     # The loop part on CPU devices: four trees, every contender (none, ckptstore, Orbax, the
     # hardware's drain); in "tmpfs" the profile with a write-path variant, on "disk" the

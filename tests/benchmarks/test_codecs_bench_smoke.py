@@ -7,9 +7,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.helpers import quick_run
 
 
+@pytest.mark.slow
 def test_codecs_benchmark_quick_run() -> None:
     out = quick_run("codecs.py", timeout=300)
     stored = {}

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_save_restore_benchmark_quick_run() -> None:
     script = REPO / "benchmarks" / "save_restore.py"
     proc = subprocess.run(

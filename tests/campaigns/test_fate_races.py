@@ -150,6 +150,7 @@ def race(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str,
 
 
 @pytest.mark.parametrize("kind", list(ROUNDS))
+@pytest.mark.slow
 def test_two_processes_on_one_attempt_lose_nothing(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

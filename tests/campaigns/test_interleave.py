@@ -34,6 +34,7 @@ from tests.campaigns.interleave import (
 )
 
 
+@pytest.mark.slow
 async def test_every_pair_with_one_preemption_and_random_triples_keep_committed_steps() -> None:
     tally = Tally()
     for scenario in SCENARIOS:
@@ -46,6 +47,7 @@ async def test_every_pair_with_one_preemption_and_random_triples_keep_committed_
     assert tally.schedules > 300  # most pairs have many: one per preemption point
 
 
+@pytest.mark.slow
 async def test_incremental_saves_racing_delete_step_and_gc_keep_committed_steps() -> None:
     """An incremental save against `delete_step` of its base (or of the attempt holding
     its bytes) and `gc`: every step an actor was told is committed, and every listed one,

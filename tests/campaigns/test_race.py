@@ -17,6 +17,7 @@ ROUNDS = {"local": 20, "s3": 10}
 
 
 @pytest.mark.parametrize("kind", list(ROUNDS))
+@pytest.mark.slow
 def test_racing_processes_one_winner_per_round(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

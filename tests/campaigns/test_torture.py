@@ -18,6 +18,7 @@ from tests.campaigns.torture_report import table
 POINTS = 20
 
 
+@pytest.mark.slow
 def test_twenty_kills_lose_and_tear_no_committed_step(
     ckptstore_s3_server: MotoS3Server,
     ckptstore_s3_bucket: str,

@@ -27,6 +27,7 @@ S3 = pytest.param(
 
 
 @pytest.mark.parametrize("where", [pytest.param([], id="local"), S3])
+@pytest.mark.slow
 def test_demo_preempts_resumes_and_finishes(where: list[str]) -> None:
     args = ["--steps", "40", "--save-every", "10", "--preempt-at", "14", "--adapter-steps", "3"]
     args += where

@@ -33,6 +33,7 @@ def run(root: Path, *extra: str) -> tuple[int, list[dict[str, Any]]]:
     return proc.returncode, lines
 
 
+@pytest.mark.slow
 def test_an_nnx_model_with_dropout_is_killed_and_resumes_bit_exact(tmp_path: Path) -> None:
     code, whole = run(tmp_path / "whole")
     assert code == 0

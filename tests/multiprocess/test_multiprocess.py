@@ -154,6 +154,7 @@ def test_two_processes_build_a_step_from_partial_saves(tmp_path: Path) -> None:
         np.testing.assert_array_equal(out[k], expected(k))
 
 
+@pytest.mark.slow
 def test_losing_the_commit_is_already_exists_on_every_process(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     outputs = run_job(root, "late")
@@ -223,6 +224,7 @@ async def undo_the_end_of_promotion(durable: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.slow
 def test_two_hosts_with_their_own_fast_tiers_promote_and_merge_on_the_durable_tier(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -349,6 +351,7 @@ def preempt(procs: list[subprocess.Popen[str]], which: list[int], logs: Path) ->
     return outputs
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_or_both_processes_saves_the_same_step_on_both(tmp_path: Path) -> None:
     root, logs = tmp_path / "ckpt", tmp_path / "logs"
     # SIGTERM reaches process 1 only; JAX's preemption sync point tells both which step.

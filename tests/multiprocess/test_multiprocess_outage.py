@@ -37,6 +37,7 @@ def say(procs: list[subprocess.Popen[str]], line: str) -> list[str]:
     # their promotion; a restart lists the newest, and reads it from each host's own copy.
     [("own", [3, 4, 5, 6, 7], [7]), ("shared", [5, 6, 7], [5, 6, 7])],
 )
+@pytest.mark.slow
 def test_two_processes_save_through_an_outage_of_the_durable_tier(
     tmp_path: Path,
     ckptstore_s3_server: object,

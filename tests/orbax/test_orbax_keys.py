@@ -54,6 +54,7 @@ def orbax_save(root: Path, tree: Any, step: int = 3) -> None:
         manager.wait_until_finished()
 
 
+@pytest.mark.slow
 def test_keys_orbax_saved_restore_in_place_and_import_as_typed_keys(tmp_path: Path) -> None:
     trees = sharded_trees()
     orbax_save(tmp_path / "orbax", trees)

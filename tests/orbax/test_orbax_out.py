@@ -340,6 +340,7 @@ def test_import_orbax_stores_leaves_as_codecs_and_casts_say(
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_cli_on_orbax_checkpoints_and_both_directions(tmp_path: Path) -> None:
     root = tmp_path / "run"
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": 7}

@@ -200,6 +200,7 @@ KILLED_PROMOTER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 async def test_a_killed_promotion_never_lists_a_step_missing_bytes(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
