@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import read_marker
 from ckptstore.format import layout
+from ckptstore.protocol import read_marker
 
 
 async def committed_root(backend: Backend, step: int) -> str:
@@ -33,11 +33,11 @@ def largest_data_file(below: Path) -> Path:
 @contextlib.contextmanager
 def a_day_later() -> Iterator[None]:
     """As if a day had passed, for gc: commit claims that never got a marker, and the fate
-    records of collected attempts (tombstones), expire (`commit.CLAIM_TTL`)."""
-    from ckptstore.checkpoint import commit
+    records of collected attempts (tombstones), expire (`fates.CLAIM_TTL`)."""
+    from ckptstore.protocol import fates
 
-    ttl, commit.CLAIM_TTL = commit.CLAIM_TTL, 0.0
+    ttl, fates.CLAIM_TTL = fates.CLAIM_TTL, 0.0
     try:
         yield
     finally:
-        commit.CLAIM_TTL = ttl
+        fates.CLAIM_TTL = ttl

@@ -26,6 +26,7 @@ ROWS = [
     ["api"],
     ["importers", "orbax", "tiers"],
     ["checkpoint"],
+    ["protocol"],
     ["datapath"],
     ["format"],
     ["backends"],

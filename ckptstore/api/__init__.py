@@ -18,7 +18,6 @@ from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import save as plain_save
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.cleanup import Removal
-from ckptstore.checkpoint.commit import committed_steps, latest_manifest, resolve_step
 from ckptstore.checkpoint.declared import declared_rows
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.partial import PartialSave
@@ -36,6 +35,7 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
 from ckptstore.orbax import read as orbax_read
 from ckptstore.orbax import steps as orbax_steps
+from ckptstore.protocol import committed_steps, latest_manifest, resolve_step
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import blocking, run
 from ckptstore.tiers import cleanup as tier_cleanup

@@ -12,10 +12,10 @@
   manifest lists under ``references``.
 
 Commit protocol v3: `gc` deletes an undecided attempt only after winning its fate
-(`commit.claim`, "collect"), so a writer that was merely slow (any grace, 0
+(`Attempt.claim`, "collect"), so a writer that was merely slow (any grace, 0
 included) fails its commit with `FencedError` instead of committing what gc
 deleted. An attempt claimed for a commit that never came is kept for
-`commit.CLAIM_TTL`; the fate record of a collected or abandoned attempt stays
+`fates.CLAIM_TTL`; the fate record of a collected or abandoned attempt stays
 that long too, as a tombstone.
 """
 
@@ -31,20 +31,6 @@ from dataclasses import dataclass, field
 
 from ckptstore.backends import supports
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.checkpoint import commit as protocol
-from ckptstore.checkpoint.commit import (
-    COLLECT,
-    Marker,
-    claim,
-    clear_attempt,
-    committed_steps,
-    load_manifest,
-    new_owner,
-    read_fate,
-    read_marker,
-    read_marker_bytes,
-    revoke,
-)
 from ckptstore.checkpoint.staged import STAGED, read_staged
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -56,6 +42,18 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import (
+    COLLECT,
+    Attempt,
+    Marker,
+    committed_steps,
+    fates,
+    load_manifest,
+    new_owner,
+    read_marker,
+    read_marker_bytes,
+    revoke,
+)
 
 log = logging.getLogger("ckptstore")
 
@@ -93,7 +91,7 @@ class StepScan:
     marker: Marker | None
     marker_error: str | None  # the marker exists but cannot be read
     entries: list[Entry]
-    index: int = 0  # the current marker's (`commit.StepRecords`), read or not
+    index: int = 0  # the current marker's (`protocol.StepRecords`), read or not
     #: The step's commit and revocation records (`layout.parse_step_record`), current or not.
     records: list[ObjectInfo] = field(default_factory=list)
 
@@ -244,7 +242,7 @@ async def _still_names(backend: Backend, step: int, attempt: str) -> bool:
 async def _in_flight(backend: Backend, seen: set[tuple[int, str]]) -> set[tuple[int, str]]:
     """What attempts not in ``seen`` reference, listed now: saves that wrote their
     manifest and may still commit (their fate is a commit claim younger than
-    `commit.CLAIM_TTL`, or undecided), and steps committed since ``seen`` was read."""
+    `fates.CLAIM_TTL`, or undecided), and steps committed since ``seen`` was read."""
     out: set[tuple[int, str]] = set()
     steps = sorted(
         s for s in (layout.parse_step(n) for n in await backend.list_dir()) if s is not None
@@ -259,10 +257,10 @@ async def _in_flight(backend: Backend, seen: set[tuple[int, str]]) -> set[tuple[
             except NotFoundError:
                 continue  # still writing (or not a save's): it references nothing yet
             try:
-                fate = await read_fate(backend, where)
+                fate = await Attempt(backend, where).fate()
             except CorruptCheckpointError:
                 fate = None  # cannot tell: count its references
-            if fate is not None and (fate.dead or time.time() - fate.time >= protocol.CLAIM_TTL):
+            if fate is not None and (fate.dead or time.time() - fate.time >= fates.CLAIM_TTL):
                 continue  # it will never commit
             if await backend.exists(where.deleted):
                 continue  # a deleted step's: what it referenced, its referrers list too
@@ -322,7 +320,7 @@ async def remove_step(
         elif entry.committed:
             if layout.is_attempt(entry.name):
                 where = layout.AttemptDir(step, entry.name)
-                await clear_attempt(backend, where, keep_fate=tombstone)
+                await Attempt(backend, where).clear(keep_fate=tombstone)
             else:
                 await _remove(backend, entry.key, entry.objects)
             removal.add(entry.key, entry.objects)
@@ -428,10 +426,11 @@ async def _collect_attempt(
     ``older_than``), or once it is dead (abandoned, collected: then only its tombstone
     stays, until `CLAIM_TTL`), or once a commit claim on it is older than `CLAIM_TTL`."""
     where = layout.AttemptDir(entry.step, entry.name)
+    attempt = Attempt(backend, where, owner)
     records = {f"{where.root}/{name}" for name in layout.TOMBSTONES}
     data = [o for o in entry.objects if o.key not in records]
     try:
-        fate = await read_fate(backend, where) if len(data) < len(entry.objects) else None
+        fate = await attempt.fate() if len(data) < len(entry.objects) else None
     except CorruptCheckpointError as exc:
         log.warning("gc keeps %s: %s", where.root, exc)
         removal.kept_young.append(entry.key)
@@ -444,29 +443,29 @@ async def _collect_attempt(
     if fate is None and not deleted and data:
         if not dry_run:
             try:
-                await claim(backend, where, COLLECT, owner)
+                await attempt.claim(COLLECT)
             except FencedError:  # a writer decided it first: its to commit or remove
                 removal.kept_young.append(entry.key)
                 return
-            await clear_attempt(backend, where, keep_fate=True)
+            await attempt.clear(keep_fate=True)
         removal.add(entry.key, data)
         return
     dead = deleted or (fate is not None and fate.dead)
     decided = fate.time if fate is not None else 0.0  # no fate record: nothing to wait for
     if dead and data:  # a dead attempt's late writes
         if not dry_run:
-            await clear_attempt(backend, where, keep_fate=True)
+            await attempt.clear(keep_fate=True)
         removal.add(entry.key, data)
-    elif now - decided >= protocol.CLAIM_TTL:  # a tombstone, or a claim never committed
+    elif now - decided >= fates.CLAIM_TTL:  # a tombstone, or a claim never committed
         if not dry_run:
-            await clear_attempt(backend, where, keep_fate=False)
+            await attempt.clear(keep_fate=False)
         removal.add(entry.key, entry.objects)
     else:
         removal.kept_young.append(entry.key)
 
 
 def _expired_records(s: StepScan, now: float) -> list[tuple[str, list[ObjectInfo]]]:
-    """Revocations older than `commit.CLAIM_TTL` (no stale deletion can still name their
+    """Revocations older than `fates.CLAIM_TTL` (no stale deletion can still name their
     commit), each after the void marker of the same index if one is left: in that order."""
     names = {info.key.split("/")[1]: info for info in s.records}
     out = []
@@ -474,7 +473,7 @@ def _expired_records(s: StepScan, now: float) -> list[tuple[str, list[ObjectInfo
         record = layout.parse_step_record(name)
         if record is None or record[0] != layout.REVOKED:
             continue
-        if info.mtime is None or now - info.mtime < protocol.CLAIM_TTL:
+        if info.mtime is None or now - info.mtime < fates.CLAIM_TTL:
             continue
         marker = names.get(layout.commit_key(s.step, record[1]).split("/")[1])
         if marker is not None:

@@ -14,9 +14,8 @@ import logging
 import time
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import ABANDON, claim, clear_attempt
 from ckptstore.errors import CkptStoreError, FencedError, NotFoundError
-from ckptstore.format import layout
+from ckptstore.protocol import Attempt
 from ckptstore.runtime.handoff import Handoff
 
 log = logging.getLogger("ckptstore")
@@ -41,7 +40,7 @@ async def root_missing(backend: Backend) -> NotFoundError | None:
     return None
 
 
-async def discard(backend: Backend, where: layout.AttemptDir, handoff: Handoff, owner: str) -> None:
+async def discard(attempt: Attempt, handoff: Handoff) -> None:
     """Remove the attempt of a save that failed before its commit began, so that what it
     wrote (on a full disk: the space the next save needs) goes at once. Process 0 removes
     it once every process has reported the end of its writes (within `DISCARD_WAIT`
@@ -50,12 +49,13 @@ async def discard(backend: Backend, where: layout.AttemptDir, handoff: Handoff, 
     counts; one that `gc` won is gc's to remove)."""
     if handoff.me != 0:
         return
+    where = attempt.where
     if not await handoff.settled(min(handoff.timeout, DISCARD_WAIT)):
         log.warning("a failed save left attempt %s for gc: not every process reported", where.root)
         return
     try:
-        await claim(backend, where, ABANDON, owner)
-        removed = await cleared_until_quiet(backend, where)
+        await attempt.abandon()
+        removed = await cleared_until_quiet(attempt)
     except FencedError:
         log.info("a failed save's attempt %s is gc's (it decided first)", where.root)
         return
@@ -65,7 +65,7 @@ async def discard(backend: Backend, where: layout.AttemptDir, handoff: Handoff, 
         log.info("a failed save's attempt %s removed (%d objects)", where.root, removed)
 
 
-async def cleared_until_quiet(backend: Backend, where: layout.AttemptDir) -> int:
+async def cleared_until_quiet(attempt: Attempt) -> int:
     """Clear an abandoned attempt until it stays empty, then drop its fate record.
 
     The writes of the failed save have all been awaited, but TensorStore may still be
@@ -74,15 +74,15 @@ async def cleared_until_quiet(backend: Backend, where: layout.AttemptDir) -> int
     after the first clear had listed the attempt). The attempt is listed again, with
     growing pauses, until two listings find nothing (at most `STRAGGLER_WAIT` seconds); its
     ABANDON fate stays meanwhile, so nobody can claim it. Returns the objects removed."""
-    removed = await clear_attempt(backend, where, keep_fate=True)
+    removed = await attempt.clear(keep_fate=True)
     delay, quiet, deadline = 0.05, 0, time.monotonic() + STRAGGLER_WAIT
     while quiet < 2 and time.monotonic() < deadline:
         await asyncio.sleep(delay)
-        more = await clear_attempt(backend, where, keep_fate=True)
+        more = await attempt.clear(keep_fate=True)
         removed += more
         quiet = quiet + 1 if more == 0 else 0
         delay = min(2 * delay, 0.4)
-    return removed + await clear_attempt(backend, where, keep_fate=False)
+    return removed + await attempt.clear(keep_fate=False)
 
 
 #: How long a failed save's cleanup waits for TensorStore's last writes (`cleared_until_quiet`).

@@ -6,7 +6,7 @@ recorded is not written; the new manifest records it as held by the attempt that
 its bytes (B's own, or the one B itself referenced for it: always the original holder,
 never a chain). Reads go there (`ckptstore.checkpoint.restore`, `verify`); `delete_step`
 and `gc` keep every referenced attempt (`ckptstore.checkpoint.cleanup`); the commit
-re-checks that B is still committed (`ckptstore.checkpoint.commit.check_base`). The
+re-checks that B is still committed (`ckptstore.protocol.check_base`). The
 model and its safety argument: docs/incremental.md.
 
 Every process digests its own pieces of each candidate leaf; a leaf is referenced only if
@@ -27,7 +27,6 @@ import numpy as np
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.chunklevel import base_chunk_digests, plan_chunks
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.declared import Declared
 from ckptstore.datapath.arrays import owned_slices
 from ckptstore.datapath.chunkwrites import ChunkPlan
@@ -45,6 +44,7 @@ from ckptstore.format.digests import (
 from ckptstore.format.leaves import LeafInfo, dtype_of
 from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import PackRef
+from ckptstore.protocol import load_committed
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
 

@@ -1,6 +1,6 @@
 """Partial saves: build one checkpoint step from many parts, in O(total bytes).
 
-A session is one attempt of the step (`ckptstore.checkpoint.commit`): it records
+A session is one attempt of the step (`ckptstore.protocol`): it records
 itself in ``<step>/<attempt>/SESSION.json`` so that a resumer finds it. Each
 `PartialSave.add` writes a *new* directory ``<attempt>/<item>/pending_<k>-<token>/``
 holding per-process OCDBT stores, then records the part by creating
@@ -17,7 +17,7 @@ parts are kept, an unrecorded (interrupted) part is ignored and left for
 
 Several actors may hold one session (a resumed job and its zombie, a finalize and an
 abandon, gc). `finalize` and `abandon` first claim the attempt's fate
-(`ckptstore.checkpoint.commit.claim`, one create-if-absent): the loser gets
+(`ckptstore.protocol.Attempt.claim`, one create-if-absent): the loser gets
 `FencedError` before it writes anything, so a committed session is never rebuilt or
 deleted under its readers. A finalize killed after its claim leaves the session
 decided: resuming starts a new session (its parts go to gc).
@@ -27,7 +27,7 @@ later save's base. A session opened with ``base=B`` (a committed step, named onc
 ``SESSION.json``) is incremental like ``save(..., base=B)``: each `add` references the
 leaves unchanged since B instead of writing them (`ckptstore.checkpoint.incremental`,
 one agreement round per part), and `finalize` commits only if B is still committed
-(`ckptstore.checkpoint.commit.check_base`; docs/incremental.md).
+(`ckptstore.protocol.check_base`; docs/incremental.md).
 
 A session has one item (the one it was opened for, named in ``SESSION.json``), and may
 add parts to other items of the same step (``add(..., item=NAME)``) and JSON items at
@@ -45,16 +45,6 @@ from types import TracebackType
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import (
-    ABANDON,
-    COMMIT,
-    claim,
-    clear_attempt,
-    commit,
-    ensure_uncommitted,
-    new_owner,
-    read_fate,
-)
 from ckptstore.checkpoint.incremental import (
     References,
     Unchanged,
@@ -92,6 +82,7 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest, Reference, needed_version
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import check_structure
+from ckptstore.protocol import COMMIT, Attempt, ensure_uncommitted, new_owner
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 
@@ -127,6 +118,11 @@ class PartialSave:
     def attempt(self) -> str:
         """The attempt id this session writes below (pass it to `open` to resume exactly it)."""
         return str(self.where.attempt)
+
+    @property
+    def _attempt(self) -> Attempt:
+        """The session's attempt, as this session object handles it (its fate's owner)."""
+        return Attempt(self.backend, self.where, self._owner)
 
     # ---- life cycle ----
 
@@ -227,7 +223,7 @@ class PartialSave:
         return json.dumps({"attempt": fresh, "base": None if based is None else based.to_json()})
 
     async def _undecided(self, attempt: str) -> bool:
-        return await read_fate(self.backend, AttemptDir(self.step, attempt)) is None
+        return await Attempt(self.backend, AttemptDir(self.step, attempt)).fate() is None
 
     async def _session(self, attempt: str) -> dict[str, Any] | None:
         """The session record of this item for ``attempt``; None if there is none."""
@@ -255,7 +251,7 @@ class PartialSave:
         """`FencedError` if another actor already decided the session's fate (an early
         refusal: what decides is `claim`)."""
         where = where or self.where
-        fate = await read_fate(self.backend, where)
+        fate = await Attempt(self.backend, where).fate()
         if fate is not None and fate.owner != self._owner:
             raise FencedError(
                 f"partial-save session {where.attempt} of step {self.step} was already "
@@ -462,8 +458,8 @@ class PartialSave:
         handoff = Handoff(f"partial/{self.step}/abandon", self.timeout)
 
         async def drop_all() -> None:
-            await claim(self.backend, self.where, ABANDON, self._owner)
-            await clear_attempt(self.backend, self.where, keep_fate=True)
+            await self._attempt.abandon()
+            await self._attempt.clear(keep_fate=True)
 
         self._ending = "abandon"  # before the first await: a finalize of this object waits
         try:
@@ -495,7 +491,7 @@ class PartialSave:
         or `JsonItem`s) kept as JSON in the manifest, as `save_items` keeps them. Raises
         `AlreadyExistsError` if another attempt committed the step meanwhile; in a session
         with a base, `BaseStepGoneError` (nothing committed) if a leaf it kept is
-        referenced and the base is no longer committed (`commit.check_base`).
+        referenced and the base is no longer committed (`protocol.check_base`).
         """
         self._check_open()
         given = {**(structures or {}), **({self.item: structure} if structure else {})}
@@ -545,7 +541,7 @@ class PartialSave:
         configs: dict[str, JsonItem],
     ) -> float:
         await ensure_uncommitted(self.backend, self.step)
-        fate = await claim(self.backend, self.where, COMMIT, self._owner)
+        fate = await self._attempt.claim(COMMIT)
         references = References([])
         items, processes, seconds = {}, [], 0.0
         for name, joined in self._joined().items():
@@ -562,12 +558,12 @@ class PartialSave:
             processes=processes,
             metadata=metadata or {},
             references=references.holders,
-            # The commit re-checks the base before its marker (`commit.check_base`).
+            # The commit re-checks the base before its marker (`protocol.check_base`).
             base=self.base if references.holders else None,
             format_version=needed_version(items, bool(references.holders)),
             json_items=configs,
         )
-        await commit(self.backend, manifest, fate)
+        await self._attempt.commit(manifest, fate)
         return seconds
 
 

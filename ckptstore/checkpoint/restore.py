@@ -18,7 +18,6 @@ import tensorstore as ts
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import within
 from ckptstore.checkpoint.assemble import in_memory, restore_stored
-from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.holdercheck import check_holders
 from ckptstore.checkpoint.stored import Read, StoredItem, settle
 from ckptstore.datapath import ocdbt_index
@@ -35,6 +34,7 @@ from ckptstore.format.leaves import (
 )
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.packs import PackRef
+from ckptstore.protocol import latest_manifest
 from ckptstore.runtime import shortrepr
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.gcpause import gc_paused

@@ -1,6 +1,6 @@
 """Saving a tree as one committed checkpoint step.
 
-Protocol (every process runs the same code; see `ckptstore.checkpoint.commit`):
+Protocol (every process runs the same code; see `ckptstore.protocol`):
 
 1. everyone checks the step is not committed; process 0 picks a fresh attempt id
    and everyone learns it;
@@ -33,14 +33,6 @@ from typing import Any
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.beside import Beside, record
 from ckptstore.checkpoint.chunklevel import held_bytes
-from ckptstore.checkpoint.commit import (
-    COMMIT,
-    Fate,
-    claim,
-    commit,
-    ensure_uncommitted,
-    new_owner,
-)
 from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.discard import discard, root_missing
 from ckptstore.checkpoint.incremental import SameObjects, Unchanged, unchanged
@@ -62,6 +54,7 @@ from ckptstore.format.leaves import (
 )
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import describe, flatten
+from ckptstore.protocol import COMMIT, Attempt, Fate, ensure_uncommitted
 from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
@@ -217,15 +210,10 @@ class SaveHooks:
         """After this process wrote its shards (an error discards the attempt)."""
 
     async def finish(
-        self,
-        backend: Backend,
-        where: layout.AttemptDir,
-        manifest: Manifest,
-        fate: Fate,
-        handoff: Handoff,
+        self, attempt: Attempt, manifest: Manifest, fate: Fate, handoff: Handoff
     ) -> None:
         """Process 0, the fate claimed for commit: make the step what readers see."""
-        await commit(backend, manifest, fate)
+        await attempt.commit(manifest, fate)
 
     async def after_finish(
         self, backend: Backend, where: layout.AttemptDir, handoff: Handoff
@@ -312,7 +300,7 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         return layout.new_attempt()
 
     where = layout.AttemptDir(step, await handoff.agree(fresh_attempt))
-    owner = new_owner()  # process 0's name in the attempt's fate record
+    attempt = Attempt(backend, where)  # process 0's, the actor its fate record names
     kept: dict[str, Beside] = {}  # process 0's own records, per item (`checkpoint.beside`)
 
     async def write_mine() -> dict[str, Any]:
@@ -327,10 +315,10 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
             raise NotFoundError(
                 f"{missing.message}: nothing was saved", backend=backend.url
             ) from exc
-        await discard(backend, where, handoff, owner)
+        await discard(attempt, handoff)
         raise
     except Exception:
-        await discard(backend, where, handoff, owner)
+        await discard(attempt, handoff)
         raise
     written = time.perf_counter()
     phases: dict[str, float] = {}
@@ -341,7 +329,7 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         reports = [ProcessReport.from_json(r) for r in await handoff.reports()]
         # The fate is claimed while the writers' records are joined (reads, arithmetic):
         # it is decided before the first shared write, the merge.
-        claiming = asyncio.ensure_future(claim(backend, where, COMMIT, owner))
+        claiming = asyncio.ensure_future(attempt.claim(COMMIT))
         try:
             records = await joined(request, where, same, reports, kept)
         finally:
@@ -349,14 +337,14 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
         manifest = await merged(request, where, reports, written, records)
         phases["merge"] = manifest.timings["merge"]
         committing = True
-        await hooks.finish(backend, where, manifest, fate, handoff)
+        await hooks.finish(attempt, manifest, fate, handoff)
         phases["commit"] = time.perf_counter() - written - phases["merge"]
 
     try:
         await handoff.primary(merge_and_commit)
     except Exception:
         if not committing:
-            await discard(backend, where, handoff, owner)
+            await discard(attempt, handoff)
         raise
     await hooks.after_finish(backend, where, handoff)
     items = request.items

@@ -30,7 +30,6 @@ import tensorstore as ts
 from ckptstore.backends import supports
 from ckptstore.backends.base import Backend
 from ckptstore.backends.tserrors import message, storage_error
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.merge import validate
 from ckptstore.checkpoint.restore import direct_chunks
 from ckptstore.checkpoint.verifychunks import verify_in_part, written_regions
@@ -54,6 +53,7 @@ from ckptstore.format.digests import (
 )
 from ckptstore.format.leaves import Index, LeafInfo, dtype_of
 from ckptstore.format.manifest import ItemManifest, Manifest
+from ckptstore.protocol import load_committed
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.futures import off_loop
 

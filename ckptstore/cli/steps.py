@@ -12,7 +12,6 @@ from typing import Any
 from ckptstore.api import read_manifest, verify
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.cleanup import idle_seconds, scan
-from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker
 from ckptstore.checkpoint.sizes import stored_sizes
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.cli import orbax as cli_orbax
@@ -28,6 +27,7 @@ from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, CorruptChe
 from ckptstore.format import layout
 from ckptstore.format.codecs import codec_name
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import committed_steps, load_committed, read_marker
 from ckptstore.tiers.read import tier_steps
 from ckptstore.tiers.target import Tiered
 

@@ -15,11 +15,11 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import committed_steps, is_committed
 from ckptstore.cli.output import EXIT_OK, EXIT_UNREADABLE, Output, print_json
 from ckptstore.cli.steps import entries, print_entries
 from ckptstore.cli.text import count, duration_text, human
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
+from ckptstore.protocol import committed_steps, is_committed
 from ckptstore.tiers.promote import Promotion, promote, unpromoted
 from ckptstore.tiers.status import status
 from ckptstore.tiers.target import Tiered

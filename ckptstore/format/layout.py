@@ -8,7 +8,7 @@ manifest whose leaves may be held by other attempts: incremental saves):
   COMMITTED                               created last, create-if-absent: names the
                                           attempt and carries its manifest's digest
   REVOKED.0                               created by a deletion of that commit (never
-                                          removed before `commit.CLAIM_TTL`)
+                                          removed before `fates.CLAIM_TTL`)
   COMMITTED.<n>, REVOKED.<n>              the step's n-th commit after n deletions, and
                                           its deletion: markers are superseded, never
                                           taken back by a key someone else may reuse

@@ -129,7 +129,7 @@ class Manifest:
     #: (see docs/incremental.md).
     references: list[Reference] = field(default_factory=list)
     #: The committed step an incremental save named as its base: the commit checks it is
-    #: still committed (`commit.check_base`). None otherwise.
+    #: still committed (`protocol.check_base`). None otherwise.
     base: Reference | None = None
     #: Seconds per phase of the save ("staging", "write", "merge"), for `ckptstore info`.
     timings: dict[str, float] = field(default_factory=dict)

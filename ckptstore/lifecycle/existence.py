@@ -12,7 +12,7 @@ for every process.
 from __future__ import annotations
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import ensure_uncommitted
+from ckptstore.protocol import ensure_uncommitted
 from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import bounded, checking, durable_uncommitted

@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 from ckptstore.api import gc, restore_with
 from ckptstore.backends.base import Backend
 from ckptstore.backends.registry import env_profile, load_profile, target_profile
-from ckptstore.checkpoint.commit import committed_steps, load_committed
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.target import Target, open_target
@@ -51,6 +50,7 @@ from ckptstore.lifecycle.preemption import Preemption
 from ckptstore.lifecycle.retention import Retention
 from ckptstore.lifecycle.staging import Stager
 from ckptstore.lifecycle.writing import Writing
+from ckptstore.protocol import committed_steps, load_committed
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff

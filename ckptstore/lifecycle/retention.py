@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptstore.api import delete_step
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import committed_steps, load_committed
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -29,6 +28,7 @@ from ckptstore.errors import (
 from ckptstore.format.manifest import Manifest
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
+from ckptstore.protocol import committed_steps, load_committed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.promote import Promotion, promote, trim_fast
 from ckptstore.tiers.target import Tiered

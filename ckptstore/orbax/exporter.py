@@ -48,7 +48,6 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint.commit import latest_manifest
 from ckptstore.checkpoint.stored import settle
 from ckptstore.checkpoint.target import Target
 from ckptstore.datapath.packs import read_packed
@@ -82,6 +81,7 @@ from ckptstore.orbax.metadata import (
     entries,
     tree_metadata,
 )
+from ckptstore.protocol import latest_manifest
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.progress import Progress
 

@@ -20,8 +20,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import committed_steps, ensure_uncommitted
 from ckptstore.errors import AlreadyExistsError, RetriesExhaustedError, StorageError
+from ckptstore.protocol import committed_steps, ensure_uncommitted
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore")

@@ -20,9 +20,9 @@ from ckptstore.checkpoint.cleanup import (
     collect,
     remove_step,
 )
-from ckptstore.checkpoint.commit import is_committed
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.format import layout
+from ckptstore.protocol import is_committed
 from ckptstore.tiers.target import Tiered
 
 

@@ -15,7 +15,7 @@ each holder is made durable once (`make_durable`):
    references them) its objects are copied without a marker, under a commit claim of its
    fate on the durable tier, made before the first byte. The claim's owner is derived from
    the holder, so every promotion that needs it is the same owner and resumes the copy;
-   and `gc` never collects an attempt claimed for its commit until `commit.CLAIM_TTL`.
+   and `gc` never collects an attempt claimed for its commit until `fates.CLAIM_TTL`.
    Killed midway, the copy is garbage of the durable tier, collected after that.
 
 Objects already on the durable tier with the right size are not copied again, so a
@@ -24,7 +24,7 @@ holder's bytes cross the network once, whatever number of steps reference it.
 After the step's own objects landed (its manifest, under its own commit claim, is then a
 save in flight to every `gc` and `delete_step` of the durable tier) and right before its
 marker, `Holders.check` re-checks that each holder is still protected, as an incremental
-save re-checks its base (`commit.check_base`; the argument is docs/incremental.md's):
+save re-checks its base (`protocol.check_base`; the argument is docs/incremental.md's):
 
 - by a guard: its attempt has no ``DELETED`` record, and its marker still names it. A
   deletion of the guard that had not begun then finds the step's manifest and keeps the
@@ -58,19 +58,18 @@ from typing import Any
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint.cleanup import DELETE, mark_deleted
-from ckptstore.checkpoint.commit import (
-    COMMIT,
-    Fate,
-    check_base,
-    claim,
-    committed_steps,
-    load_manifest,
-    read_fate,
-    read_marker,
-)
 from ckptstore.errors import CorruptCheckpointError, FencedError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest, Reference
+from ckptstore.protocol import (
+    COMMIT,
+    Attempt,
+    Fate,
+    check_base,
+    committed_steps,
+    load_manifest,
+    read_marker,
+)
 
 Holder = tuple[int, str]  # (step, attempt)
 #: Promotes one committed step of the fast tier (`promote.promote_step`, passed in).
@@ -211,7 +210,7 @@ def _owner(holder: Holder) -> str:
 async def _claim(durable: Backend, holder: Holder) -> Fate:
     where = layout.AttemptDir(*holder)
     try:
-        return await claim(durable, where, COMMIT, _owner(holder))
+        return await Attempt(durable, where, _owner(holder)).claim(COMMIT)
     except FencedError as exc:
         raise FencedError(
             f"attempt {where.root}, which the step being promoted references, has another "
@@ -227,7 +226,7 @@ async def _still_ours(durable: Backend, where: layout.AttemptDir, fate: Fate) ->
     """Our claim on a holder still protects it: ours, fresh, and no ``DELETED`` record."""
     fate.check_fresh(where)
     try:
-        current = await read_fate(durable, where)
+        current = await Attempt(durable, where).fate()
     except CorruptCheckpointError:
         return False
     if current is None or current.owner != fate.owner or current.kind != COMMIT:

@@ -32,15 +32,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import (
-    COMMIT,
-    Marker,
-    claim,
-    create_marker,
-    digest,
-    read_marker,
-    read_marker_bytes,
-)
 from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.staged import STAGED as STAGED
 from ckptstore.checkpoint.staged import Staged, read_staged, staged_key, staged_steps
@@ -53,6 +44,15 @@ from ckptstore.errors import AlreadyExistsError, CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import (
+    COMMIT,
+    Attempt,
+    Marker,
+    create_marker,
+    digest,
+    read_marker,
+    read_marker_bytes,
+)
 from ckptstore.runtime.handoff import Handoff
 
 log = logging.getLogger("ckptstore")
@@ -244,7 +244,7 @@ async def merge_on_durable(durable: Backend, mine: Staged) -> bytes:
     if digest(data) != mine.manifest_digest:
         raise CorruptCheckpointError(f"{durable.url}/{where.manifest} is not the staged manifest")
     owner = "merge-" + str(mine.manifest_digest).removeprefix("sha256:")[:32]
-    fate = await claim(durable, where, COMMIT, owner)  # every promoter of it is this owner
+    fate = await Attempt(durable, where, owner).claim(COMMIT)  # every promoter of it is this owner
     manifest = Manifest.from_bytes(data, where=f"{durable.url}/{where.manifest}")
     for name, item in manifest.items.items():
         stores = [where.process_store(name, i) for i in range(mine.processes)]

@@ -27,11 +27,11 @@ import logging
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import digest
 from ckptstore.checkpoint.staged import read_staged
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import digest
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import durable_steps

@@ -23,19 +23,6 @@ from typing import Any
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint.cleanup import deleted_by_user, remove_step, trim_step
-from ckptstore.checkpoint.commit import (
-    COMMIT,
-    Fate,
-    Marker,
-    claim,
-    committed_steps,
-    create_marker,
-    digest,
-    load_manifest,
-    read_marker_and_bytes,
-    read_marker_bytes,
-    same_commit,
-)
 from ckptstore.checkpoint.staged import read_staged, staged_steps
 from ckptstore.checkpoint.verify import verify_step
 from ckptstore.errors import (
@@ -48,6 +35,19 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import (
+    COMMIT,
+    Attempt,
+    Fate,
+    Marker,
+    committed_steps,
+    create_marker,
+    digest,
+    load_manifest,
+    read_marker_and_bytes,
+    read_marker_bytes,
+    same_commit,
+)
 from ckptstore.runtime import distributed
 from ckptstore.runtime.bytebudget import ByteBudget
 from ckptstore.runtime.futures import gather_first_error
@@ -309,7 +309,7 @@ class _Upload:
         marker, result = self.marker, self.result
         if marker.attempt is not None:
             owner = "promote-" + digest(self.marker_bytes).removeprefix("sha256:")[:32]
-            self.fate = await claim(self.durable, marker.where, COMMIT, owner)
+            self.fate = await Attempt(self.durable, marker.where, owner).claim(COMMIT)
             await refuse_dead(self.durable, marker.where)
         if self.manifest.references:  # an incremental step: the attempts it reads from, first
             self.held = await self._references_first(progress, visiting)

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
-from ckptstore.checkpoint.commit import committed_steps, is_committed, load_committed
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.staged import read_staged
 from ckptstore.checkpoint.verify import VerifyReport
@@ -39,6 +38,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import committed_steps, is_committed, load_committed
 from ckptstore.runtime.distributed import DEFAULT_TIMEOUT
 from ckptstore.tiers.bounded import durable_steps
 from ckptstore.tiers.target import Tiered

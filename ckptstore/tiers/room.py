@@ -25,7 +25,6 @@ import jax
 from ckptstore.backends import supports
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.cleanup import trim_step
-from ckptstore.checkpoint.commit import committed_steps, load_committed, read_marker, same_commit
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.errors import (
     CheckpointNotFoundError,
@@ -34,6 +33,7 @@ from ckptstore.errors import (
 )
 from ckptstore.format import layout
 from ckptstore.format.leaves import HostShards, LeafInfo
+from ckptstore.protocol import committed_steps, load_committed, read_marker, same_commit
 from ckptstore.tiers.hostlocal import drop_staged, is_promoted
 
 log = logging.getLogger("ckptstore")

@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import Fate
 from ckptstore.checkpoint.incremental import Unchanged
 from ckptstore.checkpoint.save import (
     PreparedItem,
@@ -37,6 +36,7 @@ from ckptstore.checkpoint.staged import staged_key
 from ckptstore.errors import AlreadyExistsError, UnsupportedOperationError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import Attempt, Fate
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import durable_uncommitted
@@ -121,18 +121,21 @@ class TierHooks(SaveHooks):
                 await write_host_view(backend, where, name, leaves, handoff.me)
 
     async def finish(
-        self,
-        backend: Backend,
-        where: layout.AttemptDir,
-        manifest: Manifest,
-        fate: Fate,
-        handoff: Handoff,
+        self, attempt: Attempt, manifest: Manifest, fate: Fate, handoff: Handoff
     ) -> None:
         if not self.host_local:
-            await super().finish(backend, where, manifest, fate, handoff)
+            await super().finish(attempt, manifest, fate, handoff)
             return
-        attempt = str(where.attempt)
-        await stage(backend, where.step, attempt, 0, handoff.count, manifest, self.host_view)
+        where = attempt.where
+        await stage(
+            attempt.backend,
+            where.step,
+            str(where.attempt),
+            0,
+            handoff.count,
+            manifest,
+            self.host_view,
+        )
 
     async def after_finish(
         self, backend: Backend, where: layout.AttemptDir, handoff: Handoff

@@ -8,10 +8,10 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import Marker, committed_steps, read_marker
 from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
 from ckptstore.errors import CorruptCheckpointError, NotFoundError, TransientStorageError
 from ckptstore.format import layout
+from ckptstore.protocol import Marker, committed_steps, read_marker
 from ckptstore.tiers.hostlocal import is_promoted, promoted_part
 from ckptstore.tiers.promote import attempt_objects
 from ckptstore.tiers.target import Tiered

@@ -25,15 +25,16 @@ async def first_bytes(store: dict[str, Any], context: ts.Context, *_: Any) -> No
 #: function, edge). A worker told to stop at one reports ``(process, "stop", name, ...)``
 #: at that edge of the function and SIGSTOPs itself; the driver's SIGKILL then lands
 #: exactly there (a stopped process dies of SIGKILL like a running one). The functions are
-#: looked up as module globals by their callers, so replacing them is enough.
+#: looked up as module globals by their callers (or as a class's methods: "Attempt.claim"),
+#: so replacing them is enough.
 STOPS: dict[str, tuple[str, str, str]] = {
     # an incremental save (S, base B): docs/incremental.md, "Safety"
     "base-read": ("ckptstore.checkpoint.incremental", "open_base", "end"),  # nothing written
     "agreed": ("ckptstore.checkpoint.save", "unchanged", "end"),  # after the agreement round
-    "written": ("ckptstore.checkpoint.save", "claim", "start"),  # shards written, no claim
+    "written": ("ckptstore.protocol.attempt", "Attempt.claim", "start"),  # shards written
     "merged": ("ckptstore.checkpoint.phase3", "merge", "end"),  # merged, no manifest
-    "manifest": ("ckptstore.checkpoint.commit", "check_base", "start"),  # s1 done, not s2
-    "base-checked": ("ckptstore.checkpoint.commit", "check_base", "end"),  # before the marker
+    "manifest": ("ckptstore.protocol.attempt", "check_base", "start"),  # s1 done, not s2
+    "base-checked": ("ckptstore.protocol.attempt", "check_base", "end"),  # before the marker
     # delete_step of a step others reference (D): d1, d2
     "delete-marked": ("ckptstore.checkpoint.cleanup", "mark_deleted", "end"),
     "delete-scanned": ("ckptstore.checkpoint.cleanup", "referenced_elsewhere", "end"),
@@ -52,8 +53,11 @@ def install_stop(name: str, report: Callable[[str], None]) -> None:
     import os
     import signal
 
-    module_name, attr, edge = STOPS[name]
-    module = importlib.import_module(module_name)
+    module_name, path, edge = STOPS[name]
+    module: Any = importlib.import_module(module_name)
+    *owners, attr = path.split(".")  # "Attempt.claim": a method of a class of the module
+    for owner in owners:
+        module = getattr(module, owner)
     real: Callable[..., Awaitable[Any]] = getattr(module, attr)
     done = False
 

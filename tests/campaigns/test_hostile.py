@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptstore
-from ckptstore.checkpoint.commit import digest
 from ckptstore.cli import main as cli
 from ckptstore.errors import SafetensorsError
 from ckptstore.importers.safetensors import find_tensors, import_safetensors
+from ckptstore.protocol import digest
 from tests.campaigns import hostile_cases as cases
 
 TREES = {s: {"x": np.arange(4.0) + s, "n": {"y": np.full(3, s, np.int32)}} for s in (1, 2)}

@@ -19,8 +19,8 @@ import pytest
 
 import ckptstore
 from ckptstore.backends import memory
-from ckptstore.checkpoint import commit
 from ckptstore.format import layout
+from ckptstore.protocol import ABANDON, COLLECT, COMMIT, Attempt, attempt, fates
 from tests.campaigns import interleave
 from tests.campaigns.interleave import (
     INCREMENTAL,
@@ -113,7 +113,7 @@ async def test_the_checker_finds_an_incremental_save_that_skips_its_base_check(
     async def no_check(backend: Any, base: Any) -> None:
         return None
 
-    monkeypatch.setattr(commit, "check_base", no_check)
+    monkeypatch.setattr(attempt, "check_base", no_check)
     racy = INCREMENTAL[0]
     assert racy.name == "an incremental save races delete_step of its base"
     tally = Tally()
@@ -128,21 +128,21 @@ async def test_the_checker_finds_an_incremental_save_that_skips_its_base_check(
 async def test_a_fate_is_decided_once() -> None:
     backend = memory.MemoryBackend()
     where = layout.AttemptDir(3, layout.new_attempt())
-    won = await commit.claim(backend, where, commit.COMMIT, "me")
-    assert won.kind == commit.COMMIT and not won.dead
-    assert (await commit.claim(backend, where, commit.COMMIT, "me")).owner == "me"  # a retry
-    for kind in (commit.COMMIT, commit.ABANDON, commit.COLLECT):
+    won = await Attempt(backend, where, "me").claim(COMMIT)
+    assert won.kind == COMMIT and not won.dead
+    assert (await Attempt(backend, where, "me").claim(COMMIT)).owner == "me"  # a retry
+    for kind in (COMMIT, ABANDON, COLLECT):
         with pytest.raises(ckptstore.FencedError, match="claimed for its commit"):
-            await commit.claim(backend, where, kind, "someone else")
+            await Attempt(backend, where, "someone else").claim(kind)
     # Its own commit claim, abandoned after a failed commit, is the owner's to clear.
-    assert (await commit.claim(backend, where, commit.ABANDON, "me")).kind == commit.COMMIT
+    assert (await Attempt(backend, where, "me").claim(ABANDON)).kind == COMMIT
     other = layout.AttemptDir(3, layout.new_attempt())
-    await commit.claim(backend, other, commit.ABANDON, "me")
+    await Attempt(backend, other, "me").claim(ABANDON)
     with pytest.raises(ckptstore.FencedError, match="abandoned by this same actor"):
-        await commit.claim(backend, other, commit.COMMIT, "me")
+        await Attempt(backend, other, "me").claim(COMMIT)
     await backend.write(other.fate, b"not json")
     with pytest.raises(ckptstore.FencedError, match="cannot be read"):
-        await commit.claim(backend, other, commit.COMMIT, "x")
+        await Attempt(backend, other, "x").claim(COMMIT)
     assert isinstance(ckptstore.FencedError("x"), ckptstore.AlreadyExistsError)
 
 
@@ -150,7 +150,7 @@ async def test_a_commit_claim_too_old_is_not_committed(monkeypatch: pytest.Monke
     backend = memory.MemoryBackend()
     session = await ckptstore.partial_save(backend, 1)
     await session.add({"x": np.arange(3)})
-    monkeypatch.setattr(commit, "CLAIM_TTL", 0.0)  # as if half a day passed since the claim
+    monkeypatch.setattr(fates, "CLAIM_TTL", 0.0)  # as if half a day passed since the claim
     with pytest.raises(ckptstore.FencedError, match="gc may be collecting it"):
         await session.finalize()
     assert await ckptstore.list_steps(backend) == []

@@ -9,7 +9,7 @@ itself) is deleted and a gc runs, then resumed or killed. On local disk (`make t
 runs them on S3 too).
 
 The paused save is what makes this test fail when the protocol breaks: with the re-check
-of the base before the marker removed (`commit.check_base` returning at once), a save
+of the base before the marker removed (`protocol.check_base` returning at once), a save
 paused before its manifest while its base is deleted commits a step whose bytes are gone
 (torn, failing verify and the reference check). It runs twice per deck here."""
 

@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import load_manifest, read_fate, read_marker
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import Attempt, load_manifest, read_marker
 
 
 async def everything(backend: Backend) -> set[str]:
@@ -73,7 +73,7 @@ async def check_references(backend: Backend, steps: Iterable[int]) -> tuple[list
             if where.manifest not in keys:
                 why.append("its manifest is gone")
             try:
-                fate = await read_fate(backend, where)
+                fate = await Attempt(backend, where).fate()
             except CkptStoreError as exc:
                 why.append(f"its fate is unreadable ({exc})")
             else:

@@ -216,20 +216,19 @@ def run(conn: Connection, job: dict[str, Any]) -> None:
     process = int(job.get("process", 0))
     rep = Reporter(conn, process)
     try:
-        import ckptstore.checkpoint.commit as commit_module
         import ckptstore.checkpoint.incremental as incremental_module
         import ckptstore.checkpoint.partial as partial_module
         import ckptstore.checkpoint.phase3 as phase3_module
         import ckptstore.checkpoint.save as save_module
+        import ckptstore.protocol.attempt as attempt_module
         from tests.campaigns.killpoints import install_stop
 
         for module in (phase3_module, partial_module):
             rep.wrap(module, "merge")
-        for module in (save_module, partial_module):
-            rep.wrap(module, "commit")
+        rep.wrap(attempt_module.Attempt, "commit")  # a save's and a finalize's
         rep.wrap(save_module, "unchanged")
         rep.wrap(incremental_module, "piece_table", "digest")
-        rep.wrap(commit_module, "check_base")
+        rep.wrap(attempt_module, "check_base")
         if job.get("stop"):
             install_stop(job["stop"], lambda name: rep.send("stop", "start"))
         if job.get("processes", 1) == 1:

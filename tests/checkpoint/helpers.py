@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import digest, load_committed
+from ckptstore.protocol import digest, load_committed
 from ckptstore.testing.arrays import random_array
 from ckptstore.testing.faults import FaultyBackend
 from tests.paths import committed_root

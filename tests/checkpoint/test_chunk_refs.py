@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Reference
+from ckptstore.protocol import load_committed
 from tests.checkpoint.helpers import assert_same, resign, stored_bytes
 from tests.conftest import make_backend
 from tests.paths import committed_root

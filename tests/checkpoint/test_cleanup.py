@@ -16,10 +16,10 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint import commit as commit_protocol
 from ckptstore.checkpoint.staged import staged_key
 from ckptstore.cli import main
 from ckptstore.format import layout
+from ckptstore.protocol import Marker, fates
 from ckptstore.tiers import hostlocal
 from tests.checkpoint.helpers import STALLS, Stalled, assert_is_tree, snapshot, tree_of
 from tests.paths import attempts, committed_root
@@ -32,7 +32,7 @@ def data_only(snap: dict[str, bytes]) -> dict[str, bytes]:
 
 def claim_ttl_over(monkeypatch: pytest.MonkeyPatch) -> None:
     """As if a day had passed: commit claims with no marker, and tombstones, expire."""
-    monkeypatch.setattr(commit_protocol, "CLAIM_TTL", 0.0)
+    monkeypatch.setattr(fates, "CLAIM_TTL", 0.0)
 
 
 async def crashed_attempt(backend: Backend, step: int) -> layout.AttemptDir:
@@ -335,7 +335,7 @@ async def test_a_step_deleted_between_its_marker_and_manifest_reads_is_skipped(
     real = cleanup.load_manifest
     raced: list[int] = []
 
-    async def racing(backend: Backend, marker: commit_protocol.Marker) -> object:
+    async def racing(backend: Backend, marker: Marker) -> object:
         if marker.step == 1 and not raced:  # the deletion runs between the two reads
             raced.append(1)
             await ckptstore.delete_step(root, 1)

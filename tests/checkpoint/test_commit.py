@@ -15,8 +15,8 @@ import tensorstore as ts
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import digest
 from ckptstore.format import layout
+from ckptstore.protocol import digest
 from tests.checkpoint.helpers import (
     FIXTURE_V1,
     STALLS,

@@ -18,9 +18,9 @@ import ckptstore
 from ckptstore.api import save_items
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.errors import BaseStepGoneError, ConfigError
 from ckptstore.format import layout
+from ckptstore.protocol import load_committed
 from tests.checkpoint.helpers import assert_same
 from tests.conftest import make_backend
 

@@ -17,7 +17,7 @@ import pytest
 import ckptstore
 from ckptstore.backends import local
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint import commit as commit_protocol
+from ckptstore.protocol import fates
 from tests.tiers.helpers import STEP_BYTES, tiers_on, tree
 
 
@@ -43,8 +43,8 @@ def live_dirs(root: Path) -> list[int]:
 
 
 def tombstones_expire(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As if a day had passed since each deletion (`commit.CLAIM_TTL`)."""
-    monkeypatch.setattr(commit_protocol, "CLAIM_TTL", 0.0)
+    """As if a day had passed since each deletion (`fates.CLAIM_TTL`)."""
+    monkeypatch.setattr(fates, "CLAIM_TTL", 0.0)
 
 
 def test_quick_start_loop_leaves_no_empty_directories(

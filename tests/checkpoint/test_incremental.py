@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore import api
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.errors import (
     BaseStepGoneError,
     CorruptCheckpointError,
@@ -27,6 +26,7 @@ from ckptstore.format import layout
 from ckptstore.format.digests import ALGORITHM, LEGACY, digest
 from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.format.packs import entry_size
+from ckptstore.protocol import load_committed
 from tests.checkpoint.helpers import FROZEN, assert_same, holders, lora, stored_bytes
 from tests.conftest import make_backend
 from tests.paths import committed_root
@@ -268,7 +268,7 @@ async def test_sharded_leaves_referenced_and_restored_onto_another_mesh(backend:
 async def _rewrite_manifest(backend: Backend, step: int, edit: Any) -> None:
     """Rewrite committed ``step``'s manifest with ``edit(item)`` applied to each item, as
     an earlier version would have written it (and its commit marker to match)."""
-    from ckptstore.checkpoint.commit import digest
+    from ckptstore.protocol import digest
 
     root = await committed_root(backend, step)
     manifest_key = f"{root}/{layout.MANIFEST}"

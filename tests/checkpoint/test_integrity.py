@@ -16,7 +16,7 @@ import pytest
 import ckptstore
 from ckptstore.backends.base import Backend
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint import commit as commit_protocol
+from ckptstore.protocol import fates
 from tests.paths import attempts, committed_root
 
 
@@ -121,7 +121,7 @@ async def check_only_step_one(root: Path, monkeypatch: pytest.MonkeyPatch) -> No
     # Killed mid-write, the dead attempt may hold only the temporary files of packs being
     # written (invisible to listings): gc then names those. Killed after its commit claim
     # (the merge, the manifest), the attempt is kept for the claim's lifetime: a day on.
-    monkeypatch.setattr(commit_protocol, "CLAIM_TTL", 0.0)
+    monkeypatch.setattr(fates, "CLAIM_TTL", 0.0)
     entries = (await ckptstore.gc(backend, older_than=0)).entries
     assert entries and all(e == f"2/{dead}" or e.startswith(f"2/{dead}/") for e in entries)
     assert [info async for info in backend.list(f"2/{dead}")] == []

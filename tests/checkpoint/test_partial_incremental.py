@@ -15,10 +15,10 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.errors import BaseStepGoneError, ConfigError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Reference
+from ckptstore.protocol import load_committed
 from tests.checkpoint.helpers import FIXTURE_V1, FROZEN, assert_same, holders, lora, stored_bytes
 from tests.conftest import make_backend
 from tests.paths import committed_root

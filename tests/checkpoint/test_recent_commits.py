@@ -1,6 +1,6 @@
 """An incremental save takes its base's manifest from `RecentCommits` when this process
 committed it and the step's marker still names that attempt; everything else reads the
-stored manifest (ckptstore.checkpoint.commit)."""
+stored manifest (ckptstore.protocol)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint import commit as commit_module
-from ckptstore.checkpoint.commit import RECENT, RecentCommits, load_committed
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest
+from ckptstore.protocol import RECENT, RecentCommits, load_committed
+from ckptstore.protocol import attempt as attempt_module
 from tests.checkpoint.helpers import resign
 
 
@@ -63,7 +63,7 @@ def test_a_base_saved_again_by_another_writer_is_read(
     ckptstore.save_sync(root, tree(1.0), step=1)
     ckptstore.delete_step_sync(root, 1)
     with monkeypatch.context() as patched:  # another process's save: its manifest not kept
-        patched.setattr(commit_module, "RECENT", RecentCommits(size=0))
+        patched.setattr(attempt_module, "RECENT", RecentCommits(size=0))
         other = ckptstore.save_sync(root, tree(2.0), step=1)
     saved = ckptstore.save_sync(root, tree(2.0), step=2, base=1)
     assert layout.AttemptDir(1, other.attempt).manifest in manifest_reads

@@ -20,8 +20,8 @@ import pytest
 
 import ckptstore
 from ckptstore import policies as pol
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.format import layout
+from ckptstore.protocol import load_committed
 from ckptstore.runtime.blocking import run
 from tests.lifecycle.helpers import CHANGED, FROZEN, OVERHEAD, assert_bit_exact, host, options
 from tests.lifecycle.incremental_worker import advance, initial, like, state_at

@@ -20,9 +20,9 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.commit import COLLECT, claim, load_committed
 from ckptstore.checkpoint.target import open_target
 from ckptstore.format import layout
+from ckptstore.protocol import COLLECT, Attempt, load_committed
 from ckptstore.testing.faults import FaultyBackend
 from ckptstore.tiers import save as tier_save
 from tests.checkpoint.helpers import FROZEN, assert_same, lora, shared_target
@@ -286,7 +286,7 @@ async def test_a_holder_decided_by_another_actor_on_the_durable_tier_is_refused(
     await ckptstore.delete_step(fast, 1)
     durable = open_target(tiered.durable)
     async with durable:
-        await claim(durable, layout.AttemptDir(1, holder.split("/")[1]), COLLECT, "a-gc")
+        await Attempt(durable, layout.AttemptDir(1, holder.split("/")[1]), "a-gc").claim(COLLECT)
     with pytest.raises(ckptstore.FencedError, match="another fate"):
         await ckptstore.promote(tiered, step=2)
     assert await ckptstore.list_steps(tiered.durable) == []

@@ -17,8 +17,8 @@ import pytest
 import ckptstore
 from ckptstore import policies as pol
 from ckptstore.checkpoint.cleanup import trim_step
-from ckptstore.checkpoint.commit import load_committed
 from ckptstore.checkpoint.target import opened
+from ckptstore.protocol import load_committed
 from ckptstore.runtime.blocking import run
 from tests.checkpoint.helpers import shared_target
 from tests.lifecycle.helpers import (

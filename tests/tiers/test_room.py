@@ -13,8 +13,8 @@ import pytest
 import ckptstore
 from ckptstore.backends import supports
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint.commit import Marker
 from ckptstore.format import layout
+from ckptstore.protocol import Marker
 from ckptstore.tiers.hostlocal import Staged
 from ckptstore.tiers.room import Room, ensure_room, promoted_steps
 from tests.tiers.helpers import STEP_BYTES, SmallDisk, assert_tree, tiers_on, tree
