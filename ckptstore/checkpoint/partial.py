@@ -45,18 +45,18 @@ from types import TracebackType
 from typing import Any
 
 from ckptstore.backends.base import Backend
+from ckptstore.checkpoint.engine import commit_step
 from ckptstore.checkpoint.incremental import (
-    References,
     Unchanged,
     open_base,
     read_digests,
     unchanged,
     write_digests,
 )
-from ckptstore.checkpoint.merge import merge
 from ckptstore.checkpoint.parts import (
     Joined,
     Part,
+    SessionPlan,
     created,
     join_items,
     nesting_conflicts,
@@ -79,10 +79,10 @@ from ckptstore.format.codecs import CodecPolicy
 from ckptstore.format.jsonitems import JsonItem, as_json_item
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.format.manifest import Manifest, Reference, needed_version
+from ckptstore.format.manifest import Reference
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import check_structure
-from ckptstore.protocol import COMMIT, Attempt, ensure_uncommitted, new_owner
+from ckptstore.protocol import Attempt, ensure_uncommitted, new_owner
 from ckptstore.runtime import distributed
 from ckptstore.runtime.handoff import Handoff
 
@@ -541,30 +541,11 @@ class PartialSave:
         configs: dict[str, JsonItem],
     ) -> float:
         await ensure_uncommitted(self.backend, self.step)
-        fate = await self._attempt.claim(COMMIT)
-        references = References([])
-        items, processes, seconds = {}, [], 0.0
-        for name, joined in self._joined().items():
-            joined.structure = given.get(name) or joined.structure
-            prefix = self.where.item(name)
-            merged = await merge(self.backend, prefix, joined.stores, joined.written, joined.clear)
-            items[name] = joined.item(prefix, references)
-            processes += joined.processes
-            seconds += merged.seconds
-        manifest = Manifest(
-            step=self.step,
-            attempt=self.where.attempt,
-            items=items,
-            processes=processes,
-            metadata=metadata or {},
-            references=references.holders,
-            # The commit re-checks the base before its marker (`protocol.check_base`).
-            base=self.base if references.holders else None,
-            format_version=needed_version(items, bool(references.holders)),
-            json_items=configs,
+        plan = SessionPlan(
+            self.backend, self.where, self.base, self.parts, metadata or {}, given, configs
         )
-        await self._attempt.commit(manifest, fate)
-        return seconds
+        await commit_step(self._attempt, plan)
+        return plan.seconds
 
 
 def _base_references(same: Unchanged, item: str) -> tuple[dict[str, Reference], dict[str, PackRef]]:

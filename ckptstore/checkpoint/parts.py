@@ -1,5 +1,5 @@
-"""The parts of a partial save (`ckptstore.checkpoint.partial`): their records, and how a
-finalize joins them into one item.
+"""The parts of a partial save (`ckptstore.checkpoint.partial`): their records, how a
+finalize joins them into one item, and its plan for the commit engine (`SessionPlan`).
 
 A part's record (``<attempt>/<item>/parts/<k>.json``) lists the leaves the part carries.
 Each is either written by the part (into its per-process stores) or, in a session with a
@@ -17,11 +17,20 @@ from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.incremental import References
+from ckptstore.checkpoint.merge import merge
 from ckptstore.errors import ConfigError, CorruptCheckpointError, NotFoundError
 from ckptstore.format.digests import PieceTable, check_table
+from ckptstore.format.jsonitems import JsonItem
 from ckptstore.format.layout import DEFAULT_ITEM, AttemptDir
 from ckptstore.format.leaves import LeafInfo
-from ckptstore.format.manifest import ItemManifest, Reference, is_attempt_ref, parse_leaf
+from ckptstore.format.manifest import (
+    ItemManifest,
+    Manifest,
+    Reference,
+    is_attempt_ref,
+    needed_version,
+    parse_leaf,
+)
 from ckptstore.format.packs import PackRef
 from ckptstore.format.tree import check_leaf_paths, check_structure
 
@@ -189,6 +198,51 @@ def join_items(parts: list[Part], where: AttemptDir) -> dict[str, Joined]:
     """The parts of every item of a session, each item's joined (`join`), by item name."""
     names = sorted({part.item for part in parts})
     return {name: join([p for p in parts if p.item == name], where, name) for name in names}
+
+
+@dataclass
+class SessionPlan:
+    """The commit engine's `Plan` of a finalize (`ckptstore.checkpoint.engine`): the
+    session's recorded ``parts``, each item's joined (`join_items`: a later part's version of
+    a leaf wins), then merged by reference. ``given``: structures given to finalize, by item;
+    ``configs``: its JSON items."""
+
+    backend: Backend
+    where: AttemptDir
+    base: Reference | None
+    parts: list[Part]
+    metadata: dict[str, Any]
+    given: dict[str, dict[str, Any]]
+    configs: dict[str, JsonItem]
+    joined: dict[str, Joined] = field(default_factory=dict)
+    seconds: float = 0.0  # of the merges
+
+    async def join(self) -> None:
+        self.joined = join_items(self.parts, self.where)
+        for name, joined in self.joined.items():
+            joined.structure = self.given.get(name) or joined.structure
+
+    async def merge(self) -> Manifest:
+        references = References([])
+        items, processes = {}, []
+        for name, joined in self.joined.items():
+            prefix = self.where.item(name)
+            merged = await merge(self.backend, prefix, joined.stores, joined.written, joined.clear)
+            items[name] = joined.item(prefix, references)
+            processes += joined.processes
+            self.seconds += merged.seconds
+        return Manifest(
+            step=self.where.step,
+            attempt=self.where.attempt,
+            items=items,
+            processes=processes,
+            metadata=self.metadata,
+            references=references.holders,
+            # The commit re-checks the base before its marker (`protocol.check_base`).
+            base=self.base if references.holders else None,
+            format_version=needed_version(items, bool(references.holders)),
+            json_items=self.configs,
+        )
 
 
 async def read_session(backend: Backend, where: AttemptDir, item: str) -> dict[str, Any] | None:

@@ -7,10 +7,10 @@ Protocol (every process runs the same code; see `ckptstore.protocol`):
 2. each process writes its own shards into its own OCDBT store below that
    attempt, with no coordination (process 0 also writes every leaf's metadata),
    and reports;
-3. process 0 claims the attempt's fate for its commit (a `gc` that decided to
-   collect it first wins, and the save fails with `FencedError`), merges the stores
-   by reference in one atomic transaction, validates, writes the attempt's manifest
-   and creates the commit marker;
+3. process 0 commits through the engine (`ckptstore.checkpoint.engine`): it claims the
+   attempt's fate for its commit (a `gc` that decided to collect it first wins, and the
+   save fails with `FencedError`), merges the stores by reference in one atomic
+   transaction, validates, writes the attempt's manifest and creates the commit marker;
 4. everyone returns once process 0 published the outcome (or raises its error).
 
 Nothing outside the attempt is written or deleted, so a concurrent writer of
@@ -23,7 +23,6 @@ to them (tiers: a room check, a host-local fast tier's staging) comes in through
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Mapping
@@ -35,8 +34,9 @@ from ckptstore.checkpoint.beside import Beside, record
 from ckptstore.checkpoint.chunklevel import held_bytes
 from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.discard import discard, root_missing
+from ckptstore.checkpoint.engine import commit_step
 from ckptstore.checkpoint.incremental import SameObjects, Unchanged, unchanged
-from ckptstore.checkpoint.phase3 import joined, merged, store_name
+from ckptstore.checkpoint.saveplan import SavePlan, store_name
 from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.datapath.packs import PackTarget, write_index
@@ -54,7 +54,7 @@ from ckptstore.format.leaves import (
 )
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import describe, flatten
-from ckptstore.protocol import COMMIT, Attempt, Fate, ensure_uncommitted
+from ckptstore.protocol import Attempt, Fate, ensure_uncommitted
 from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
@@ -287,7 +287,8 @@ class ProcessReport:
 async def save_prepared(request: SaveRequest) -> SaveResult:
     """The save ``request`` describes: the module docstring's protocol, with its hooks'
     additions. Phase 1 (`_references`), the attempt agreed; phase 2 (`_write_mine`); phase
-    3 on process 0 (`checkpoint.phase3`, then the hooks' `finish`); phase 4."""
+    3 on process 0 (`checkpoint.engine.commit_step` with a `SavePlan`, finished by the
+    hooks' `finish`); phase 4."""
     start = time.perf_counter()
     backend, step, hooks = request.backend, request.step, request.hooks
     handoff = Handoff(f"save/{step}", request.timeout)
@@ -324,20 +325,16 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
     phases: dict[str, float] = {}
     committing = False  # from the commit (or staging) on, nothing of the attempt is discarded
 
-    async def merge_and_commit() -> None:
+    async def finish(manifest: Manifest, fate: Fate) -> None:
         nonlocal committing
-        reports = [ProcessReport.from_json(r) for r in await handoff.reports()]
-        # The fate is claimed while the writers' records are joined (reads, arithmetic):
-        # it is decided before the first shared write, the merge.
-        claiming = asyncio.ensure_future(attempt.claim(COMMIT))
-        try:
-            records = await joined(request, where, same, reports, kept)
-        finally:
-            fate = await claiming  # its error first: a fenced attempt is not merged
-        manifest = await merged(request, where, reports, written, records)
         phases["merge"] = manifest.timings["merge"]
         committing = True
         await hooks.finish(attempt, manifest, fate, handoff)
+
+    async def merge_and_commit() -> None:
+        reports = [ProcessReport.from_json(r) for r in await handoff.reports()]
+        plan = SavePlan(request, where, same, reports, kept, written)
+        await commit_step(attempt, plan, finish)
         phases["commit"] = time.perf_counter() - written - phases["merge"]
 
     try:

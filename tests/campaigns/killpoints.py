@@ -32,7 +32,7 @@ STOPS: dict[str, tuple[str, str, str]] = {
     "base-read": ("ckptstore.checkpoint.incremental", "open_base", "end"),  # nothing written
     "agreed": ("ckptstore.checkpoint.save", "unchanged", "end"),  # after the agreement round
     "written": ("ckptstore.protocol.attempt", "Attempt.claim", "start"),  # shards written
-    "merged": ("ckptstore.checkpoint.phase3", "merge", "end"),  # merged, no manifest
+    "merged": ("ckptstore.checkpoint.saveplan", "merge", "end"),  # merged, no manifest
     "manifest": ("ckptstore.protocol.attempt", "check_base", "start"),  # s1 done, not s2
     "base-checked": ("ckptstore.protocol.attempt", "check_base", "end"),  # before the marker
     # delete_step of a step others reference (D): d1, d2

@@ -217,13 +217,13 @@ def run(conn: Connection, job: dict[str, Any]) -> None:
     rep = Reporter(conn, process)
     try:
         import ckptstore.checkpoint.incremental as incremental_module
-        import ckptstore.checkpoint.partial as partial_module
-        import ckptstore.checkpoint.phase3 as phase3_module
+        import ckptstore.checkpoint.parts as parts_module
         import ckptstore.checkpoint.save as save_module
+        import ckptstore.checkpoint.saveplan as saveplan_module
         import ckptstore.protocol.attempt as attempt_module
         from tests.campaigns.killpoints import install_stop
 
-        for module in (phase3_module, partial_module):
+        for module in (saveplan_module, parts_module):  # a save's merge, a finalize's
             rep.wrap(module, "merge")
         rep.wrap(attempt_module.Attempt, "commit")  # a save's and a finalize's
         rep.wrap(save_module, "unchanged")

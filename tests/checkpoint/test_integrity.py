@@ -80,12 +80,12 @@ KILL_AT_POINT = textwrap.dedent(
     import asyncio, sys, time
     import numpy as np
     import ckptstore
-    import ckptstore.checkpoint.phase3 as phase3_module
+    import ckptstore.checkpoint.saveplan as saveplan_module
     import ckptstore.datapath.arrays as arrays_module
     from tests.campaigns.killpoints import first_bytes
 
     point = sys.argv[2]
-    real_write, real_merge = arrays_module.write_leaves, phase3_module.merge
+    real_write, real_merge = arrays_module.write_leaves, saveplan_module.merge
 
     async def write_leaves(*args, **kwargs):
         task = asyncio.ensure_future(real_write(*args, **kwargs))
@@ -102,7 +102,7 @@ KILL_AT_POINT = textwrap.dedent(
             time.sleep(60)  # killed after the merge committed, before the manifest
         return result
 
-    arrays_module.write_leaves, phase3_module.merge = write_leaves, merge
+    arrays_module.write_leaves, saveplan_module.merge = write_leaves, merge
     tree = {f"leaf{i}": np.full((512, 1024), i, np.float32) for i in range(64)}
     asyncio.run(ckptstore.save(sys.argv[1], tree, step=2))
     """

@@ -321,8 +321,8 @@ async def test_index_roundtrip_and_a_malformed_one_is_corruption(tmp_path: Path)
 async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
     """Process 0 reads the index of each process that reports packed leaves (several
     writers: the coordination service carries counts, not tables)."""
-    from ckptstore.checkpoint.phase3 import packed_leaves
     from ckptstore.checkpoint.save import ProcessReport
+    from ckptstore.checkpoint.saveplan import packed_leaves
     from ckptstore.format import layout
 
     backend = LocalBackend(tmp_path)

@@ -106,16 +106,16 @@ def main() -> None:
 
         arrays_module.write_leaves = write_then_die
     if mode == "late" and int(pid) == 0:
-        import ckptstore.checkpoint.phase3 as phase3_module
+        import ckptstore.checkpoint.saveplan as saveplan_module
 
-        real_merge = phase3_module.merge
+        real_merge = saveplan_module.merge
 
         async def merge_then_lose(backend, *args, **kwargs):  # type: ignore[no-untyped-def]
             result = await real_merge(backend, *args, **kwargs)
             await backend.create("1/COMMITTED", b'{"step": 1, "by": "someone else"}')
             return result
 
-        phase3_module.merge = merge_then_lose
+        saveplan_module.merge = merge_then_lose
     if mode == "partial":
         tree = {
             k: jax.make_array_from_callback(SHAPES[k], shardings[k], lambda i, k=k: expected(k)[i])

@@ -1,12 +1,12 @@
-"""Phase 3 of a save, on process 0: what the writers recorded, joined; the merge; the manifest.
+"""A save's plan for the commit engine (`ckptstore.checkpoint.engine`): on process 0, what
+the writers recorded, joined; then the merge and the manifest.
 
-Two steps, so that the first can overlap the fate's claim (`ckptstore.checkpoint.save`):
-
-1. `joined`: reads and arithmetic only, nothing written. Per item: the leaves each process
-   packed, the piece digests and chunk records beside the stores (process 0's own kept in
-   memory: `ckptstore.checkpoint.beside`), the chunk references of leaves held in part, and
-   the references of leaves held whole by the base's holders.
-2. `merged`, once the fate is claimed for the commit: each item's stores merged by
+1. `joined` (`SavePlan.join`, while the engine claims the fate): reads and arithmetic only,
+   nothing written. Per item: the leaves each process packed, the piece digests and chunk
+   records beside the stores (process 0's own kept in memory: `ckptstore.checkpoint.beside`),
+   the chunk references of leaves held in part, and the references of leaves held whole by
+   the base's holders.
+2. `merged` (`SavePlan.merge`, the fate claimed for the commit): each item's stores merged by
    reference into its store (where the hooks merge here), its packs checked, and the
    attempt's manifest with every leaf, digest and reference.
 """
@@ -31,7 +31,7 @@ from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest, needed_version
 from ckptstore.format.packs import PackRef
 
-if TYPE_CHECKING:  # `save` runs these phases: its types only, not an import cycle
+if TYPE_CHECKING:  # `save` makes the plan: its types only, not an import cycle
     from ckptstore.checkpoint.save import ProcessReport, SaveRequest
 
 
@@ -56,6 +56,28 @@ class Joined:
     items: dict[str, ItemRecords]
     references: References
     base: Base | None  # the base step of an incremental save
+
+
+@dataclass
+class SavePlan:
+    """The engine's `Plan` of a save: its request, attempt, references (``same``), every
+    process's report and process 0's own records (``kept``); ``written``: when phase 2
+    ended (`time.perf_counter`), for the manifest's timings."""
+
+    request: SaveRequest
+    where: layout.AttemptDir
+    same: Unchanged
+    reports: Sequence[ProcessReport]
+    kept: dict[str, Beside]
+    written: float
+    records: Joined | None = None
+
+    async def join(self) -> None:
+        self.records = await joined(self.request, self.where, self.same, self.reports, self.kept)
+
+    async def merge(self) -> Manifest:
+        assert self.records is not None, "merge before join"
+        return await merged(self.request, self.where, self.reports, self.written, self.records)
 
 
 async def joined(
