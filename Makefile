@@ -15,10 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# mypy (~30 s cold) runs beside the suite rather than before it; both must pass.
 test: $(STAMP)
 	$(VENV)/bin/ruff check ckptstore tests benchmarks demo
-	$(VENV)/bin/mypy ckptstore
-	$(PY) -m pytest -q $(WORKERS)
+	@out=$$(mktemp); $(VENV)/bin/mypy ckptstore >$$out 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -q $(WORKERS); tests=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy:"; cat $$out; rm -f $$out; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 # `make test-loaded`: the same suite beside two busy CPU loops it starts and stops itself
 # (a shared machine's timing; ~1.5x as long as `make test`).
