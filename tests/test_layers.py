@@ -121,3 +121,30 @@ def test_a_save_and_a_restore_call_up_a_layer_only_through_runtime(tmp_path: Pat
     upward = sorted(e for e in edges if rank[e[1]] < rank[e[0]] and e[0] != "runtime")
     assert not upward, upward
     assert any(e[0] == "api" for e in edges) and any(e[1] == "datapath" for e in edges)
+
+
+#: The calls a save makes back up into `tiers` (the storage it saves to), by name: the
+#: phases of `checkpoint.save.SaveHooks`, which `tiers.save.TierHooks` fills in.
+HOOKS = {
+    "TierHooks.before_attempt",
+    "TierHooks.before_write",
+    "TierHooks.after_write",
+    "TierHooks.finish",
+    "TierHooks.after_finish",
+}
+
+
+def test_a_tiered_save_and_restore_call_up_only_through_the_named_hooks(tmp_path: Path) -> None:
+    """A save on tiers runs in `checkpoint` with the tiers' hooks: its only calls back up
+    a layer are those hooks, named in `SaveHooks`; a tiered restore calls up nowhere."""
+    state = {"w": np.arange(1 << 16, dtype=np.float32), "b": {"x": np.ones(10)}}
+    tiered = ckptstore.Tiered(fast=str(tmp_path / "fast"), durable=str(tmp_path / "durable"))
+    asyncio.run(ckptstore.save(tiered, state, step=0))  # imports, pools, caches
+    rank = {name: i for i, row in enumerate(ROWS) for name in row}
+    edges = _calls_between_layers(
+        lambda: asyncio.run(ckptstore.save(tiered, state, step=1))
+    ) | _calls_between_layers(lambda: asyncio.run(ckptstore.restore(tiered, 1)))
+    upward = {e for e in edges if rank[e[1]] < rank[e[0]] and e[0] != "runtime"}
+    assert {e[3] for e in upward} <= HOOKS, sorted(upward)
+    assert {e[3] for e in upward} == HOOKS  # every phase's hook was called: the trace saw them
+    assert all(e[:2] == ("checkpoint", "tiers") for e in upward), sorted(upward)
