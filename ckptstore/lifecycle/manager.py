@@ -54,10 +54,10 @@ from ckptstore.protocol import committed_steps, load_committed
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS, durable_steps
+from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS
 from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
 from ckptstore.tiers.offline import StagedSteps, staged_at_start
-from ckptstore.tiers.read import read_manifest
+from ckptstore.tiers.read import read_manifest, steps_now
 from ckptstore.tiers.read import restore as tiers_restore
 from ckptstore.tiers.target import Tiered, as_tiered, check_distinct
 
@@ -396,19 +396,19 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         return await self._committed_steps() or await self._find_orbax_steps()
 
     async def _committed_steps(self) -> list[int]:
-        steps = set(await committed_steps(self.backend)) | set(self._staged)
-        if self.durable is not None:  # while it is down: the fast tier's (a warning says so)
-            steps |= set(await durable_steps(self.durable, self.options.timeout) or [])
-        return sorted(steps)
+        if self.durable is None:
+            return await committed_steps(self.backend)
+        return await steps_now(self.backend, self.durable, self._staged, self.options.timeout)
 
     def _restore(self, step: int | None, like: Any, options: RestoreOptions) -> Any:
-        """From the target, or from the nearest tier with a good copy."""
-        where = self.backend if self.durable is None else Tiered(self.backend, self.durable)
-        if self.durable is not None and step is None:  # the steps this manager lists
+        """From the target, or from the nearest tier with a good copy (`tiers.read`)."""
+        if self.durable is None:
+            return self._call(restore_with(self.backend, step, like, options))
+        if step is None:  # the steps this manager lists (staged ones, an outage's)
             step = self.latest_step()
-        if isinstance(where, Tiered) and step in self._staged:  # not on the durable tier yet
-            return self._call(tiers_restore(where, step, like, options, self._staged[step]))
-        return self._call(restore_with(where, step, like, options))
+        staged = self._staged.get(step) if step is not None else None
+        tiers = Tiered(self.backend, self.durable)
+        return self._call(tiers_restore(tiers, step, like, options, staged))
 
     def restore(
         self,
@@ -442,9 +442,8 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         copy, as `restore` reads it: `tiers.read`)."""
         if self.durable is None:
             return self._call(load_committed(self.backend, step)).metadata
-        if step in self._staged:  # not on the durable tier yet: process 0's manifest
-            return self._staged[step].metadata
-        return self._call(read_manifest(Tiered(self.backend, self.durable), step)).metadata
+        tiers = Tiered(self.backend, self.durable)
+        return self._call(read_manifest(tiers, step, self._staged.get(step))).metadata
 
     # ---- life cycle ----
 

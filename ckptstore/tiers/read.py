@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from ckptstore.backends.base import Backend
@@ -147,10 +147,26 @@ async def list_steps(tiers: Tiered) -> list[int]:
         return await tier_steps(fast, durable)
 
 
-async def read_manifest(tiers: Tiered, step: int | None = None) -> Manifest:
+async def read_manifest(
+    tiers: Tiered, step: int | None = None, staged: Manifest | None = None
+) -> Manifest:
     """The verified manifest of a committed step (the latest when ``step`` is None), from the
-    nearest tier with a good copy."""
+    nearest tier with a good copy; ``staged``: the manifest of ``step`` staged on host-local
+    fast tiers and not promoted yet (`tiers.offline`), which is the answer."""
+    if staged is not None and staged.step == step:
+        return staged
     return await nearest(tiers, step, load_committed)
+
+
+async def steps_now(
+    fast: Backend, durable: Backend, staged: Iterable[int] = (), timeout: float = DEFAULT_TIMEOUT
+) -> list[int]:
+    """The steps a job on these tiers can restore now, ascending: those committed on the fast
+    tier, those ``staged`` on every host and not promoted yet (`tiers.offline`), and those
+    committed on the durable tier as far as it answers within ``timeout`` (while it is down,
+    the others, with a warning: `bounded.durable_steps`)."""
+    on_durable = await durable_steps(durable, timeout)
+    return sorted(set(await committed_steps(fast)) | set(staged) | set(on_durable or []))
 
 
 async def restore(
