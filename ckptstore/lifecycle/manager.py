@@ -8,10 +8,11 @@ loop, and once the handle is done (the step is committed) the keep policy is app
 there too, before the next save starts. One save is in flight at a time. A background failure is
 raised by `SaveHandle.wait` and, if nobody waited for it, by the next `save`.
 
-The class is this module and four mixins beside it, one concern each: `Writing` (the
-write of a staged save on the loop, and the next incremental save's base), `Retention`
-(promotion and the keep policy after each step), `Preemption` (SIGTERM and JAX's sync
-point) and `OrbaxCompat` (Orbax's method names, and Orbax roots read but never written).
+The class is this module, the parts it holds (`Preemption`: SIGTERM and JAX's sync point;
+`Stager`: the copies a save owns) and three mixins beside it, one concern each: `Writing`
+(the write of a staged save on the loop, and the next incremental save's base), `Retention`
+(promotion and the keep policy after each step) and `OrbaxCompat` (Orbax's method names,
+and Orbax roots read but never written).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import signal
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Coroutine, Mapping
@@ -67,7 +66,7 @@ log = logging.getLogger("ckptstore")
 POLICY_RECORD = "save_policy"
 
 
-class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
+class CheckpointManager(OrbaxCompat, Writing, Retention):
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
     ``target`` is anything `ckptstore.save` accepts (None: the profile
@@ -90,6 +89,14 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         self.save_policy: P.SavePolicy = save_policy or options.save_policy or P.EveryNSteps(1)
         self.keep_policy: P.KeepPolicy = keep_policy or options.keep_policy or P.KeepAll()
         self._me, self._count = distributed.process_index(), distributed.process_count()
+        self._inflight: SaveHandle | None = None
+        #: SIGTERM and JAX's preemption sync point (`preempted` asks it).
+        self._preemption = Preemption(
+            self._count,
+            timeout=options.timeout,
+            inflight=lambda: self._inflight,
+            shutdown=self._shutdown,
+        )
         #: With a `Tiered` target (or a profile with a [tiers] table), saves go to the fast
         #: tier and each committed step is promoted to the durable one in the background.
         #: With ``incremental=True`` each save references the last committed step on the
@@ -108,12 +115,9 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         self._stager = Stager(max_bytes=options.max_staging_bytes)
         self._changes = ChangedRows()  # rows declared changed, call by call (`changed=`)
         self._warmed = False  # whether the stager was given a state to compile for
-        self._inflight: SaveHandle | None = None
         self._retention: concurrent.futures.Future[None] | None = None  # after the last save
         self._last_time: float | None = None
         self._records: dict[int, P.StepRecord] = {}
-        self._preempted = threading.Event()
-        self._previous_handler: Any = None
         self.stats: list[SaveStats] = []  # every save this manager committed, in order
         #: The finalized steps of an Orbax `CheckpointManager` root at the target (none
         #: when a ckptstore step is committed there): read like ckptstore's, never written.
@@ -174,7 +178,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
             self._shutdown()
             raise
         if options.handle_sigterm:
-            self._install_sigterm()
+            self._preemption.install()
         at_exit.track(self)  # a script that never closes it still commits its last save
 
     def _collect_at_start(self, grace: float) -> None:
@@ -206,6 +210,21 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
                 "Drop incremental=True, or use a shared fast tier"
             )
 
+    @property
+    def preempted(self) -> bool:
+        """Whether the job is being preempted, so the loop should stop once this step is
+        saved: this process got SIGTERM (one process), or every process reached JAX's
+        preemption sync point at the same step (several; `save` must then be called at
+        every step, as the sync point is one step that every process must pass through).
+        A loop that reads it stops by itself; one that never does exits at the next `save`
+        (`ckptstore.lifecycle.preemption`).
+
+        It turns true at a `save` call (the one the policy's `OnPreemption` saves), never
+        between two: a SIGTERM that lands after this step's `save` call and before the loop
+        reads this is seen by the next call, so ``save(step); if mgr.preempted: break``
+        never stops the loop on a step that was not saved."""
+        return self._preemption.preempted
+
     # ---- saving ----
 
     def save(
@@ -232,7 +251,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         (`ckptstore.lifecycle.changes`; docs/incremental.md, "Declared changes").
         """
         step = layout.check_step(step)
-        self._exit_unless_heeded()  # a SIGTERM the loop did not stop for
+        self._preemption.exit_unless_heeded()  # a SIGTERM the loop did not stop for
         self._refuse_orbax_root()  # whatever the policy would say: the job learns it now
         trees = _items(state, items, self.options.item)
         if changed is not None and not self.options.incremental:
@@ -329,7 +348,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
         from this process's view alone; nothing changes but the preemption flag, which
         follows the signal or JAX's sync point."""
         busy = self._inflight is not None and not self._inflight.done()
-        preempted = self._check_preemption(step)
+        preempted = self._preemption.check(step)
         ctx = P.SaveContext(
             step=step,
             now=time.monotonic(),
@@ -487,9 +506,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention, Preemption):
 
     def _shutdown(self) -> None:
         at_exit.untrack(self)
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        self._preemption.uninstall()
         if self._open:  # the loop is shared: only what this manager opened closes
             self._open = False
             if self._owns_backend:
