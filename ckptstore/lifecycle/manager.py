@@ -8,11 +8,11 @@ loop, and once the handle is done (the step is committed) the keep policy is app
 there too, before the next save starts. One save is in flight at a time. A background failure is
 raised by `SaveHandle.wait` and, if nobody waited for it, by the next `save`.
 
-The class is this module, the parts it holds (`Preemption`: SIGTERM and JAX's sync point;
-`Stager`: the copies a save owns) and three mixins beside it, one concern each: `Writing`
-(the write of a staged save on the loop, and the next incremental save's base), `Retention`
-(promotion and the keep policy after each step) and `OrbaxCompat` (Orbax's method names,
-and Orbax roots read but never written).
+The class is this module, the parts it holds (`Retention`: promotion and the keep policy
+after each step; `Preemption`: SIGTERM and JAX's sync point; `Stager`: the copies a save
+owns) and two mixins beside it: `Writing` (the write of a staged save on the loop, and the
+next incremental save's base) and `OrbaxCompat` (Orbax's method names, and Orbax roots read
+but never written).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ log = logging.getLogger("ckptstore")
 POLICY_RECORD = "save_policy"
 
 
-class CheckpointManager(OrbaxCompat, Writing, Retention):
+class CheckpointManager(OrbaxCompat, Writing):
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
     ``target`` is anything `ckptstore.save` accepts (None: the profile
@@ -115,7 +115,6 @@ class CheckpointManager(OrbaxCompat, Writing, Retention):
         self._stager = Stager(max_bytes=options.max_staging_bytes)
         self._changes = ChangedRows()  # rows declared changed, call by call (`changed=`)
         self._warmed = False  # whether the stager was given a state to compile for
-        self._retention: concurrent.futures.Future[None] | None = None  # after the last save
         self._last_time: float | None = None
         self._records: dict[int, P.StepRecord] = {}
         self.stats: list[SaveStats] = []  # every save this manager committed, in order
@@ -164,16 +163,20 @@ class CheckpointManager(OrbaxCompat, Writing, Retention):
                 self.save_policy.resume(self._policy_record(committed))
             if options.gc_on_start and self._me == 0:
                 self._collect_at_start(options.gc_grace)
-            #: Steps a predecessor (killed, or never closed) left unpromoted, promoted by
-            #: this manager in the background before its first save's (`_resume`).
-            self.resumed_promotions: list[int] = []
-            #: Steps committed on the fast tier while the durable tier was down, promoted at
-            #: the next save's turn once it answers (one process; `Retention`).
-            self.unpromoted: set[int] = set(staged.waiting)
-            #: Steps committed whose promotion has not ended yet (`Retention._retain`).
-            self._promoting: set[int] = set()
+            #: Promotion and the keep policy after each save (`lifecycle.retention`).
+            self._retention = Retention(
+                self._target(),
+                self.keep_policy,
+                options,
+                self._count,
+                self._records,
+                self._staged,
+                staged.waiting,
+            )
             if self.durable is not None and self.tiered is not None and committed:
-                self._retention = asyncio.run_coroutine_threadsafe(self._resume(), self._loop)
+                self._retention.future = asyncio.run_coroutine_threadsafe(
+                    self._retention.resume(), self._loop
+                )
         except BaseException:
             self._shutdown()
             raise
@@ -224,6 +227,18 @@ class CheckpointManager(OrbaxCompat, Writing, Retention):
         reads this is seen by the next call, so ``save(step); if mgr.preempted: break``
         never stops the loop on a step that was not saved."""
         return self._preemption.preempted
+
+    @property
+    def unpromoted(self) -> set[int]:
+        """Steps committed on the fast tier while the durable tier was down, promoted at
+        the next save's turn once it answers (`lifecycle.retention`)."""
+        return self._retention.unpromoted
+
+    @property
+    def resumed_promotions(self) -> list[int]:
+        """Steps a predecessor (killed, or never closed) left unpromoted, promoted by this
+        manager in the background before its first save's."""
+        return self._retention.resumed
 
     # ---- saving ----
 
@@ -382,7 +397,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention):
         raises what either raised."""
         if self._inflight is not None:
             self._inflight.wait()
-        retention, self._retention = self._retention, None
+        retention = self._retention.take()
         if retention is not None:
             retention.result()
 
@@ -393,7 +408,7 @@ class CheckpointManager(OrbaxCompat, Writing, Retention):
                 concurrent.futures.wait([self._inflight._future])
             else:
                 self._inflight.wait()
-        self._raise_retention_error()
+        self._retention.raise_error()
 
     def _raise_unobserved(self) -> None:
         handle = self._inflight
@@ -472,11 +487,12 @@ class CheckpointManager(OrbaxCompat, Writing, Retention):
         (else the next manager on these tiers, or ``ckptstore promote``, promotes them)."""
         try:
             self._settle()
-            retention, self._retention = self._retention, None
+            retention = self._retention.take()
             if retention is not None:
                 retention.result()
             if self.unpromoted and self.tiered is not None:
-                self._call(self._catch_up(min(self.options.timeout, DURABLE_LIST_SECONDS)))
+                seconds = min(self.options.timeout, DURABLE_LIST_SECONDS)
+                self._call(self._retention.catch_up(seconds))
         finally:
             self._shutdown()
 
@@ -494,8 +510,8 @@ class CheckpointManager(OrbaxCompat, Writing, Retention):
                     flush=True,
                 )
                 handle.wait(timeout)
-            if self._retention is not None:
-                self._retention.result(timeout)
+            if self._retention.future is not None:
+                self._retention.future.result(timeout)
         except concurrent.futures.TimeoutError:
             return f"step {step} was not committed within {timeout:.0f} s of exit; it is lost"
         except Exception as exc:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import shlex
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from ckptstore.tiers.target import Tiered
 
 if TYPE_CHECKING:
     from ckptstore.lifecycle.handles import SaveHandle
+    from ckptstore.lifecycle.retention import Retention
 
 T = TypeVar("T")
 
@@ -68,7 +68,7 @@ class OrbaxCompat:
         keep_policy: P.KeepPolicy
         options: ManagerOptions
         _inflight: SaveHandle | None
-        _retention: concurrent.futures.Future[None] | None
+        _retention: Retention
         _records: dict[int, P.StepRecord]
         _orbax_steps: list[int]
         _read_only: str | None
@@ -79,10 +79,8 @@ class OrbaxCompat:
         def latest_step(self) -> int | None: ...
         def _target(self) -> Backend | Tiered: ...
         async def _committed_steps(self) -> list[int]: ...
-        async def _step_records(self, backend: Backend) -> list[P.StepRecord]: ...
         def _policy_says(self, step: int, force: bool) -> tuple[bool, bool]: ...
         def _raise_unobserved(self) -> None: ...
-        def _raise_retention_error(self) -> None: ...
 
     @property
     def directory(self) -> Path | str:
@@ -111,7 +109,7 @@ class OrbaxCompat:
         if self._orbax_steps:
             records = self._call(self._orbax_records())
         else:
-            records = self._call(self._step_records(self.durable or self.backend))
+            records = self._call(self._retention.step_records(self.durable or self.backend))
         ranked = best.ranked(records)
         return ranked[0] if ranked else None
 
@@ -203,15 +201,14 @@ class OrbaxCompat:
     def is_saving_in_progress(self) -> bool:
         """Whether a save is still running: its write and commit, then (as Orbax's
         finalization) its promotion on tiers and the keep policy."""
-        handle, retention = self._inflight, self._retention
-        busy = handle is not None and not handle.done()
-        return busy or (retention is not None and not retention.done())
+        handle = self._inflight
+        return (handle is not None and not handle.done()) or self._retention.busy()
 
     def check_for_errors(self) -> None:
         """Raise the failure of a background save (or of its keep policy or promotion)
         that nobody has seen yet, once, without waiting for anything still running."""
         self._raise_unobserved()
-        self._raise_retention_error()
+        self._retention.raise_error()
 
     # ---- an Orbax root: read, never written ----
 

@@ -1,5 +1,5 @@
-"""The keep policy and promotion after each committed step, on `CheckpointManager`
-(which inherits `Retention`): each step is promoted (tiers), then process 0 applies the keep
+"""The keep policy and promotion after each committed step, by the `Retention` a
+`CheckpointManager` holds: each step is promoted (tiers), then process 0 applies the keep
 policy over the committed steps, a step dropped going from every tier; at start on tiers,
 what a predecessor left unpromoted is promoted first. While the durable tier is down, the
 promotion waits (`unpromoted`) and the keep policy applies to the fast tier alone. It runs
@@ -15,8 +15,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable
 
 from ckptstore.api import delete_step
 from ckptstore.backends.base import Backend
@@ -33,40 +32,69 @@ from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.promote import Promotion, promote, trim_fast
 from ckptstore.tiers.target import Tiered
 
-T = TypeVar("T")
 log = logging.getLogger("ckptstore")
 
 
 class Retention:
-    """Promotion and the keep policy after each save (see the module docstring)."""
+    """Promotion and the keep policy after each save (see the module docstring), for a
+    manager saving to ``target`` (its open backend, or both open tiers with their settings)
+    with ``keep_policy``. ``records`` (step -> `StepRecord`) and ``staged`` (host-local
+    fast tiers' steps not promoted yet, `tiers.offline`) are the manager's, shared;
+    ``waiting``: the steps known to wait for their promotion at start."""
 
-    if TYPE_CHECKING:  # what the manager provides
-        backend: Backend
-        durable: Backend | None
-        keep_policy: P.KeepPolicy
-        options: ManagerOptions
-        resumed_promotions: list[int]
-        unpromoted: set[int]
-        _promoting: set[int]
-        _staged: dict[int, Manifest]
-        _count: int
-        _retention: concurrent.futures.Future[None] | None
-        _records: dict[int, P.StepRecord]
+    def __init__(
+        self,
+        target: Backend | Tiered,
+        keep_policy: P.KeepPolicy,
+        options: ManagerOptions,
+        count: int,
+        records: dict[int, P.StepRecord],
+        staged: dict[int, Manifest],
+        waiting: Iterable[int] = (),
+    ) -> None:
+        self.target, self.keep_policy, self.options = target, keep_policy, options
+        fast = target.fast if isinstance(target, Tiered) else target
+        durable = target.durable if isinstance(target, Tiered) else None
+        assert isinstance(fast, Backend) and (durable is None or isinstance(durable, Backend))
+        self.backend: Backend = fast
+        self.durable: Backend | None = durable
+        self._count, self._records, self._staged = count, records, staged
+        #: Steps committed on the fast tier while the durable tier was down, promoted at
+        #: the next save's turn once it answers (`CheckpointManager.unpromoted`).
+        self.unpromoted: set[int] = set(waiting)
+        #: Steps committed whose promotion has not ended yet (`retain`).
+        self.promoting: set[int] = set()
+        #: Steps a predecessor left unpromoted, promoted at start (`resume`).
+        self.resumed: list[int] = []
+        #: The turn running now (or last), after the step committed last.
+        self.future: concurrent.futures.Future[None] | None = None
 
-        def _call(self, coro: Coroutine[Any, Any, T]) -> T: ...
-        def _target(self) -> Backend | Tiered: ...
+    def after(self, step: int, loop: asyncio.AbstractEventLoop) -> None:
+        """Schedule ``step``'s turn on ``loop`` (the step is committed): after the turn
+        before it, beside the next save if there is one (it only deletes committed steps)."""
+        if self.durable is not None:
+            self.promoting.add(step)  # until its turn in `retain` ends
+        self.future = asyncio.run_coroutine_threadsafe(self.retain(step, self.future), loop)
 
-    async def _retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
+    def take(self) -> concurrent.futures.Future[None] | None:
+        """The turn in flight (or done), forgotten here: the caller waits for it."""
+        future, self.future = self.future, None
+        return future
+
+    def busy(self) -> bool:
+        return self.future is not None and not self.future.done()
+
+    async def retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
         """The step is promoted (tiered; every process takes part, see `tiers.promote`), then
         process 0 applies the keep policy; every process waits until it has. While the
         durable tier is down, what it lacks is promoted at the next chance."""
         try:
             if previous is not None:
                 await asyncio.wrap_future(previous)  # its failure is this one's too
-            on = self._target()
+            on = self.target
             deferred = isinstance(on, Tiered) and await self._promote_or_defer(on, step) is None
         finally:
-            self._promoting.discard(step)  # promoted, deferred (`unpromoted`) or failed
+            self.promoting.discard(step)  # promoted, deferred (`unpromoted`) or failed
         if deferred:  # the durable tier is down: the fast tier alone
             await self._keep_on_fast_tier(f"manager/keep/{step}")
             return
@@ -122,28 +150,28 @@ class Retention:
         self._staged.clear()  # promoted: read like any committed step from now on
         return done
 
-    async def _resume(self) -> None:
+    async def resume(self) -> None:
         """On tiers, at start: finish what a predecessor left behind, in the background (its
         error surfaces like a keep policy's): promote every step the durable tier lacks,
         then apply the keep policy to both tiers."""
-        on = self._target()
+        on = self.target
         assert isinstance(on, Tiered)
         done = await self._promote_or_defer(on, None)
         if done is None:
             return
-        self.resumed_promotions = [p.step for p in done if not p.already]
-        if self.resumed_promotions:
+        self.resumed = [p.step for p in done if not p.already]
+        if self.resumed:
             log.info(
                 "ckptstore: promoted steps %s that an earlier run left on the fast tier only",
-                self.resumed_promotions,
+                self.resumed,
             )
         await self._keep("manager/keep/resume")
 
-    async def _catch_up(self, seconds: float) -> None:
+    async def catch_up(self, seconds: float) -> None:
         """Promote what waits (`unpromoted`) and apply the keep policy, if the durable tier
         answers within ``seconds``; else say what stays on the fast tier (promotion is
         resumable: the next manager on these tiers, or ``ckptstore promote``, finishes it)."""
-        on = self._target()
+        on = self.target
         assert isinstance(on, Tiered)
         try:
             done = await asyncio.wait_for(self._promote_or_defer(on, None), seconds)
@@ -165,7 +193,7 @@ class Retention:
         tiers hold staged parts, never committed steps: they wait for their promotion."""
 
         async def drop() -> str:
-            dropped = await self._drop_unkept(await self._step_records(self.backend), self.backend)
+            dropped = await self._drop_unkept(await self.step_records(self.backend), self.backend)
             return json.dumps(dropped or [])
 
         # Every process learns what was dropped: none waits for its promotion any more.
@@ -178,8 +206,8 @@ class Retention:
         start = time.perf_counter()
         # On tiers, the one tier-aware delete: the fast tier first, leaving the deletion
         # record that stops a promotion in flight in any process (`promote_step`).
-        target = self._target()
-        records = await self._step_records(self.durable or self.backend)
+        target = self.target
+        records = await self.step_records(self.durable or self.backend)
         if await self._drop_unkept(records, target) is not None:
             await self._trim_fast(target)
         return time.perf_counter() - start
@@ -214,7 +242,7 @@ class Retention:
             assert self.durable is not None
             await trim_fast(self.backend, self.durable, target.keep_fast)
 
-    async def _step_records(self, backend: Backend) -> list[P.StepRecord]:
+    async def step_records(self, backend: Backend) -> list[P.StepRecord]:
         """Every step committed on ``backend`` with its time and metrics (manifests read
         once, cached)."""
         steps = await committed_steps(backend)
@@ -233,9 +261,9 @@ class Retention:
                 )
         return [self._records[s] for s in steps if s in self._records]
 
-    def _raise_retention_error(self) -> None:
+    def raise_error(self) -> None:
         """The keep policy's (or a promotion's) failure, once, if it is over and failed."""
-        retention = self._retention
+        retention = self.future
         if retention is not None and retention.done() and retention.exception() is not None:
-            self._retention = None
+            self.future = None
             retention.result()

@@ -8,7 +8,6 @@ attempt it is, and the arrays it was saved from (`_same_objects`).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 import weakref
@@ -32,6 +31,9 @@ from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.staging import Staged
 from ckptstore.tiers.target import Tiered
 
+if TYPE_CHECKING:
+    from ckptstore.lifecycle.retention import Retention
+
 log = logging.getLogger("ckptstore")
 
 
@@ -42,19 +44,14 @@ class Writing:
         options: ManagerOptions
         stats: list[SaveStats]
         _loop: asyncio.AbstractEventLoop
-        _retention: concurrent.futures.Future[None] | None
+        _retention: Retention
         _records: dict[int, P.StepRecord]
         _base: int | None
         _base_attempt: str | None
         _objects: dict[tuple[str, str], weakref.ref[Any]]
-        unpromoted: set[int]
-        _promoting: set[int]
         durable: Backend | None
 
         def _target(self) -> Backend | Tiered: ...
-        async def _retain(
-            self, step: int, previous: concurrent.futures.Future[None] | None
-        ) -> None: ...
 
     async def _write(
         self,
@@ -109,11 +106,8 @@ class Writing:
         # The step is committed: the handle completes now. The keep policy runs after it,
         # beside the next save if there is one (it only ever deletes committed steps), and
         # after the previous keep-policy run.
-        if self.durable is not None:
-            self._promoting.add(step)  # until its turn in `_retain` ends
-        self._retention = asyncio.run_coroutine_threadsafe(
-            self._retain(step, self._retention), self._loop
-        )
+        retention = self._retention
+        retention.after(step, self._loop)
         stats = SaveStats(
             step=step,
             attempt=result.attempt,
@@ -130,7 +124,7 @@ class Writing:
             base=base if result.bytes_referenced else None,
             staging_mode=staged.mode,
             staging_reason=staged.reason,
-            unpromoted=tuple(sorted((self.unpromoted | self._promoting) - {step})),
+            unpromoted=tuple(sorted((retention.unpromoted | retention.promoting) - {step})),
         )
         self.stats.append(stats)
         return stats

