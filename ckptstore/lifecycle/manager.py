@@ -161,8 +161,6 @@ class CheckpointManager(OrbaxCompat, Writing):
                 self._call(self._refuse_host_local(options.timeout))
             if self.save_policy.remembers:  # a restarted job's policy carries on
                 self.save_policy.resume(self._policy_record(committed))
-            if options.gc_on_start and self._me == 0:
-                self._collect_at_start(options.gc_grace)
             #: Promotion and the keep policy after each save (`lifecycle.retention`).
             self._retention = Retention(
                 self._target(),
@@ -173,10 +171,12 @@ class CheckpointManager(OrbaxCompat, Writing):
                 self._staged,
                 staged.waiting,
             )
-            if self.durable is not None and self.tiered is not None and committed:
-                self._retention.future = asyncio.run_coroutine_threadsafe(
-                    self._retention.resume(), self._loop
-                )
+            # The constructor only opens: the start-up gc and what a predecessor left
+            # unpromoted run on the manager's loop, before the first save's turn.
+            collect = options.gc_on_start and self._me == 0
+            resume = self.durable is not None and self.tiered is not None and bool(committed)
+            if collect or resume:
+                self._retention.start(self._start(collect, resume), self._loop)
         except BaseException:
             self._shutdown()
             raise
@@ -184,12 +184,21 @@ class CheckpointManager(OrbaxCompat, Writing):
             self._preemption.install()
         at_exit.track(self)  # a script that never closes it still commits its last save
 
-    def _collect_at_start(self, grace: float) -> None:
-        """`gc` of the target (the fast tier), skipped with a warning where a committed step's
-        manifest cannot be read: what it references is then unknown, so nothing is collected
-        on a guess, and the manager opens (a restore reads such a step from its other copy)."""
+    async def _start(self, collect: bool, resume: bool) -> None:
+        """In the background, at start: the `gc` of the target (the fast tier; process 0),
+        then the promotion of what a predecessor left unpromoted (every process). Either's
+        failure surfaces like a keep policy's: at the next `save` or `wait_until_finished`."""
+        if collect:
+            await self._collect_at_start(self.options.gc_grace)
+        if resume:
+            await self._retention.resume()
+
+    async def _collect_at_start(self, grace: float) -> None:
+        """`gc` of the target, skipped with a warning where a committed step's manifest
+        cannot be read: what it references is then unknown, so nothing is collected on a
+        guess (a restore reads such a step from its other copy)."""
         try:
-            removed = self._call(gc(self.backend, older_than=grace))
+            removed = await gc(self.backend, older_than=grace)
         except CorruptCheckpointError as exc:
             log.warning("ckptstore: start-up gc skipped: %s", exc)
             return

@@ -15,7 +15,8 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
+from typing import Any
 
 from ckptstore.api import delete_step
 from ckptstore.backends.base import Backend
@@ -68,6 +69,7 @@ class Retention:
         self.resumed: list[int] = []
         #: The turn running now (or last), after the step committed last.
         self.future: concurrent.futures.Future[None] | None = None
+        self._starting: concurrent.futures.Future[None] | None = None  # `start`'s
 
     def after(self, step: int, loop: asyncio.AbstractEventLoop) -> None:
         """Schedule ``step``'s turn on ``loop`` (the step is committed): after the turn
@@ -81,8 +83,15 @@ class Retention:
         future, self.future = self.future, None
         return future
 
+    def start(self, work: Coroutine[Any, Any, None], loop: asyncio.AbstractEventLoop) -> None:
+        """Run a manager's start-up ``work`` on ``loop``: the first step's turn comes after
+        it, and its failure surfaces as a turn's; it is no save's, so not `busy`."""
+        self.future = self._starting = asyncio.run_coroutine_threadsafe(work, loop)
+
     def busy(self) -> bool:
-        return self.future is not None and not self.future.done()
+        """Whether a step's turn is still running (start-up work aside)."""
+        future = self.future
+        return future is not None and future is not self._starting and not future.done()
 
     async def retain(self, step: int, previous: concurrent.futures.Future[None] | None) -> None:
         """The step is promoted (tiered; every process takes part, see `tiers.promote`), then

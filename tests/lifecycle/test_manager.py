@@ -515,8 +515,11 @@ def test_a_restarted_manager_cleans_up_and_resumes(root: str) -> None:
     dead = layout.AttemptDir(3, layout.new_attempt())  # what a killed job left
     asyncio.run(backend.write(dead.manifest, b"{}"))
     with ckptstore.CheckpointManager(root, options=options(gc_grace=3600)) as mgr:
+        mgr.wait_until_finished()  # the start-up gc runs in the background
         assert os.path.exists(os.path.join(root, dead.manifest))  # too young to be sure
     with ckptstore.CheckpointManager(root, options=options(gc_grace=0)) as mgr:
+        assert not mgr.is_saving_in_progress()  # start-up work is no save
+        mgr.wait_until_finished()
         assert not os.path.exists(os.path.join(root, dead.manifest))
         assert mgr.latest_step() == 2
         np.testing.assert_array_equal(mgr.restore()["x"], np.full(3, 2))
