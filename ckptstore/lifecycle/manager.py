@@ -8,11 +8,11 @@ loop, and once the handle is done (the step is committed) the keep policy is app
 there too, before the next save starts. One save is in flight at a time. A background failure is
 raised by `SaveHandle.wait` and, if nobody waited for it, by the next `save`.
 
-The class is this module, the parts it holds (`Retention`: promotion and the keep policy
-after each step; `Preemption`: SIGTERM and JAX's sync point; `Stager`: the copies a save
-owns) and two mixins beside it: `Writing` (the write of a staged save on the loop, and the
-next incremental save's base) and `OrbaxCompat` (Orbax's method names, and Orbax roots read
-but never written).
+The class is this module and the parts it holds, one concern each: `Stager` (the copies
+a save owns), `Writer` (the write of a staged save on the loop, and the next incremental
+save's base), `Retention` (promotion and the keep policy after each step) and `Preemption`
+(SIGTERM and JAX's sync point); `OrbaxCompat`, a mixin, adds Orbax's method names (and
+reads Orbax roots, never writes them).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import sys
 import time
-import weakref
 from collections.abc import Coroutine, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
@@ -48,7 +47,7 @@ from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
 from ckptstore.lifecycle.preemption import Preemption
 from ckptstore.lifecycle.retention import Retention
 from ckptstore.lifecycle.staging import Stager
-from ckptstore.lifecycle.writing import Writing
+from ckptstore.lifecycle.writing import Writer
 from ckptstore.protocol import committed_steps, load_committed
 from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
@@ -66,7 +65,7 @@ log = logging.getLogger("ckptstore")
 POLICY_RECORD = "save_policy"
 
 
-class CheckpointManager(OrbaxCompat, Writing):
+class CheckpointManager(OrbaxCompat):
     """Saves, keeps and restores the checkpoints of one training run at ``target``.
 
     ``target`` is anything `ckptstore.save` accepts (None: the profile
@@ -144,19 +143,10 @@ class CheckpointManager(OrbaxCompat, Writing):
                 )
             steps = committed or self._orbax_steps
             self._last_step: int | None = steps[-1] if steps else None
-            #: The base of the next incremental save: the last step committed (an Orbax
-            #: step never is one). Set on the loop thread once a save commits; read by
-            #: `save` after `_settle`, so after that save's future completed.
-            #: On tiers, the last committed on the fast tier: the save reads its base there.
-            self._base: int | None = committed[-1] if committed else None
-            #: The attempt this manager saved ``_base`` as (None: found on disk): only that
-            #: attempt holds what ``_objects`` were (`incremental.SameObjects`).
-            self._base_attempt: str | None = None
+            base = committed[-1] if committed else None  # on tiers: the fast tier's last
             if self.durable is not None and committed:
                 on_fast = self._call(committed_steps(self.backend))
-                self._base = on_fast[-1] if on_fast else None
-            #: The arrays the base was saved from, by (item, leaf), weakly (`_same_objects`).
-            self._objects: dict[tuple[str, str], weakref.ref[Any]] = {}
+                base = on_fast[-1] if on_fast else None
             if options.incremental and self.tiered is not None and self._count > 1:
                 self._call(self._refuse_host_local(options.timeout))
             if self.save_policy.remembers:  # a restarted job's policy carries on
@@ -170,6 +160,16 @@ class CheckpointManager(OrbaxCompat, Writing):
                 self._records,
                 self._staged,
                 staged.waiting,
+            )
+            #: The write of each staged save, and the next incremental save's base.
+            self._writer = Writer(
+                self._target(),
+                options,
+                self.stats,
+                self._records,
+                self._retention,
+                self._loop,
+                base,
             )
             # The constructor only opens: the start-up gc and what a predecessor left
             # unpromoted run on the manager's loop, before the first save's turn.
@@ -312,9 +312,9 @@ class CheckpointManager(OrbaxCompat, Writing):
         # Configuration items (a dataclass, a dict with strings) become JSON now, a copy.
         configs = {n: as_json_item(n, v) for n, v in trees.items() if not is_array_tree(v)}
         arrays = {n: v for n, v in trees.items() if n not in configs}
-        same, objects = self._same_objects(arrays) if self.options.incremental else ({}, {})
-        base = self._base if self.options.incremental else None
-        pinned = self._base_attempt is not None  # the base is a step this manager saved
+        same, objects = self._writer.same_objects(arrays) if self.options.incremental else ({}, {})
+        base = self._writer.base if self.options.incremental else None
+        pinned = self._writer.base_attempt is not None  # the base is a step this manager saved
         declared = self._changes.for_save(step, base, pinned)
         # An incremental save reads its pieces twice (digests, then the write): device
         # copies stay until the save ends instead of going as each piece is written.
@@ -322,10 +322,10 @@ class CheckpointManager(OrbaxCompat, Writing):
             arrays, self.options.staging, host_view=host_view, drain=not self.options.incremental
         )
         self._last_step, self._last_time = step, time.monotonic()
-        pin = self._base_attempt if same or declared else None  # what both are relative to
+        pin = self._writer.base_attempt if same or declared else None  # what both are relative to
         vouched = SameObjects(pin, same) if pin else None
         future = asyncio.run_coroutine_threadsafe(
-            self._write(
+            self._writer.write(
                 step,
                 staged,
                 configs,

@@ -1,8 +1,8 @@
-"""The write of a staged save, on `CheckpointManager`'s loop (which inherits `Writing`):
+"""The write of a staged save, on `CheckpointManager`'s loop (the `Writer` it holds):
 `save_items` from the copy staged in host memory, saved again in full, once, if its base
 step is gone; then the step's record, its `SaveStats` and the keep policy queued after it.
 For incremental saves it also keeps what the next save references: the base step, the
-attempt it is, and the arrays it was saved from (`_same_objects`).
+attempt it is, and the arrays it was saved from (`Writer.same_objects`).
 """
 
 from __future__ import annotations
@@ -37,23 +37,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("ckptstore")
 
 
-class Writing:
-    """The background half of a save, and the next save's base (see the module docstring)."""
+class Writer:
+    """The background half of a manager's saves, and the next save's base (see the module
+    docstring): saves to ``target`` (the open backend, or both open tiers) with ``options``;
+    each committed step's `SaveStats` appended to ``stats`` and its record to ``records``
+    (the manager's, shared), then its turn queued on ``retention``, on ``loop``. ``base``:
+    the base of the first incremental save (the last step committed at start)."""
 
-    if TYPE_CHECKING:  # what the manager provides
-        options: ManagerOptions
-        stats: list[SaveStats]
-        _loop: asyncio.AbstractEventLoop
-        _retention: Retention
-        _records: dict[int, P.StepRecord]
-        _base: int | None
-        _base_attempt: str | None
-        _objects: dict[tuple[str, str], weakref.ref[Any]]
-        durable: Backend | None
+    def __init__(
+        self,
+        target: Backend | Tiered,
+        options: ManagerOptions,
+        stats: list[SaveStats],
+        records: dict[int, P.StepRecord],
+        retention: Retention,
+        loop: asyncio.AbstractEventLoop,
+        base: int | None,
+    ) -> None:
+        self.target, self.options, self.stats = target, options, stats
+        self._records, self._retention, self._loop = records, retention, loop
+        #: The base of the next incremental save: the last step committed (an Orbax step
+        #: never is one). Set on the loop thread once a save commits; read by `save` after
+        #: `_settle`, so after that save's future completed. On tiers, the last committed
+        #: on the fast tier: the save reads its base there.
+        self.base = base
+        #: The attempt this manager saved ``base`` as (None: found on disk): only that
+        #: attempt holds what ``objects`` were (`incremental.SameObjects`).
+        self.base_attempt: str | None = None
+        #: The arrays the base was saved from, by (item, leaf), weakly (`same_objects`).
+        self.objects: dict[tuple[str, str], weakref.ref[Any]] = {}
 
-        def _target(self) -> Backend | Tiered: ...
-
-    async def _write(
+    async def write(
         self,
         step: int,
         staged: Staged,
@@ -67,7 +81,7 @@ class Writing:
         objects: dict[tuple[str, str], weakref.ref[Any]],
         changed: Declared | None = None,
     ) -> SaveStats:
-        target = self._target()  # on tiers: room is checked on the fast tier
+        target = self.target  # on tiers: room is checked on the fast tier
 
         async def save(base: int | None) -> SaveResult:
             return await save_items(
@@ -100,7 +114,7 @@ class Writing:
             base = None
             result = await save(None)
         # The next save's base, the attempt it is, and the arrays it was saved from.
-        self._base, self._base_attempt, self._objects = step, result.attempt, objects
+        self.base, self.base_attempt, self.objects = step, result.attempt, objects
         durable = time.perf_counter() - start
         self._records[step] = P.StepRecord(step, time.time(), metrics)
         # The step is committed: the handle completes now. The keep policy runs after it,
@@ -129,7 +143,7 @@ class Writing:
         self.stats.append(stats)
         return stats
 
-    def _same_objects(
+    def same_objects(
         self, arrays: Mapping[str, Any]
     ) -> tuple[dict[str, set[str]], dict[tuple[str, str], weakref.ref[Any]]]:
         """Per item, the leaves that are the very `jax.Array` objects the previous save of
@@ -145,7 +159,7 @@ class Writing:
                 if not isinstance(value, jax.Array) or may_share_host_memory(value):
                     continue
                 seen[(item, name)] = weakref.ref(value)
-                previous = self._objects.get((item, name))
+                previous = self.objects.get((item, name))
                 if previous is not None and previous() is value:
                     same.setdefault(item, set()).add(name)
         return same, seen
