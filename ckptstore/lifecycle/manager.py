@@ -27,9 +27,8 @@ from collections.abc import Coroutine, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ckptstore.api import gc, restore_with
+from ckptstore.api import restore_with
 from ckptstore.backends.base import Backend
-from ckptstore.backends.registry import env_profile, load_profile, target_profile
 from ckptstore.checkpoint.incremental import SameObjects
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.target import Target, open_target
@@ -42,6 +41,7 @@ from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.changes import ChangedRows
 from ckptstore.lifecycle.existence import ensure_uncommitted_on
 from ckptstore.lifecycle.handles import SaveHandle, SaveStats
+from ckptstore.lifecycle.opening import collect_at_start, options_from_profile, refuse_host_local
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
 from ckptstore.lifecycle.preemption import Preemption
@@ -53,7 +53,7 @@ from ckptstore.runtime import distributed
 from ckptstore.runtime.blocking import background_loop, run
 from ckptstore.runtime.handoff import Handoff
 from ckptstore.tiers.bounded import DURABLE_LIST_SECONDS
-from ckptstore.tiers.hostlocal import fast_is_shared, known_shared
+from ckptstore.tiers.hostlocal import known_shared
 from ckptstore.tiers.offline import StagedSteps, staged_at_start
 from ckptstore.tiers.read import read_manifest, steps_now
 from ckptstore.tiers.read import restore as tiers_restore
@@ -83,7 +83,7 @@ class CheckpointManager(OrbaxCompat):
         options: ManagerOptions | None = None,
     ) -> None:
         if options is None:
-            options = _options_from_profile(target)
+            options = options_from_profile(target)
         self.options = options
         self.save_policy: P.SavePolicy = save_policy or options.save_policy or P.EveryNSteps(1)
         self.keep_policy: P.KeepPolicy = keep_policy or options.keep_policy or P.KeepAll()
@@ -148,7 +148,7 @@ class CheckpointManager(OrbaxCompat):
                 on_fast = self._call(committed_steps(self.backend))
                 base = on_fast[-1] if on_fast else None
             if options.incremental and self.tiered is not None and self._count > 1:
-                self._call(self._refuse_host_local(options.timeout))
+                self._call(refuse_host_local(self.backend, self._count, options.timeout))
             if self.save_policy.remembers:  # a restarted job's policy carries on
                 self.save_policy.resume(self._policy_record(committed))
             #: Promotion and the keep policy after each save (`lifecycle.retention`).
@@ -189,38 +189,9 @@ class CheckpointManager(OrbaxCompat):
         then the promotion of what a predecessor left unpromoted (every process). Either's
         failure surfaces like a keep policy's: at the next `save` or `wait_until_finished`."""
         if collect:
-            await self._collect_at_start(self.options.gc_grace)
+            await collect_at_start(self.backend, self.options.gc_grace)
         if resume:
             await self._retention.resume()
-
-    async def _collect_at_start(self, grace: float) -> None:
-        """`gc` of the target, skipped with a warning where a committed step's manifest
-        cannot be read: what it references is then unknown, so nothing is collected on a
-        guess (a restore reads such a step from its other copy)."""
-        try:
-            removed = await gc(self.backend, older_than=grace)
-        except CorruptCheckpointError as exc:
-            log.warning("ckptstore: start-up gc skipped: %s", exc)
-            return
-        if removed.entries:
-            log.info("ckptstore: removed %d stale attempts", len(removed.entries))
-
-    async def _refuse_host_local(self, timeout: float) -> None:
-        """`ConfigError` where the fast tier is each host's own disk (measured by every
-        process, at construction: collective): there a step is staged per host and merged
-        on the durable tier by promotion, so no fast-tier copy can serve as a base, and
-        every incremental save would be refused (`tiers.save`)."""
-        shared = known_shared(self.backend, self._count)
-        if shared is None:
-            shared = await fast_is_shared(self.backend, Handoff("manager/fast-tier", timeout))
-        if not shared:
-            raise ConfigError(
-                "ManagerOptions(incremental=True) on tiers needs a fast tier every process "
-                f"shares; {self.backend.url} is host-local (each host's own disk), where a "
-                "step is staged per host and merged on the durable tier by promotion, and an "
-                "incremental save reads its base from one committed copy on the fast tier. "
-                "Drop incremental=True, or use a shared fast tier"
-            )
 
     @property
     def preempted(self) -> bool:
@@ -576,18 +547,3 @@ def _items(state: Any, items: Mapping[str, Any] | None, default: str) -> dict[st
     for name in trees:
         layout.check_item(name)  # refused before anything is staged
     return trees
-
-
-def _options_from_profile(target: Target | Tiered | None) -> ManagerOptions:
-    """The ``[manager]`` table of the profile ``target`` is (None: the profile
-    ``$CKPTSTORE_PROFILE`` names, as for the plain functions), else the defaults."""
-    if target is None:
-        target = env_profile()  # unset: the defaults, and `open_target` says what is missing
-    if target is None or isinstance(target, (Backend, Tiered)):
-        return ManagerOptions()
-    named = target_profile(target)
-    if named is not None and named.is_file():
-        table = load_profile(named).get("manager")
-        if table is not None:
-            return ManagerOptions.from_table(table, source=f"{named} [manager]")
-    return ManagerOptions()
