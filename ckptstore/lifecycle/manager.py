@@ -124,65 +124,69 @@ class CheckpointManager(OrbaxCompat):
         #: host that the durable tier does not list (yet), with its manifest, read from the
         #: hosts' own copies (`tiers.offline`); until its promotion.
         self._staged: dict[int, Manifest] = {}
-        staged = StagedSteps()
         try:
-            if self.durable is not None:
-                staged = self._call(staged_at_start(self.backend, self.durable, options.timeout))
-                if staged.newest is not None:
-                    self._staged[staged.newest.step] = staged.newest
-            committed = self._call(self._committed_steps())
-            if not committed:
-                self._orbax_steps = self._call(self._find_orbax_steps())
-            #: Why every `save` is refused (an Orbax root; None: saves go ahead), said once
-            #: now as a warning so that a job learns it at start, not when the policy says yes.
-            self._read_only: str | None = None
-            if self._orbax_steps:
-                self._read_only = self._call(self._orbax_refusal())
-                log.warning(
-                    "ckptstore: %s; every save() raises UnsupportedOperationError", self._read_only
-                )
-            steps = committed or self._orbax_steps
-            self._last_step: int | None = steps[-1] if steps else None
-            base = committed[-1] if committed else None  # on tiers: the fast tier's last
-            if self.durable is not None and committed:
-                on_fast = self._call(committed_steps(self.backend))
-                base = on_fast[-1] if on_fast else None
-            if options.incremental and self.tiered is not None and self._count > 1:
-                self._call(refuse_host_local(self.backend, self._count, options.timeout))
-            if self.save_policy.remembers:  # a restarted job's policy carries on
-                self.save_policy.resume(self._policy_record(committed))
-            #: Promotion and the keep policy after each save (`lifecycle.retention`).
-            self._retention = Retention(
-                self._target(),
-                self.keep_policy,
-                options,
-                self._count,
-                self._records,
-                self._staged,
-                staged.waiting,
-            )
-            #: The write of each staged save, and the next incremental save's base.
-            self._writer = Writer(
-                self._target(),
-                options,
-                self.stats,
-                self._records,
-                self._retention,
-                self._loop,
-                base,
-            )
-            # The constructor only opens: the start-up gc and what a predecessor left
-            # unpromoted run on the manager's loop, before the first save's turn.
-            collect = options.gc_on_start and self._me == 0
-            resume = self.durable is not None and self.tiered is not None and bool(committed)
-            if collect or resume:
-                self._retention.start(self._start(collect, resume), self._loop)
+            committed, staged = self._open_steps()
+            self._hold_parts(committed, staged)
         except BaseException:
             self._shutdown()
             raise
         if options.handle_sigterm:
             self._preemption.install()
         at_exit.track(self)  # a script that never closes it still commits its last save
+
+    def _open_steps(self) -> tuple[list[int], StagedSteps]:
+        """What the target holds at start: the committed steps (and a host-local fast
+        tier's staged ones: `_staged`), or an Orbax root's (then every save is refused)."""
+        staged = StagedSteps()
+        if self.durable is not None:
+            staged = self._call(staged_at_start(self.backend, self.durable, self.options.timeout))
+            if staged.newest is not None:
+                self._staged[staged.newest.step] = staged.newest
+        committed = self._call(self._committed_steps())
+        if not committed:
+            self._orbax_steps = self._call(self._find_orbax_steps())
+        #: Why every `save` is refused (an Orbax root; None: saves go ahead), said once
+        #: now as a warning so that a job learns it at start, not when the policy says yes.
+        self._read_only: str | None = None
+        if self._orbax_steps:
+            self._read_only = self._call(self._orbax_refusal())
+            log.warning(
+                "ckptstore: %s; every save() raises UnsupportedOperationError", self._read_only
+            )
+        steps = committed or self._orbax_steps
+        self._last_step: int | None = steps[-1] if steps else None
+        return committed, staged
+
+    def _hold_parts(self, committed: list[int], staged: StagedSteps) -> None:
+        """The parts that save and keep, given what `_open_steps` found; the start-up work
+        (gc, resumed promotions) queued on the manager's loop: the constructor only opens."""
+        options = self.options
+        base = committed[-1] if committed else None  # on tiers: the fast tier's last
+        if self.durable is not None and committed:
+            on_fast = self._call(committed_steps(self.backend))
+            base = on_fast[-1] if on_fast else None
+        if options.incremental and self.tiered is not None and self._count > 1:
+            self._call(refuse_host_local(self.backend, self._count, options.timeout))
+        if self.save_policy.remembers:  # a restarted job's policy carries on
+            self.save_policy.resume(self._policy_record(committed))
+        #: Promotion and the keep policy after each save (`lifecycle.retention`).
+        self._retention = Retention(
+            self._target(),
+            self.keep_policy,
+            options,
+            self._count,
+            self._records,
+            self._staged,
+            staged.waiting,
+        )
+        #: The write of each staged save, and the next incremental save's base.
+        self._writer = Writer(
+            self._target(), options, self.stats, self._records, self._retention, self._loop, base
+        )
+        collect = options.gc_on_start and self._me == 0
+        resume = self.durable is not None and self.tiered is not None and bool(committed)
+        if collect or resume:
+            self._retention.start(self._start(collect, resume), self._loop)
 
     async def _start(self, collect: bool, resume: bool) -> None:
         """In the background, at start: the `gc` of the target (the fast tier; process 0),
