@@ -24,7 +24,7 @@ from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.parts import Part
 from ckptstore.checkpoint.restore import RestoreOptions
 from ckptstore.checkpoint.save import SaveResult
-from ckptstore.checkpoint.stored import StoredItem
+from ckptstore.checkpoint.storeditem import StoredItem
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES

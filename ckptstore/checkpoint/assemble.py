@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ckptstore.checkpoint.stored import Read, StoredItem, settle
+from ckptstore.checkpoint.storeditem import Read, StoredItem, settle
 from ckptstore.datapath import placement
 from ckptstore.datapath.reads import read_slice
 

@@ -9,7 +9,7 @@ owner process, so that decision is the owner's alone; no round is needed for it.
 
 Each process records, beside its store, its chunks' digests and which of them it left out
 (`write_records`, ``chunks.json``; process 0 keeps its own in memory:
-`ckptstore.checkpoint.beside`); process 0 reads them (`read_records`) and puts into the
+`ckptstore.checkpoint.writerrecords`); process 0 reads them (`read_records`) and puts into the
 manifest each such leaf's chunk digests and, per holder attempt, the ranges of chunks it
 holds (`item_chunks`): the base's holder of that chunk, never the base when the base itself
 referenced it (no chains). The model and its safety argument: docs/incremental.md,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ckptstore.backends import supports
 from ckptstore.backends.base import Backend, ObjectInfo
-from ckptstore.checkpoint.staged import STAGED, read_staged
+from ckptstore.checkpoint.stagedrecord import STAGED, read_staged
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,

@@ -15,7 +15,7 @@ was given: `ckptstore.tiers.holders`) is not checked. docs/reliability.md says w
 from __future__ import annotations
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.stored import settle
+from ckptstore.checkpoint.storeditem import settle
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
 from ckptstore.format.chunkrefs import chunk_digest
 from ckptstore.format.digests import ALGORITHM

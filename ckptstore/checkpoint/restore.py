@@ -19,7 +19,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.backends.tsdeadline import within
 from ckptstore.checkpoint.assemble import in_memory, restore_stored
 from ckptstore.checkpoint.holdercheck import check_holders
-from ckptstore.checkpoint.stored import Read, StoredItem, settle
+from ckptstore.checkpoint.storeditem import Read, StoredItem, settle
 from ckptstore.datapath import ocdbt_index
 from ckptstore.datapath.chunkreads import RoutedChunks
 from ckptstore.datapath.packs import read_packed, read_split

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.beside import Beside, record
 from ckptstore.checkpoint.chunklevel import held_bytes
 from ckptstore.checkpoint.declared import Declared
 from ckptstore.checkpoint.discard import discard, root_missing
 from ckptstore.checkpoint.engine import commit_step
 from ckptstore.checkpoint.incremental import SameObjects, Unchanged, unchanged
 from ckptstore.checkpoint.saveplan import SavePlan, store_name
+from ckptstore.checkpoint.writerrecords import Beside, record
 from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.datapath.packs import PackTarget, write_index
@@ -302,7 +302,7 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
 
     where = layout.AttemptDir(step, await handoff.agree(fresh_attempt))
     attempt = Attempt(backend, where)  # process 0's, the actor its fate record names
-    kept: dict[str, Beside] = {}  # process 0's own records, per item (`checkpoint.beside`)
+    kept: dict[str, Beside] = {}  # process 0's own records, per item (`checkpoint.writerrecords`)
 
     async def write_mine() -> dict[str, Any]:
         report = await _write_mine(request, where, same, handoff.me, kept)
@@ -389,7 +389,7 @@ async def _write_mine(
 ) -> ProcessReport:
     """Phase 2, every process: its shards of every item into its own store (small leaves
     into packs where the hooks say so), with piece digests where they are recorded; what
-    it records beside a store, process 0 keeps in ``kept`` instead (`checkpoint.beside`)."""
+    it records beside a store, process 0 keeps in ``kept`` instead (`checkpoint.writerrecords`)."""
     backend = request.backend
     record_digests = request.digests or request.base is not None
     total = ProcessReport(process=me)

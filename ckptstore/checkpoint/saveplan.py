@@ -3,7 +3,7 @@ the writers recorded, joined; then the merge and the manifest.
 
 1. `joined` (`SavePlan.join`, while the engine claims the fate): reads and arithmetic only,
    nothing written. Per item: the leaves each process packed, the piece digests and chunk
-   records beside the stores (process 0's own kept in memory: `ckptstore.checkpoint.beside`),
+   records beside the stores (process 0's own kept in memory: `ckptstore.checkpoint.writerrecords`),
    the chunk references of leaves held in part, and the references of leaves held whole by
    the base's holders.
 2. `merged` (`SavePlan.merge`, the fate claimed for the commit): each item's stores merged by
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.beside import Beside, collect
 from ckptstore.checkpoint.chunklevel import ItemChunks, item_chunks
 from ckptstore.checkpoint.incremental import Base, References, Unchanged
 from ckptstore.checkpoint.merge import merge
+from ckptstore.checkpoint.writerrecords import Beside, collect
 from ckptstore.datapath.packs import check_packs, read_index
 from ckptstore.errors import CkptStoreError
 from ckptstore.format import layout

@@ -80,7 +80,7 @@ class RawLeaf:
         finally:  # this region has taken its part (or failed): shared chunks may go
             self._release(shared_keys)
 
-    __call__ = read  # a `ckptstore.checkpoint.stored.Read`
+    __call__ = read  # a `ckptstore.checkpoint.storeditem.Read`
 
     def expect(self, indices: Sequence[Index]) -> None:
         """Announce the regions about to be read (one `read` each): a chunk that more

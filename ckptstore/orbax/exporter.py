@@ -48,7 +48,7 @@ import tensorstore as ts
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.backends.local import LocalBackend
-from ckptstore.checkpoint.stored import settle
+from ckptstore.checkpoint.storeditem import settle
 from ckptstore.checkpoint.target import Target
 from ckptstore.datapath.packs import read_packed
 from ckptstore.datapath.stores import ocdbt_spec

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.partial import PartialSave
 from ckptstore.checkpoint.save import SaveResult
-from ckptstore.checkpoint.stored import StoredItem, settle
+from ckptstore.checkpoint.storeditem import StoredItem, settle
 from ckptstore.checkpoint.target import Target, opened
 from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import AlreadyExistsError, CheckpointNotFoundError

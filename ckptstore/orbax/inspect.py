@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.stored import StoredItem
+from ckptstore.checkpoint.storeditem import StoredItem
 from ckptstore.datapath.reads import read_slice
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError
 from ckptstore.format import layout

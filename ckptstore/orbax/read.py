@@ -23,7 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.stored import StoredItem, settle
+from ckptstore.checkpoint.storeditem import StoredItem, settle
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CkptStoreError,

@@ -33,8 +33,8 @@ from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.merge import merge
-from ckptstore.checkpoint.staged import STAGED as STAGED
-from ckptstore.checkpoint.staged import Staged, read_staged, staged_key, staged_steps
+from ckptstore.checkpoint.stagedrecord import STAGED as STAGED
+from ckptstore.checkpoint.stagedrecord import Staged, read_staged, staged_key, staged_steps
 from ckptstore.datapath.arrays import (
     addressable_indices,
     host_view_slices,

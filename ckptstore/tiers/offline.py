@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.staged import read_staged
+from ckptstore.checkpoint.stagedrecord import read_staged
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest

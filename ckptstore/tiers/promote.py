@@ -23,7 +23,7 @@ from typing import Any
 
 from ckptstore.backends.base import Backend, ObjectInfo
 from ckptstore.checkpoint.cleanup import deleted_by_user, remove_step, trim_step
-from ckptstore.checkpoint.staged import read_staged, staged_steps
+from ckptstore.checkpoint.stagedrecord import read_staged, staged_steps
 from ckptstore.checkpoint.verify import verify_step
 from ckptstore.errors import (
     AlreadyExistsError,

@@ -27,7 +27,7 @@ from ckptstore.backends.base import Backend
 from ckptstore.checkpoint import restore as plain
 from ckptstore.checkpoint import verify as plain_verify
 from ckptstore.checkpoint.restore import RestoreOptions
-from ckptstore.checkpoint.staged import read_staged
+from ckptstore.checkpoint.stagedrecord import read_staged
 from ckptstore.checkpoint.verify import VerifyReport
 from ckptstore.datapath.stores import MAX_INFLIGHT_BYTES
 from ckptstore.errors import (

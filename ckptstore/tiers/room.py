@@ -25,7 +25,7 @@ import jax
 from ckptstore.backends import supports
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.cleanup import trim_step
-from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
+from ckptstore.checkpoint.stagedrecord import read_staged, staged_key, staged_steps
 from ckptstore.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

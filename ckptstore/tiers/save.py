@@ -32,7 +32,7 @@ from ckptstore.checkpoint.save import (
     PreparedItem,
     SaveHooks,
 )
-from ckptstore.checkpoint.staged import staged_key
+from ckptstore.checkpoint.stagedrecord import staged_key
 from ckptstore.errors import AlreadyExistsError, UnsupportedOperationError
 from ckptstore.format import layout
 from ckptstore.format.manifest import Manifest

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.staged import read_staged, staged_key, staged_steps
+from ckptstore.checkpoint.stagedrecord import read_staged, staged_key, staged_steps
 from ckptstore.errors import CorruptCheckpointError, NotFoundError, TransientStorageError
 from ckptstore.format import layout
 from ckptstore.protocol import Marker, committed_steps, read_marker

@@ -16,7 +16,7 @@ import pytest
 
 import ckptstore
 from ckptstore.backends.base import Backend
-from ckptstore.checkpoint.staged import staged_key
+from ckptstore.checkpoint.stagedrecord import staged_key
 from ckptstore.cli import main
 from ckptstore.format import layout
 from ckptstore.protocol import Marker, fates

@@ -1,4 +1,4 @@
-"""What a process records beside its store (`ckptstore.checkpoint.beside`): the other
+"""What a process records beside its store (`ckptstore.checkpoint.writerrecords`): the other
 processes write it for process 0, process 0 keeps its own in memory, and `collect` joins
 both as if all had been read."""
 
@@ -10,9 +10,9 @@ import numpy as np
 
 import ckptstore
 from ckptstore.backends.memory import MemoryBackend
-from ckptstore.checkpoint.beside import Beside, collect, record
 from ckptstore.checkpoint.chunklevel import RECORDS
 from ckptstore.checkpoint.incremental import DIGESTS
+from ckptstore.checkpoint.writerrecords import Beside, collect, record
 from ckptstore.datapath.chunkwrites import ChunkPlan
 from ckptstore.format import layout
 
