@@ -5,7 +5,6 @@ URL (a save, a restore, a profile), with its options checked; bad registrations 
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from ckptstore.backends.memory import MemoryBackend
 from ckptstore.backends.registry import load_profile, open_backend, parse_url
 from ckptstore.backends.schemes import Scheme, known, register_scheme
 from ckptstore.errors import ConfigError, InvalidURLError
+from tests.distributions import installed
 
 BUILT: list[tuple[str, str, dict[str, Any]]] = []
 
@@ -69,21 +69,14 @@ def test_bad_registrations_are_typed_errors() -> None:
 def test_a_package_entry_point_names_a_scheme(tmp_path: Path) -> None:
     """A distribution on the path (its dist-info as pip writes it) whose
     ``ckptstore.backends`` entry point names a `Scheme`: found the first time a URL uses it."""
-    (tmp_path / "extscheme.py").write_text(
+    source = (
         "from ckptstore.backends.schemes import Scheme\n"
         "from tests.backends.test_schemes import build\n"
         "SCHEME = Scheme(build, frozenset({'label'}))\n"
     )
-    info = tmp_path / "extscheme-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: extscheme\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[ckptstore.backends]\ntext = extscheme:SCHEME\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
+    with installed(tmp_path, "extscheme", source, "ckptstore.backends", "text = extscheme:SCHEME"):
         assert "text" not in known()
         state = {"b": np.ones(3, np.int32)}
         asyncio.run(ckptstore.save("text://bkt/p", state, step=2))
         assert asyncio.run(ckptstore.restore("text://bkt/p", 2))["b"].tolist() == [1, 1, 1]
         assert parse_url("text://bkt/p")[0] == "text" and BUILT[-1][:2] == ("bkt", "p")
-    finally:
-        sys.path.remove(str(tmp_path))

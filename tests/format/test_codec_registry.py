@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import tensorstore as ts
 import ckptstore
 from ckptstore.errors import ConfigError, CorruptCheckpointError
 from ckptstore.format.codecs import Codec, known, parse_codec, register_codec
+from tests.distributions import installed
 
 
 @dataclass(frozen=True)
@@ -113,22 +113,17 @@ def test_bad_registrations_are_typed_errors() -> None:
 def test_a_package_entry_point_names_a_codec(tmp_path: Path) -> None:
     """A distribution on the path (its dist-info as pip writes it) whose ``ckptstore.codecs``
     entry point names a codec class: the name is found the first time it is asked for."""
-    (tmp_path / "extcodec.py").write_text(
+    source = (
         "from dataclasses import dataclass\n"
         "from tests.format.test_codec_registry import Gzip\n"
         "@dataclass(frozen=True)\n"
         "class Deflate(Gzip):\n"
         "    name = 'extdeflate'\n"
     )
-    info = tmp_path / "extcodec-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: extcodec\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[ckptstore.codecs]\nextdeflate = extcodec:Deflate\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
+    with installed(
+        tmp_path, "extcodec", source, "ckptstore.codecs", "extdeflate = extcodec:Deflate"
+    ):
         assert "extdeflate" not in known()
         codec = parse_codec("extdeflate:3")
         assert type(codec).__name__ == "Deflate" and codec.level == 3  # type: ignore[union-attr]
         assert "extdeflate" in known()
-    finally:
-        sys.path.remove(str(tmp_path))
