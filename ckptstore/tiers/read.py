@@ -59,8 +59,7 @@ async def _step(fast: Backend, durable: Backend, step: int | None) -> int:
     during an outage restores what the fast tier holds (its newest steps)."""
     if step is not None:
         return layout.check_step(step)
-    on_durable = await durable_steps(durable, DEFAULT_TIMEOUT)
-    steps = sorted(set(await committed_steps(fast)) | set(on_durable or []))
+    steps = await steps_now(fast, durable)
     if not steps:
         raise CheckpointNotFoundError(
             "no committed checkpoint on either tier", backend=f"{fast.url} | {durable.url}"
