@@ -29,6 +29,8 @@ On the accelerators JAX finds, with a state sharded over all of them (float32 le
    each of ``--loop-dirs`` (``tmpfs``: /dev/shm, RAM-backed; ``disk``: the scratch directory).
 5. **memory** (`memory`, not in the default parts): host memory over ``--long-saves`` saves
    of the LLM-like tree, ckptstore then Orbax, its slope per save (`accelerator_memory`).
+6. **interference** (`interference`, not in the default parts): what host work slows the
+   training step, and which writers of a host tree slow it (`accelerator_interference`).
 
     python benchmarks/accelerator.py --out $OUT/tpu.json   # on the accelerator: 4 GiB, 5 reps
     python benchmarks/accelerator.py --dry                 # CPU devices, 16 MiB, 2 reps (make test)
@@ -449,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
             del state
         if "loop" in parts:
             result["loop"] = loops(args, scratch, mib, reps)
+        if "interference" in parts:
+            from benchmarks.accelerator_interference import interference_part
+
+            result["interference"] = interference_part(scratch, args.dry, mib, reps)
         if "memory" in parts:
             from benchmarks.accelerator_memory import memory_part
 

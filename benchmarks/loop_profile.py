@@ -53,7 +53,10 @@ def hook_ckptstore() -> None:
 def apply_variant(variant: str) -> Callable[[], None]:
     """Experiments on ckptstore's write path for `profile` ("+"-joined): ``copyN``: TensorStore
     copies and file I/O of the local backend on N threads; ``noevict``: no page-cache
-    eviction thread; ``nogc``: no young collection per drained piece. Returns the undo."""
+    eviction thread; ``nogc``: no young collection per drained piece; ``keephost``: every
+    drained piece's host copy kept until the undo (no frees while the saves write). Returns
+    the undo; ``serial``: one drained piece moved to the host at a time; ``switch``: the
+    interpreter's switch interval 0.5 ms (5 ms by default)."""
     from ckptstore.backends import local
     from ckptstore.lifecycle import devicecopy
 
@@ -86,6 +89,40 @@ def apply_variant(variant: str) -> Callable[[], None]:
             old_rd = devicecopy.release_deferred
             devicecopy.release_deferred = lambda: None
             undo.append(lambda old=old_rd: setattr(devicecopy, "release_deferred", old))
+        elif part == "switch":
+            old_si = sys.getswitchinterval()
+            sys.setswitchinterval(0.0005)
+            undo.append(lambda old=old_si: sys.setswitchinterval(old))
+        elif part == "serial":
+            one = threading.Lock()
+            moving = devicecopy.DrainedPiece.__array__
+
+            def serially(
+                self: Any, *args: Any, moving: Any = moving, one: Any = one, **kw: Any
+            ) -> Any:
+                with one:
+                    return moving(self, *args, **kw)
+
+            devicecopy.DrainedPiece.__array__ = serially  # type: ignore[method-assign]
+            undo.append(lambda old=moving: setattr(devicecopy.DrainedPiece, "__array__", old))
+        elif part == "keephost":
+            kept: list[Any] = []
+            to_host = devicecopy.DrainedPiece.__array__
+
+            def keeping(
+                self: Any, *args: Any, to_host: Any = to_host, kept: Any = kept, **kw: Any
+            ) -> Any:
+                host = to_host(self, *args, **kw)
+                kept.append(host)
+                return host
+
+            devicecopy.DrainedPiece.__array__ = keeping  # type: ignore[method-assign]
+
+            def unkeep(old: Any = to_host, kept: Any = kept) -> None:
+                devicecopy.DrainedPiece.__array__ = old  # type: ignore[method-assign]
+                kept.clear()
+
+            undo.append(unkeep)
         else:
             raise ValueError(f"unknown variant {part!r}")
 
@@ -189,5 +226,5 @@ def profile(
             f" {out[label]['timeline']}",
             flush=True,
         )
-        print(f"profile {who}: {out[who]['late_wakes']} late wakes", flush=True)
+        print(f"profile {label}: {out[label]['late_wakes']} late wakes", flush=True)
     return tree, out

@@ -177,3 +177,14 @@ def test_accelerator_loop_part_dry_run(where: str, extra: list[str]) -> None:
     assert "floors: not judged on CPU devices" in out, out
     scratch = re.search(r"^scratch directory: (.+)$", out, re.M)
     assert scratch is not None and not Path(scratch.group(1)).exists()  # cleaned up
+
+
+def test_accelerator_interference_part_dry_run() -> None:
+    # The interference part on CPU devices: every kind of host load beside the steps, and
+    # every writer of the host tree (two rounds), each a row with its figures.
+    out = run_accelerator_dry("--parts", "interference")
+    for kind in ("numpy copies", "os.pwrite", "pure-Python spin", "transfers", "fresh host"):
+        assert re.search(rf"^host load: .*'load': '[^']*{kind}.*'median_ms': [0-9.]+", out, re.M), out
+    for who in ("os.write", "TensorStore zarr3", "ckptstore.save_sync", "CheckpointManager"):
+        rows = re.findall(rf"^writers: .*'who': '{who}.*'lost_s': [0-9.]+", out, re.M)
+        assert len(rows) == 2, out
