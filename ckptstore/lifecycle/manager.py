@@ -44,6 +44,7 @@ from ckptstore.lifecycle.handles import SaveHandle, SaveStats
 from ckptstore.lifecycle.opening import collect_at_start, options_from_profile, refuse_host_local
 from ckptstore.lifecycle.options import ManagerOptions
 from ckptstore.lifecycle.orbaxcompat import OrbaxCompat
+from ckptstore.lifecycle.orbaxroot import OrbaxRoot
 from ckptstore.lifecycle.preemption import Preemption
 from ckptstore.lifecycle.retention import Retention
 from ckptstore.lifecycle.staging import Stager
@@ -117,9 +118,9 @@ class CheckpointManager(OrbaxCompat):
         self._last_time: float | None = None
         self._records: dict[int, P.StepRecord] = {}
         self.stats: list[SaveStats] = []  # every save this manager committed, in order
-        #: The finalized steps of an Orbax `CheckpointManager` root at the target (none
-        #: when a ckptstore step is committed there): read like ckptstore's, never written.
-        self._orbax_steps: list[int] = []
+        #: An Orbax `CheckpointManager` root at the target (no steps when a ckptstore step
+        #: is committed there): read like ckptstore's, never written.
+        self._orbax = OrbaxRoot(self.backend, self.durable, options.timeout)
         #: Host-local fast tiers with several processes: the newest step staged on every
         #: host that the durable tier does not list (yet), with its manifest, read from the
         #: hosts' own copies (`tiers.offline`); until its promotion.
@@ -143,17 +144,13 @@ class CheckpointManager(OrbaxCompat):
             if staged.newest is not None:
                 self._staged[staged.newest.step] = staged.newest
         committed = self._call(self._committed_steps())
-        if not committed:
-            self._orbax_steps = self._call(self._find_orbax_steps())
-        #: Why every `save` is refused (an Orbax root; None: saves go ahead), said once
-        #: now as a warning so that a job learns it at start, not when the policy says yes.
-        self._read_only: str | None = None
-        if self._orbax_steps:
-            self._read_only = self._call(self._orbax_refusal())
+        self._call(self._orbax.look(committed))
+        if self._orbax.refusal is not None:  # said now: a job learns it at start
             log.warning(
-                "ckptstore: %s; every save() raises UnsupportedOperationError", self._read_only
+                "ckptstore: %s; every save() raises UnsupportedOperationError",
+                self._orbax.refusal,
             )
-        steps = committed or self._orbax_steps
+        steps = committed or self._orbax.steps
         self._last_step: int | None = steps[-1] if steps else None
         return committed, staged
 
@@ -251,7 +248,7 @@ class CheckpointManager(OrbaxCompat):
         """
         step = layout.check_step(step)
         self._preemption.exit_unless_heeded()  # a SIGTERM the loop did not stop for
-        self._refuse_orbax_root()  # whatever the policy would say: the job learns it now
+        self._orbax.refuse()  # whatever the policy would say: the job learns it now
         trees = _items(state, items, self.options.item)
         if changed is not None and not self.options.incremental:
             raise ConfigError("changed= needs an incremental manager (incremental=True)")
@@ -411,7 +408,7 @@ class CheckpointManager(OrbaxCompat):
         return self._call(self._all_steps())
 
     async def _all_steps(self) -> list[int]:
-        return await self._committed_steps() or await self._find_orbax_steps()
+        return await self._committed_steps() or await self._orbax.finalized_steps()
 
     async def _committed_steps(self) -> list[int]:
         if self.durable is None:

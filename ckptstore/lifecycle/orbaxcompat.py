@@ -1,19 +1,15 @@
-"""Orbax on ckptstore's `CheckpointManager` (which inherits `OrbaxCompat`).
+"""Orbax's names on ckptstore's `CheckpointManager` (which inherits `OrbaxCompat`).
 
-- The methods an Orbax `CheckpointManager` user reaches for, with Orbax 0.12's meanings:
-  `metrics`, `best_step`, `should_save`, `delete`, `reload`, `metadata`, `item_metadata`,
-  `directory`, `is_saving_in_progress` and `check_for_errors`. Each is a thin layer over
-  what the manager and `ckptstore.api` do already; docs/migrating-from-orbax.md maps one
-  API onto the other.
-- A manager on an Orbax root reads its steps but refuses to save beside them, saying at
-  construction how to move the run (`_orbax_refusal`). Its `metrics` and `best_step` are
-  the Orbax steps' own: each step's ``metrics`` item (`_orbax_record`).
+The methods an Orbax `CheckpointManager` user reaches for, with Orbax 0.12's meanings:
+`metrics`, `best_step`, `should_save`, `delete`, `reload`, `metadata`, `item_metadata`,
+`directory`, `is_saving_in_progress` and `check_for_errors`. Each is a thin layer over the
+manager's parts (`Retention`, `OrbaxRoot`) and `ckptstore.api`; on an Orbax root
+(`ckptstore.lifecycle.orbaxroot`) `metrics` and `best_step` are the Orbax steps' own.
+docs/migrating-from-orbax.md maps one API onto the other.
 """
 
 from __future__ import annotations
 
-import asyncio
-import shlex
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +24,12 @@ from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import rebuild
 from ckptstore.lifecycle import policies as P
 from ckptstore.lifecycle.options import ManagerOptions
-from ckptstore.orbax import items as orbax_items
-from ckptstore.orbax import steps as orbax
 from ckptstore.runtime.handoff import Handoff
-from ckptstore.tiers.bounded import durable_listing
 from ckptstore.tiers.target import Tiered
 
 if TYPE_CHECKING:
     from ckptstore.lifecycle.handles import SaveHandle
+    from ckptstore.lifecycle.orbaxroot import OrbaxRoot
     from ckptstore.lifecycle.retention import Retention
 
 T = TypeVar("T")
@@ -69,9 +63,8 @@ class OrbaxCompat:
         options: ManagerOptions
         _inflight: SaveHandle | None
         _retention: Retention
+        _orbax: OrbaxRoot
         _records: dict[int, P.StepRecord]
-        _orbax_steps: list[int]
-        _read_only: str | None
         _last_step: int | None
 
         def _call(self, coro: Coroutine[Any, Any, T]) -> T: ...
@@ -92,8 +85,8 @@ class OrbaxCompat:
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics saved with ``step`` (``save(metrics=...)``; {} where none were). On
         an Orbax root, what Orbax's ``metrics(step)`` reads: the step's ``metrics`` item."""
-        if self._orbax_steps:
-            return self._call(self._orbax_record(layout.check_step(step))).metrics
+        if self._orbax.steps:
+            return self._call(self._orbax.record(layout.check_step(step))).metrics
         metrics = self._metadata(step).get("metrics", {})
         return dict(metrics) if isinstance(metrics, dict) else {}
 
@@ -106,8 +99,8 @@ class OrbaxCompat:
         best = _keep_best(self.keep_policy)
         if best is None:
             return self.latest_step()
-        if self._orbax_steps:
-            records = self._call(self._orbax_records())
+        if self._orbax.steps:
+            records = self._call(self._orbax.records())
         else:
             records = self._call(self._retention.step_records(self.durable or self.backend))
         ranked = best.ranked(records)
@@ -119,7 +112,7 @@ class OrbaxCompat:
         raises what `save` raises: a loop gated on it would otherwise never save, silently.
         With several processes and a clock-dependent policy `save` follows process 0,
         whose answer may differ from this process's."""
-        self._refuse_orbax_root()
+        self._orbax.refuse()
         return self._policy_says(layout.check_step(step), False)[1]
 
     def delete(self, step: int) -> None:
@@ -128,7 +121,7 @@ class OrbaxCompat:
         process 0 deletes. Unlike the keep policy it may delete the latest step.
         `CheckpointNotFoundError` naming the committed steps if ``step`` is not one."""
         step = layout.check_step(step)
-        if self._orbax_steps:
+        if self._orbax.steps:
             raise UnsupportedOperationError(
                 f"{self.backend.url} is an Orbax CheckpointManager root: the manager reads "
                 "its steps but never changes them (delete them with Orbax)"
@@ -158,17 +151,16 @@ class OrbaxCompat:
         """On the manager's loop, where its saves and keep policy use ``_records`` too."""
         self._records.clear()
         committed = await self._committed_steps()
-        self._orbax_steps = [] if committed else await self._find_orbax_steps()
-        self._read_only = await self._orbax_refusal() if self._orbax_steps else None
+        await self._orbax.look(committed)
         if idle:
-            steps = committed or self._orbax_steps
+            steps = committed or self._orbax.steps
             self._last_step = steps[-1] if steps else None
 
     def metadata(self, step: int) -> StepMetadata:
         """What committed ``step`` holds (Orbax's ``metadata(step)``): its manifest, which
         ``ckptstore info`` shows, read from the nearest good copy; no array is read."""
         step = layout.check_step(step)
-        if step in self._orbax_steps:
+        if step in self._orbax.steps:
             raise UnsupportedOperationError(
                 f"step {step} of {self.backend.url} is an Orbax step, which has no ckptstore "
                 f"manifest: `ckptstore info {self.backend.url} --step {step}` lists its leaves"
@@ -209,91 +201,6 @@ class OrbaxCompat:
         that nobody has seen yet, once, without waiting for anything still running."""
         self._raise_unobserved()
         self._retention.raise_error()
-
-    # ---- an Orbax root: read, never written ----
-
-    def _refuse_orbax_root(self) -> None:
-        """`UnsupportedOperationError` on an Orbax root, before anything is written: its
-        steps and ours would then share step numbers, directories and listings (Orbax's
-        `all_steps` would show our step directories as its own, and ours its)."""
-        if self._read_only is not None:
-            raise UnsupportedOperationError(self._read_only)
-
-    async def _orbax_where(self, step: int) -> tuple[Backend, str] | None:
-        """The tier holding Orbax step ``step`` (the fast one first) and its directory."""
-        for holder in (self.backend, self.durable):
-            if holder is not None and (where := await orbax.locate(holder, step)) is not None:
-                return holder, where
-        return None
-
-    async def _orbax_record(self, step: int) -> P.StepRecord:
-        """Orbax step ``step`` as keep policies see a step: its metrics (its ``metrics``
-        item, checked as `orbax_items.read_metrics` does) and commit time; cached in
-        ``_records`` until `reload`. `CheckpointNotFoundError` naming the Orbax steps there
-        are where ``step`` is not one."""
-        if step in self._records:
-            return self._records[step]
-        found = await self._orbax_where(step)
-        if found is None:
-            raise CheckpointNotFoundError(
-                f"step {step} is not a finalized Orbax step; Orbax steps: "
-                f"{await self._find_orbax_steps()}",
-                backend=self.backend.url,
-            )
-        holder, where = found
-        committed = (await orbax_items.step_metadata(holder, where)).committed
-        metrics = await orbax_items.read_metrics(holder, where) or {}
-        self._records[step] = P.StepRecord(step, committed or 0.0, metrics)
-        return self._records[step]
-
-    async def _orbax_records(self) -> list[P.StepRecord]:
-        """Every finalized Orbax step's record (`_orbax_record`), ascending."""
-        return [await self._orbax_record(step) for step in await self._find_orbax_steps()]
-
-    async def _orbax_refusal(self) -> str:
-        """What `_refuse_orbax_root` says, with the way on for the latest Orbax step:
-        ``ckptstore import-orbax`` into a new root, which imports every item of the step
-        into one step (Orbax's names kept, its lone ``default`` tree as "state"), then a
-        manager there; with several items, how to restore them all; with metrics (a
-        ``best_fn`` run), how to import every step."""
-        latest = self._orbax_steps[-1]
-        holder, where = await self._orbax_where(latest) or (self.backend, layout.step_dir(latest))
-        kinds = await orbax_items.item_kinds(holder, where)  # unchecked: only for the advice
-        names = [n for n in kinds if n != orbax_items.METRICS]  # the step's metrics come too
-        said = (
-            f"{holder.url} is an Orbax CheckpointManager root (steps {self._orbax_steps}): the "
-            "manager restores its steps but does not save beside them"
-        )
-        how = (
-            f"import the latest step into a new root (`ckptstore import-orbax "
-            f"{shlex.quote(holder.url)} NEW_ROOT --step {latest}`) and point the manager there"
-        )
-        if orbax_items.METRICS in kinds:  # saved with metrics: a best_fn run's history
-            how += (
-                f" (`--all-steps` in place of `--step {latest}` imports every step with its "
-                "metrics, so that best_step() and KeepBest keep the run's best steps)"
-            )
-        if len(names) <= 1:
-            return f"{said}. To resume in ckptstore format, {how}"
-        items = "{" + ", ".join(f"{n!r}: None" for n in names) + "}"
-        return (
-            f"{said}. To resume in ckptstore format, {how}: the import keeps every item of "
-            f"step {latest} ({names}) under its name in one step, and "
-            f"`mgr.restore({latest}, items={items})` there restores them all"
-        )
-
-    async def _find_orbax_steps(self) -> list[int]:
-        """Finalized Orbax steps on the target (either tier; a durable tier that does not
-        answer, bounded as its listing of steps is, has none), ascending."""
-
-        async def on_durable() -> list[int]:
-            if self.durable is None:
-                return []
-            work = orbax.finalized_steps(self.durable)
-            return await durable_listing(work, self.options.timeout, "Orbax steps") or []
-
-        found = await asyncio.gather(orbax.finalized_steps(self.backend), on_durable())
-        return sorted(set().union(*found))
 
 
 def _keep_best(policy: P.KeepPolicy) -> P.KeepBest | None:
