@@ -149,15 +149,31 @@ class RateLimit:
                 await asyncio.sleep(-self._tokens / self.rate)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Seen:
-    """One request the proxy received: when, what, from whom, and the fault (if any)."""
+    """One request the proxy received: when, what, from whom, the fault (if any), and when
+    its reply was ready (None while it runs, and for a request cut off)."""
 
     at: float  # time.monotonic() on arrival
     method: str
     path: str
     agent: str
     fault: str | None
+    done: float | None = None
+
+
+def serial_chain(seen: Sequence[Seen]) -> list[Seen]:
+    """The longest chain of ``seen`` requests each of which arrived after the one before
+    it had its reply: how many round trips one after another they took, at the least
+    (requests that overlap in time were issued together, so none waited for the other).
+    With a ``latency`` fault on every request, each lasts at least its delay, and the
+    chain is the requests' critical path."""
+    ended = sorted((s for s in seen if s.done is not None), key=lambda s: s.at)
+    best: list[list[Seen]] = []  # best[i]: the longest chain ending with ended[i]
+    for i, s in enumerate(ended):
+        before = [best[j] for j in range(i) if (ended[j].done or 0.0) <= s.at]
+        best.append([*max(before, key=len, default=[]), s])
+    return max(best, key=len, default=[])
 
 
 @dataclass
@@ -238,7 +254,7 @@ class FaultProxy:
             self._state.seen.clear()
             self._state.injected.clear()
 
-    def _decide(self, method: str, path: str, agent: str) -> Fault | None:
+    def _decide(self, method: str, path: str, agent: str) -> tuple[Fault | None, Seen]:
         with self._lock:
             chosen = None
             for rule in self._state.rules:
@@ -255,8 +271,13 @@ class FaultProxy:
             if chosen is not None:
                 name = f"status {chosen.status}" if chosen.kind == "status" else chosen.kind
                 self._state.injected[chosen.kind] += 1
-            self._state.seen.append(Seen(time.monotonic(), method, path, agent, name))
-            return chosen
+            seen = Seen(time.monotonic(), method, path, agent, name)
+            self._state.seen.append(seen)
+            return chosen, seen
+
+    def _done(self, seen: Seen) -> None:
+        with self._lock:
+            seen.done = time.monotonic()
 
     # ---- lifecycle ----
 
@@ -350,7 +371,15 @@ class FaultProxy:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request)
         agent = request.headers.get("User-Agent", "")
-        fault = self._decide(request.method, request.raw_path, agent)
+        fault, seen = self._decide(request.method, request.raw_path, agent)
+        reply = await self._reply(request, body, fault)
+        if fault is None or fault.kind in ("status", "latency"):  # answered in full
+            self._done(seen)
+        return reply
+
+    async def _reply(
+        self, request: web.Request, body: bytes, fault: Fault | None
+    ) -> web.StreamResponse:
         kind = fault.kind if fault is not None else None
         if fault is not None and fault.kind == "status":
             return _error_reply(fault.status, request.raw_path)

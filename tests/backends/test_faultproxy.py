@@ -18,7 +18,7 @@ from ckptstore.backends.gcs import GcsBackend
 from ckptstore.backends.retry import NO_RETRY
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.errors import TransientStorageError
-from ckptstore.testing.faultproxy import Fault, FaultProxy
+from ckptstore.testing.faultproxy import Fault, FaultProxy, Seen, serial_chain
 from ckptstore.testing.servers import FakeGcsServer, MotoS3Server
 
 
@@ -199,3 +199,19 @@ def test_bad_rules_are_refused() -> None:
         Fault("explode")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rate"):
         Fault("status", rate=1.5)
+
+
+def test_serial_chain_counts_only_requests_that_waited_for_another() -> None:
+    def req(at: float, done: float | None, path: str) -> Seen:
+        return Seen(at, "GET", path, "t", None, done)
+
+    seen = [
+        req(0.0, 1.0, "a"),
+        req(0.1, 1.1, "b"),  # issued with a: not after it
+        req(1.2, 2.0, "c"),  # after both
+        req(0.9, 1.9, "d"),  # issued while a and b ran
+        req(2.0, 3.0, "e"),  # after c (ends at 2.0) and d
+        req(2.5, None, "f"),  # cut off: never answered, not counted
+    ]
+    assert [s.path for s in serial_chain(seen)] == ["a", "c", "e"]
+    assert serial_chain([]) == []

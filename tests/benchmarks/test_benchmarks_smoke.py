@@ -184,7 +184,8 @@ def test_accelerator_interference_part_dry_run() -> None:
     # every writer of the host tree (two rounds), each a row with its figures.
     out = run_accelerator_dry("--parts", "interference")
     for kind in ("numpy copies", "os.pwrite", "pure-Python spin", "transfers", "fresh host"):
-        assert re.search(rf"^host load: .*'load': '[^']*{kind}.*'median_ms': [0-9.]+", out, re.M), out
+        row = rf"^host load: .*'load': '[^']*{kind}.*'median_ms': [0-9.]+"
+        assert re.search(row, out, re.M), out
     for who in ("os.write", "TensorStore zarr3", "ckptstore.save_sync", "CheckpointManager"):
         rows = re.findall(rf"^writers: .*'who': '{who}.*'lost_s': [0-9.]+", out, re.M)
         assert len(rows) == 2, out

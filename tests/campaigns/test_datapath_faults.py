@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,6 @@ from jax.sharding import PartitionSpec as P
 import ckptstore
 from ckptstore.backends._errors import redact_text
 from ckptstore.backends.base import Backend
-from ckptstore.backends.gcs import GcsBackend
-from ckptstore.backends.retry import RetryPolicy
 from ckptstore.backends.s3 import S3Backend
 from ckptstore.cli import main
 from ckptstore.datapath.reads import open_leaf
@@ -41,45 +38,9 @@ from ckptstore.errors import (
 from ckptstore.format.leaves import describe_leaf
 from ckptstore.testing.faultproxy import Fault, FaultProxy
 from tests.bits import same
+from tests.campaigns.proxied import POLICY, Make
 
-POLICY = RetryPolicy(max_attempts=3, base_delay=0.005, max_delay=0.02)
 TS = "^tensorstore"  # TensorStore's User-Agent: its own requests, not the byte API's
-
-Make = Callable[..., Backend]
-
-
-@pytest.fixture(params=["s3", "gcs"])
-def behind_proxy(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[FaultProxy, Make]]:
-    """A proxy in front of the emulator, and a maker of backends (and TensorStore) using it."""
-    kind = request.param
-    server = request.getfixturevalue(
-        "ckptstore_s3_server" if kind == "s3" else "ckptstore_gcs_server"
-    )
-    bucket = request.getfixturevalue(
-        "ckptstore_s3_bucket" if kind == "s3" else "ckptstore_gcs_bucket"
-    )
-    with FaultProxy(server.endpoint) as proxy:
-
-        def make(**kw: Any) -> Backend:
-            kw.setdefault("retry", POLICY)
-            if kind == "s3":
-                return S3Backend(
-                    bucket, "run", endpoint_url=proxy.endpoint, credentials="env", **kw
-                )
-            return GcsBackend(
-                bucket,
-                "run",
-                endpoint_url=proxy.endpoint,
-                credentials="anonymous",
-                emulator=True,
-                **kw,
-            )
-
-        if kind == "gcs":  # TensorStore reads its GCS endpoint from the environment
-            monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", proxy.endpoint)
-        yield proxy, make
 
 
 def tree() -> dict[str, Any]:
