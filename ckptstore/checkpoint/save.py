@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from ckptstore.checkpoint.saveplan import SavePlan, store_name
 from ckptstore.checkpoint.writerrecords import Beside, record
 from ckptstore.datapath.arrays import write_store
 from ckptstore.datapath.chunkwrites import ChunkPlan
-from ckptstore.datapath.packs import PackTarget, write_index
+from ckptstore.datapath.packs import PackTarget
 from ckptstore.errors import CkptStoreError, ConfigError, NotFoundError
 from ckptstore.format import layout
 from ckptstore.format.casts import CastPolicy
@@ -55,7 +55,6 @@ from ckptstore.format.leaves import (
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import describe, flatten
 from ckptstore.protocol import Attempt, Fate, ensure_uncommitted
-from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
 
@@ -421,13 +420,10 @@ async def _write_mine(
             chunk_plan=chunk_plan,
         )
         # What the store's writer records beside it, each its own small object: written at once.
-        mine = Beside(tables, chunk_plan)
+        mine = Beside(tables, chunk_plan, stats.packed)
         if me == 0:
             kept[name] = mine
-        writes: list[Awaitable[Any]] = [record(backend, store, mine, keep=me == 0)]
-        if stats.packed:
-            writes.append(write_index(backend, store, stats.packed))
-        digested, chunked = (await gather_first_error(writes))[0]
+        digested, chunked = await record(backend, store, mine, keep=me == 0)
         total = dataclasses.replace(
             total,
             shards=total.shards + stats.shards,

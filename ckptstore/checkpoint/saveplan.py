@@ -30,6 +30,7 @@ from ckptstore.format.digests import PieceTable
 from ckptstore.format.leaves import LeafInfo
 from ckptstore.format.manifest import ItemManifest, Manifest, needed_version
 from ckptstore.format.packs import PackRef
+from ckptstore.runtime.futures import gather_first_error
 
 if TYPE_CHECKING:  # `save` makes the plan: its types only, not an import cycle
     from ckptstore.checkpoint.save import ProcessReport, SaveRequest
@@ -93,7 +94,7 @@ async def joined(
     out: dict[str, ItemRecords] = {}
     for name, item in request.items.items():
         stores = [where.process_store(name, i) for i in range(len(reports))]
-        packed = await packed_leaves(backend, where, name, item.leaves, reports)
+        packed = await packed_leaves(backend, where, name, item.leaves, reports, kept.get(name))
         infos = {info.name: info for info in item.leaves}
         own_packs = [(infos[n], ref) for n, ref in packed.items()]
         held = same.leaves.get(name, set())  # by the base's holders: not in this attempt
@@ -136,16 +137,20 @@ async def merged(
     for name, item in request.items.items():
         mine = records.items[name]
         infos = {info.name: info for info in item.leaves}
-        if request.hooks.merge:
-            await merge(
-                backend,
-                where.item(name),
-                mine.stores,
-                mine.unpacked,
-                regions=mine.chunks.regions,
-                fresh=True,
+        if request.hooks.merge:  # the packs checked while the stores merge: no order needed
+            await gather_first_error(
+                [
+                    merge(
+                        backend,
+                        where.item(name),
+                        mine.stores,
+                        mine.unpacked,
+                        regions=mine.chunks.regions,
+                        fresh=True,
+                    ),
+                    check_packs(backend, where.item(name), mine.own_packs),
+                ]
             )
-            await check_packs(backend, where.item(name), mine.own_packs)
         manifest_items[name] = ItemManifest(
             structure=item.structure,
             leaves=infos,
@@ -181,15 +186,20 @@ async def packed_leaves(
     item: str,
     leaves: Sequence[LeafInfo],
     reports: Sequence[ProcessReport],
+    kept: Beside | None,
 ) -> dict[str, PackRef]:
     """Every process's packed leaves of ``item`` (from the index each wrote beside its
-    packs), in the saved leaves' order. A leaf two processes packed, or one the tree does
-    not have, is a bug worth stopping the save for."""
+    packs; process 0's ``kept`` in memory), in the saved leaves' order. A leaf two
+    processes packed, or one the tree does not have, is a bug worth stopping the save for."""
     found: dict[str, PackRef] = {}
     for i, report in enumerate(reports):
         if not report.packed.get(item):
             continue
-        for leaf, ref in (await read_index(backend, where.process_store(item, i))).items():
+        if i == 0 and kept is not None:
+            index = kept.packed
+        else:
+            index = await read_index(backend, where.process_store(item, i))
+        for leaf, ref in index.items():
             if leaf in found:
                 raise CkptStoreError(f"leaf {leaf!r} was packed by two processes")
             found[leaf] = ref

@@ -1,33 +1,40 @@
 """What each process records beside its store of an item, for process 0's manifest.
 
-A process's piece digests (`incremental.write_digests`, ``digests.json``) and chunk records
-(`chunklevel.write_records`, ``chunks.json``) are how it tells process 0 what it wrote: the
-other processes write them beside their stores and process 0 reads them (`collect`).
+A process's piece digests (`incremental.write_digests`, ``digests.json``), chunk records
+(`chunklevel.write_records`, ``chunks.json``) and pack index (`packs.write_index`,
+``packs.json``) are how it tells process 0 what it wrote: the other processes write them
+beside their stores and process 0 reads them (`collect`, `saveplan.packed_leaves`).
 Process 0 makes the manifest itself, so it keeps its own in memory (`Beside`), neither
-written nor read back: two fsynced files and their reads less on every save, about 7 ms of
-a one-process chunk-level save's 60 (docs/benchmarks.md).
+written nor read back: three files and their reads less on every save (about 7 ms of a
+one-process chunk-level save's 60, docs/benchmarks.md; on object storage two serial round
+trips of a small save, docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from ckptstore.backends.base import Backend
 from ckptstore.checkpoint.chunklevel import Records, read_records, write_records
 from ckptstore.checkpoint.incremental import read_digests, write_digests
 from ckptstore.datapath.chunkwrites import ChunkPlan
+from ckptstore.datapath.packs import write_index
 from ckptstore.format.digests import PieceTable
+from ckptstore.format.packs import PackRef
 from ckptstore.runtime.futures import gather_first_error
 
 
 @dataclass(frozen=True)
 class Beside:
     """One process's records of its store of one item: its piece digests per leaf (None:
-    none recorded) and its chunk-level plan (chunk digests, the chunks it left out)."""
+    none recorded), its chunk-level plan (chunk digests, the chunks it left out) and where
+    its packed leaves lie."""
 
     tables: dict[str, PieceTable] | None
     plan: ChunkPlan
+    packed: dict[str, PackRef] = field(default_factory=dict)
 
     def digested(self) -> int:
         """For how many leaves there are piece digests (what `write_digests` counts)."""
@@ -43,11 +50,15 @@ async def record(backend: Backend, store: str, beside: Beside, *, keep: bool) ->
     for how many leaves there are piece digests and chunk records."""
     if keep:
         return beside.digested(), beside.chunked()
-    written = [write_records(backend, store, beside.plan.digests, beside.plan.held)]
+    written: list[Awaitable[Any]] = [
+        write_records(backend, store, beside.plan.digests, beside.plan.held)
+    ]
     if beside.tables is not None:
         written.append(write_digests(backend, store, beside.tables))
+    if beside.packed:
+        written.append(write_index(backend, store, beside.packed))
     counts = await gather_first_error(written)
-    return (counts[1] if len(counts) > 1 else 0), counts[0]
+    return (counts[1] if beside.tables is not None else 0), counts[0]
 
 
 async def collect(

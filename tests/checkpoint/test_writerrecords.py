@@ -14,7 +14,9 @@ from ckptstore.checkpoint.chunklevel import RECORDS
 from ckptstore.checkpoint.incremental import DIGESTS
 from ckptstore.checkpoint.writerrecords import Beside, collect, record
 from ckptstore.datapath.chunkwrites import ChunkPlan
+from ckptstore.datapath.packs import INDEX, read_index
 from ckptstore.format import layout
+from ckptstore.format.packs import PackRef
 
 A, B = "a" * 32, "b" * 32
 
@@ -40,6 +42,16 @@ async def test_process_0_keeps_its_records_and_the_others_write_theirs() -> None
     assert records.held == {"t": {1, 3}}
 
 
+async def test_process_0_keeps_its_pack_index_and_the_others_write_theirs() -> None:
+    packed = {"b": PackRef("pack-0", 0), "c": PackRef("pack-0", 512)}
+    async with MemoryBackend() as b:
+        assert await record(b, "s0", Beside(None, ChunkPlan(), packed), keep=True) == (0, 0)
+        assert [n async for n in b.list("s0")] == []
+        assert await record(b, "s1", Beside(None, ChunkPlan(), packed), keep=False) == (0, 0)
+        assert {n.key async for n in b.list("s1")} == {f"s1/{INDEX}"}  # no chunk records
+        assert await read_index(b, "s1") == packed
+
+
 async def test_without_digests_only_the_chunk_records_are_written() -> None:
     async with MemoryBackend() as b:
         plan = ChunkPlan(digests={"t": {0: A}})
@@ -52,11 +64,18 @@ async def test_without_digests_only_the_chunk_records_are_written() -> None:
 def test_a_one_process_chunk_level_save_writes_no_records_beside_its_store(tmp_path: Path) -> None:
     values = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
     root = str(tmp_path / "ckpt")
-    first = ckptstore.save_sync(root, {"t": values}, step=1, chunk_bytes=1024)
+    bias = np.ones(8, np.float32)  # a small leaf: packed
+    first = ckptstore.save_sync(root, {"t": values, "b": bias}, step=1, chunk_bytes=1024)
     values[0, 0] = -1.0
-    second = ckptstore.save_sync(root, {"t": values}, step=2, base=first, chunk_bytes=1024)
+    second = ckptstore.save_sync(
+        root, {"t": values, "b": bias * 2}, step=2, base=first, chunk_bytes=1024
+    )
     store = tmp_path / "ckpt" / layout.AttemptDir(2, second.attempt).process_store("state", 0)
     assert store.is_dir() and not (store / DIGESTS).exists() and not (store / RECORDS).exists()
+    assert not (store / INDEX).exists()  # the bias below was packed: process 0 kept its index
     manifest = ckptstore.read_manifest_sync(root, 2).items["state"]
     assert manifest.digests["t"] and manifest.chunk_digests["t"] and manifest.chunk_refs["t"]
-    np.testing.assert_array_equal(ckptstore.restore_sync(root, 2)["t"], values)
+    assert "b" in manifest.packed
+    restored = ckptstore.restore_sync(root, 2)
+    np.testing.assert_array_equal(restored["t"], values)
+    np.testing.assert_array_equal(restored["b"], bias * 2)
