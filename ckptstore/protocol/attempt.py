@@ -26,7 +26,13 @@ from ckptstore.format import layout
 from ckptstore.format.layout import AttemptDir
 from ckptstore.format.manifest import Manifest, Reference
 from ckptstore.protocol.fates import ABANDON, COMMIT, Fate, claim, new_owner, read_fate
-from ckptstore.protocol.markers import Marker, create_marker, digest
+from ckptstore.protocol.markers import (
+    Marker,
+    StepRecords,
+    create_marker,
+    digest,
+    step_records,
+)
 from ckptstore.protocol.reads import read_marker
 from ckptstore.protocol.recent import RECENT
 from ckptstore.runtime.futures import THREAD_BYTES, gather_first_error, off_loop
@@ -118,13 +124,21 @@ class Attempt:
             return data
 
         # Every directory the attempt created is made durable before the marker, while the
-        # manifest is encoded, written (its own directory with it) and the base checked.
+        # manifest is encoded, written (its own directory with it) and the base checked; the
+        # step's markers are listed meanwhile, for the marker's index (`create_marker`).
         try:
-            data, _ = await gather_first_error([written(), supports.sync_dirs(backend, where.root)])
+            got = await gather_first_error(
+                [
+                    written(),
+                    supports.sync_dirs(backend, where.root),
+                    step_records(backend, manifest.step),
+                ]
+            )
         except BaseStepGoneError:
             await self._give_up()
             raise
-        assert data is not None
+        data, records = got[0], got[2]
+        assert isinstance(data, bytes) and isinstance(records, StepRecords)
         fate.check_fresh(where)
         manifest_digest = digest(data)
         marker = Marker(
@@ -136,7 +150,7 @@ class Attempt:
             format_version=manifest.format_version,
         )
         try:
-            index = await create_marker(backend, manifest.step, marker.to_bytes())
+            index = await create_marker(backend, manifest.step, marker.to_bytes(), records)
         except AlreadyExistsError as exc:
             raise AlreadyExistsError(
                 f"{exc.message}; attempt {manifest.attempt} was not committed",

@@ -155,15 +155,22 @@ async def ensure_uncommitted(backend: Backend, step: int) -> None:
         )
 
 
-async def create_marker(backend: Backend, step: int, data: bytes) -> int:
+async def create_marker(
+    backend: Backend, step: int, data: bytes, records: StepRecords | None = None
+) -> int:
     """Create ``step``'s next commit marker holding ``data``; returns its index.
 
     `AlreadyExistsError` if a commit of the step is current, or another writer created
     that marker first, or a deletion revoked it before it was created (this writer listed
     the step before another commit and its deletion both happened): never two current
     commits, and never a marker a stale deletion may take for its own.
+
+    ``records``: the step's listing (`step_records`) if the writer took it already, since
+    it claimed its attempt (so that no revocation it missed has expired: `fates.CLAIM_TTL`);
+    None: listed now. A listing taken earlier is only staler, which the above covers.
     """
-    records = await step_records(backend, step)
+    if records is None:
+        records = await step_records(backend, step)
     index = records.next_index
     key = layout.commit_key(step, index)
     if records.current is None:
