@@ -319,27 +319,30 @@ async def test_index_roundtrip_and_a_malformed_one_is_corruption(tmp_path: Path)
 
 
 async def test_the_primary_gathers_every_writers_index(tmp_path: Path) -> None:
-    """Process 0 reads the index of each process that reports packed leaves (several
-    writers: the coordination service carries counts, not tables)."""
+    """Process 0 reads the index of each other process that reports packed leaves (several
+    writers: the coordination service carries counts, not tables) and takes its own from
+    memory (it wrote none)."""
     from ckptstore.checkpoint.save import ProcessReport
     from ckptstore.checkpoint.saveplan import packed_leaves
+    from ckptstore.checkpoint.writerrecords import Beside
+    from ckptstore.datapath.chunkwrites import ChunkPlan
     from ckptstore.format import layout
 
     backend = LocalBackend(tmp_path)
     where = layout.AttemptDir(1, layout.new_attempt())
     infos = [info for info, _ in leaves_of(assorted())[:3]]
-    await write_index(backend, where.process_store("state", 0), {"m/t2": PackRef("a/pack-0", 0)})
+    kept = Beside(None, ChunkPlan(), {"m/t2": PackRef("a/pack-0", 0)})
     await write_index(backend, where.process_store("state", 2), {"m/t0": PackRef("b/pack-0", 8)})
     reports = [ProcessReport(i, packed={"state": n}) for i, n in enumerate((1, 0, 1))]
-    got = await packed_leaves(backend, where, "state", infos, reports)
+    got = await packed_leaves(backend, where, "state", infos, reports, kept)
     assert list(got.items()) == [("m/t0", PackRef("b/pack-0", 8)), ("m/t2", PackRef("a/pack-0", 0))]
     await write_index(backend, where.process_store("state", 1), {"m/t0": PackRef("c/pack-0", 0)})
     reports[1] = ProcessReport(1, packed={"state": 1})
     with pytest.raises(ckptstore.CkptStoreError, match="packed by two processes"):
-        await packed_leaves(backend, where, "state", infos, reports)
+        await packed_leaves(backend, where, "state", infos, reports, kept)
     await write_index(backend, where.process_store("state", 1), {"other": PackRef("c/pack-0", 0)})
     with pytest.raises(ckptstore.CkptStoreError, match="the tree does not have"):
-        await packed_leaves(backend, where, "state", infos, reports)
+        await packed_leaves(backend, where, "state", infos, reports, kept)
 
 
 @pytest.mark.parametrize("after", [False, True])
