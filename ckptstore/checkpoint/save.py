@@ -2,11 +2,11 @@
 
 Protocol (every process runs the same code; see `ckptstore.protocol`):
 
-1. everyone checks the step is not committed; process 0 picks a fresh attempt id
-   and everyone learns it;
+1. process 0 picks a fresh attempt id and everyone learns it;
 2. each process writes its own shards into its own OCDBT store below that
    attempt, with no coordination (process 0 also writes every leaf's metadata),
-   and reports;
+   meanwhile checks the step is not committed (a committed one fails the save, and
+   its attempt is discarded), and reports;
 3. process 0 commits through the engine (`ckptstore.checkpoint.engine`): it claims the
    attempt's fate for its commit (a `gc` that decided to collect it first wins, and the
    save fails with `FencedError`), merges the stores by reference in one atomic
@@ -55,6 +55,7 @@ from ckptstore.format.leaves import (
 from ckptstore.format.manifest import Manifest
 from ckptstore.format.tree import describe, flatten
 from ckptstore.protocol import Attempt, Fate, ensure_uncommitted
+from ckptstore.runtime.futures import gather_first_error
 from ckptstore.runtime.gcpause import gc_paused
 from ckptstore.runtime.handoff import Handoff
 
@@ -291,7 +292,6 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
     start = time.perf_counter()
     backend, step, hooks = request.backend, request.step, request.hooks
     handoff = Handoff(f"save/{step}", request.timeout)
-    await ensure_uncommitted(backend, step)
     await hooks.before_attempt(backend, request.items, step, handoff)
     same = await _references(request, handoff)
     await hooks.before_write(backend, request.items, step, handoff, same)
@@ -304,7 +304,14 @@ async def save_prepared(request: SaveRequest) -> SaveResult:
     kept: dict[str, Beside] = {}  # process 0's own records, per item (`checkpoint.writerrecords`)
 
     async def write_mine() -> dict[str, Any]:
-        report = await _write_mine(request, where, same, handoff.me, kept)
+        # A committed step is refused (`AlreadyExistsError`) while the writes run, off a
+        # small save's critical path (a round trip on object storage): an attempt written
+        # in vain is discarded as a failed one is. A manager refused it before staging.
+        got = await gather_first_error(
+            [_write_mine(request, where, same, handoff.me, kept), ensure_uncommitted(backend, step)]
+        )
+        report = got[0]
+        assert isinstance(report, ProcessReport)
         await hooks.after_write(backend, where, request.items, handoff)
         return report.to_json()
 
