@@ -105,10 +105,13 @@ async def test_latest_and_specific_steps(any_backend: Backend) -> None:
 
 
 async def test_saving_a_committed_step_is_refused(any_backend: Backend) -> None:
-    await ckptstore.save(any_backend, {"x": np.arange(3)}, step=2)
+    first = await ckptstore.save(any_backend, {"x": np.arange(3)}, step=2)
     with pytest.raises(ckptstore.AlreadyExistsError):
-        await ckptstore.save(any_backend, {"x": np.arange(4)}, step=2)
+        await ckptstore.save(any_backend, {"x": np.arange(4), "y": np.ones(9)}, step=2)
     np.testing.assert_array_equal((await ckptstore.restore(any_backend))["x"], np.arange(3))
+    # The refusal came while the writes ran: the attempt they wrote is discarded at once.
+    names = {info.key.split("/")[1] async for info in any_backend.list("2")}
+    assert {n for n in names if n.startswith("attempt")} == {first.attempt}
 
 
 async def test_uncommitted_steps_are_invisible_and_replaced(any_backend: Backend) -> None:
