@@ -12,6 +12,8 @@ how long another thread kept it from running Python).
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import sys
 import threading
 import time
@@ -54,75 +56,39 @@ def apply_variant(variant: str) -> Callable[[], None]:
     """Experiments on ckptstore's write path for `profile` ("+"-joined): ``copyN``: TensorStore
     copies and file I/O of the local backend on N threads; ``noevict``: no page-cache
     eviction thread; ``nogc``: no young collection per drained piece; ``keephost``: every
-    drained piece's host copy kept until the undo (no frees while the saves write). Returns
-    the undo; ``serial``: one drained piece moved to the host at a time; ``switch``: the
-    interpreter's switch interval 0.5 ms (5 ms by default)."""
+    drained piece's host copy kept until the undo (no frees while the saves write);
+    ``serial``: one drained piece moved to the host at a time; ``switch``: the interpreter's
+    switch interval 0.5 ms (5 ms by default). Returns the undo."""
     from ckptstore.backends import local
     from ckptstore.lifecycle import devicecopy
 
     undo: list[Callable[[], None]] = []
+
+    def patch(owner: Any, name: str, value: Any) -> Any:
+        """Set ``owner.name`` to ``value`` until the undo; returns what it was."""
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        undo.append(lambda: setattr(owner, name, old))
+        return old
+
+    piece = devicecopy.DrainedPiece
     for part in filter(None, variant.split("+")):
         if part.startswith("copy"):
-            n = int(part[4:])
-            old_ctx = local.LocalBackend._new_ts_context
-
-            def ctx(self: Any, n: int = n) -> Any:
-                import tensorstore as ts
-
-                return ts.Context(
-                    {
-                        "file_io_concurrency": {"limit": n},
-                        "data_copy_concurrency": {"limit": n},
-                        "file_io_sync": self.fsync,
-                    }
-                )
-
-            local.LocalBackend._new_ts_context = ctx  # type: ignore[method-assign]
-            undo.append(lambda old=old_ctx: setattr(local.LocalBackend, "_new_ts_context", old))
+            patch(local.LocalBackend, "_new_ts_context", _limited_context(int(part[4:])))
         elif part == "noevict":
-            old_wb = local.LocalBackend.write_behind
-            local.LocalBackend.write_behind = (  # type: ignore[method-assign]
-                lambda self, prefix: __import__("contextlib").nullcontext()
-            )
-            undo.append(lambda old=old_wb: setattr(local.LocalBackend, "write_behind", old))
+            patch(local.LocalBackend, "write_behind", lambda self, prefix: contextlib.nullcontext())
         elif part == "nogc":
-            old_rd = devicecopy.release_deferred
-            devicecopy.release_deferred = lambda: None
-            undo.append(lambda old=old_rd: setattr(devicecopy, "release_deferred", old))
+            patch(devicecopy, "release_deferred", lambda: None)
         elif part == "switch":
-            old_si = sys.getswitchinterval()
+            old_interval = sys.getswitchinterval()
             sys.setswitchinterval(0.0005)
-            undo.append(lambda old=old_si: sys.setswitchinterval(old))
+            undo.append(functools.partial(sys.setswitchinterval, old_interval))
         elif part == "serial":
-            one = threading.Lock()
-            moving = devicecopy.DrainedPiece.__array__
-
-            def serially(
-                self: Any, *args: Any, moving: Any = moving, one: Any = one, **kw: Any
-            ) -> Any:
-                with one:
-                    return moving(self, *args, **kw)
-
-            devicecopy.DrainedPiece.__array__ = serially  # type: ignore[method-assign]
-            undo.append(lambda old=moving: setattr(devicecopy.DrainedPiece, "__array__", old))
+            patch(piece, "__array__", _serially(piece.__array__, threading.Lock()))
         elif part == "keephost":
             kept: list[Any] = []
-            to_host = devicecopy.DrainedPiece.__array__
-
-            def keeping(
-                self: Any, *args: Any, to_host: Any = to_host, kept: Any = kept, **kw: Any
-            ) -> Any:
-                host = to_host(self, *args, **kw)
-                kept.append(host)
-                return host
-
-            devicecopy.DrainedPiece.__array__ = keeping  # type: ignore[method-assign]
-
-            def unkeep(old: Any = to_host, kept: Any = kept) -> None:
-                devicecopy.DrainedPiece.__array__ = old  # type: ignore[method-assign]
-                kept.clear()
-
-            undo.append(unkeep)
+            patch(piece, "__array__", _keeping(piece.__array__, kept))
+            undo.append(kept.clear)
         else:
             raise ValueError(f"unknown variant {part!r}")
 
@@ -131,6 +97,44 @@ def apply_variant(variant: str) -> Callable[[], None]:
             u()
 
     return run
+
+
+def _limited_context(n: int) -> Callable[[Any], Any]:
+    """`LocalBackend._new_ts_context` with TensorStore's copies and file I/O on ``n`` threads."""
+
+    def context(self: Any) -> Any:
+        import tensorstore as ts
+
+        return ts.Context(
+            {
+                "file_io_concurrency": {"limit": n},
+                "data_copy_concurrency": {"limit": n},
+                "file_io_sync": self.fsync,
+            }
+        )
+
+    return context
+
+
+def _serially(to_host: Callable[..., Any], one: threading.Lock) -> Callable[..., Any]:
+    """``to_host`` (a drained piece's move to the host), one call at a time."""
+
+    def serially(self: Any, *args: Any, **kw: Any) -> Any:
+        with one:
+            return to_host(self, *args, **kw)
+
+    return serially
+
+
+def _keeping(to_host: Callable[..., Any], kept: list[Any]) -> Callable[..., Any]:
+    """``to_host``, its result also appended to ``kept`` (never freed while kept)."""
+
+    def keeping(self: Any, *args: Any, **kw: Any) -> Any:
+        host = to_host(self, *args, **kw)
+        kept.append(host)
+        return host
+
+    return keeping
 
 
 # -- what holds the interpreter lock -----------------------------------------------------
